@@ -1,0 +1,42 @@
+# imagebuild: the commands a newcomer and CI run.
+#   make demo    install, set up the test bed, and run the main job on the built-in example
+#   make test    install, set up the test bed (Docker engine + BuildKit + base images), run the suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: install testbed test unit lint bench demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+# Real parts for the tests: a Docker engine with BuildKit and the containerd store, local
+# base images (no registry), git, rsync, ssh. Idempotent; seconds when all is there.
+testbed:
+	bash scripts/testbed.sh
+
+test: install testbed
+	IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest
+
+# Fast tests that need no engine.
+unit: install
+	$(BIN)/pytest tests/unit
+
+lint: install
+	$(BIN)/ruff check imagebuild tests benchmarks
+
+bench: install testbed
+	$(BIN)/python benchmarks/run.py
+
+demo: install testbed
+	$(BIN)/imagebuild list
+	$(BIN)/imagebuild plan example
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,297 @@
+"""Command line: argument parsing and output only. ``main(argv) -> exit code``.
+
+Conventions (docs/cli.md): data on stdout, progress and logs on stderr, ``--json`` where the
+output is data, documented exit codes, no traceback unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from . import __version__
+from . import definition as defn_mod
+from . import doctor as doctor_mod
+from . import engine as engine_mod
+from . import plan as plan_mod
+from .errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_GATE_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    DefinitionError,
+    ImagebuildError,
+)
+
+log = logging.getLogger("imagebuild")
+
+EPILOG = f"""\
+exit codes:
+  {EXIT_OK}    success
+  {EXIT_FAILED}    an operation failed (docker, git, network, a failed check in doctor)
+  {EXIT_BAD_INPUT}    bad input or configuration (definition errors, bad flags)
+  {EXIT_REFUSED}    refused by a guard rail (serving container running, wrong architecture, lock held)
+  {EXIT_GATE_FAILED}    the image's gate failed
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+
+environment:
+  IMAGEBUILD_ROOT   project root (folder holding docker-images/); default: nearest one above the
+                    current folder
+  NO_COLOR          no colour in output
+
+docs: docs/cli.md, docs/image-definition.md
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # exit 2 with usage, as documented
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="imagebuild",
+        description="Reproducible, offline, staged builds of vLLM serving images for DGX Spark (GB10) "
+        "clusters: definitions -> plan -> prefetch -> build -> gate -> sync.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"imagebuild {__version__}")
+    p.add_argument("--root", metavar="DIR", default=os.environ.get("IMAGEBUILD_ROOT"),
+                   help="project root holding docker-images/ (default: $IMAGEBUILD_ROOT, else the nearest "
+                   "folder at or above the current one that has docker-images/)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (every command run)")
+    p.add_argument("-v", "--verbose", action="store_true", help="more progress on stderr")
+    p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    sp = sub.add_parser("list", help="list the image definitions under docker-images/",
+                        description="List the image definitions under docker-images/ with their platform, "
+                        "stages and whether each one is valid. Reads only.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.list, version 1)")
+    sp.set_defaults(func=cmd_list)
+
+    sp = sub.add_parser("plan", help="show an image's stages, build args, inputs and cache keys",
+                        description="Validate IMAGE's definition and print its build plan: the stages in "
+                        "order, each with its Dockerfile, parent, build args and their values and origins, "
+                        "input files with digests, and a content-addressed cache key. Has no side effects. "
+                        "When a Docker engine answers, also says which stage images already exist.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.plan, version 1)")
+    sp.add_argument("--no-engine", action="store_true",
+                    help="do not ask the Docker engine which stage images exist")
+    sp.set_defaults(func=cmd_plan)
+
+    sp = sub.add_parser("validate", help="check image definitions and report every problem",
+                        description="Check one or all image definitions and report every problem found "
+                        "(file, line or key, what was expected, a hint). Exit 2 if any is invalid.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("images", metavar="IMAGE", nargs="*", help="image names (default: all)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.validate, version 1)")
+    sp.set_defaults(func=cmd_validate)
+
+    sp = sub.add_parser("doctor", help="check this host: engine, BuildKit, image store, disk, memory, tools, "
+                        "peers",
+                        description="Check that this host can build and ship images: Docker engine "
+                        "reachable, buildx and BuildKit versions, containerd image store, free disk and "
+                        "memory, git, rsync, ssh, and each peer reachable with its own engine. Says what to "
+                        "do about each problem. Exit 1 if any check fails (warnings do not fail).",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--peer", action="append", default=[], metavar="HOST",
+                    help="also check this SSH peer (repeatable; user@host works)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.doctor, version 1)")
+    sp.set_defaults(func=cmd_doctor)
+    return p
+
+
+def _setup_logging(args) -> None:
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else \
+        logging.WARNING if args.quiet else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _root(args):
+    return defn_mod.find_root(explicit=args.root)
+
+
+# ------------------------------------------------------------------------------------------------ list
+
+
+def cmd_list(args) -> int:
+    root = _root(args)
+    rows = []
+    for name in defn_mod.list_images(root):
+        try:
+            dfn = defn_mod.load(root, name)
+            rows.append({"name": name, "valid": True, "platform": dfn.platform,
+                         "stages": [s.name for s in dfn.stages], "description": dfn.description,
+                         "unpinned": len(dfn.notices), "problems": 0})
+        except DefinitionError as exc:
+            rows.append({"name": name, "valid": False, "platform": None, "stages": [], "description": None,
+                         "unpinned": 0, "problems": len(exc.problems)})
+    if args.json:
+        _print_json({"schema": "imagebuild.list", "version": 1, "images": rows})
+        return EXIT_OK
+    if not rows:
+        print(f"no image definitions in {defn_mod.display_path(os.getcwd() and root, root / 'docker-images')}")
+        return EXIT_OK
+    w = max(len(r["name"]) for r in rows)
+    for r in rows:
+        if r["valid"]:
+            extra = f", {r['unpinned']} unpinned" if r["unpinned"] else ""
+            print(f"{r['name']:<{w}}  {r['platform']:<12} {len(r['stages'])} stages ({' -> '.join(r['stages'])})"
+                  f"{extra}")
+        else:
+            print(f"{r['name']:<{w}}  INVALID      {r['problems']} problem(s): imagebuild validate {r['name']}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ validate
+
+
+def cmd_validate(args) -> int:
+    root = _root(args)
+    names = args.images or defn_mod.list_images(root)
+    results = []
+    for name in names:
+        try:
+            dfn = defn_mod.load(root, name)
+            results.append({"image": name, "valid": True, "problems": [],
+                            "unpinned": [n.render() for n in dfn.notices]})
+        except DefinitionError as exc:
+            results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
+                            "unpinned": []})
+            if not args.json:
+                print(exc.render(), file=sys.stderr)
+    if args.json:
+        _print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
+    else:
+        for r in results:
+            if r["valid"]:
+                print(f"{r['image']}: ok" + (f" ({len(r['unpinned'])} unpinned)" if r["unpinned"] else ""))
+                for u in r["unpinned"]:
+                    print(f"  unpinned: {u}")
+    return EXIT_OK if all(r["valid"] for r in results) else EXIT_BAD_INPUT
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+def cmd_plan(args) -> int:
+    root = _root(args)
+    dfn = defn_mod.load(root, args.image)
+    exists = None
+    engine_info = None
+    if not args.no_engine:
+        info = engine_mod.probe()
+        engine_info = info.as_dict()
+        if info.reachable:
+            tags = engine_mod.existing_tags(f"imagebuild/{dfn.name}")
+            exists = lambda ref: ref in tags  # noqa: E731
+        else:
+            log.info("no Docker engine reachable (%s): stage existence unknown", info.detail)
+    plan = plan_mod.make_plan(dfn, exists=exists, engine=engine_info)
+    if args.json:
+        _print_json(plan.as_dict())
+        return EXIT_OK
+    _print_plan(plan)
+    return EXIT_OK
+
+
+def _print_plan(plan: plan_mod.Plan) -> None:
+    print(f"image     {plan.image}")
+    print(f"platform  {plan.platform}")
+    print(f"build id  {plan.build_id}  (from {plan.build_id_from})")
+    for i, s in enumerate(plan.stages, start=1):
+        exists = {True: "exists", False: "to build", None: "unknown (no engine)"}[s.exists]
+        print(f"\n{i}. {s.name}  [{exists}]")
+        print(f"   image       {s.image}")
+        print(f"   key         {s.key}")
+        print(f"   dockerfile  {s.dockerfile}")
+        print(f"   from        {s.parent} ({s.parent_kind}) = {s.parent_ref}")
+        if s.uses_stages:
+            print(f"   uses        {', '.join(s.uses_stages)}")
+        for a in s.args:
+            print(f"   arg         {a.name}={a.value}  ({a.origin})")
+        for inp in s.inputs:
+            print(f"   input       {inp.path} -> {inp.context_path}  sha256:{inp.sha256[:16]}  ({inp.kind})")
+        for src in s.sources:
+            print(f"   source      {src}")
+        if s.network:
+            print("   network     NEEDS NETWORK (declared 'network: true')")
+    if plan.unpinned:
+        print("\nunpinned (imagebuild prefetch resolves these):")
+        for n in plan.unpinned:
+            print(f"  {n.render()}")
+
+
+# ------------------------------------------------------------------------------------------------ doctor
+
+
+def cmd_doctor(args) -> int:
+    root = None
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        pass
+    checks = doctor_mod.run_checks(root=root, peers=args.peer)
+    if args.json:
+        _print_json({"schema": "imagebuild.doctor", "version": 1, "checks": [c.as_dict() for c in checks]})
+    else:
+        w = max(len(c.name) for c in checks)
+        for c in checks:
+            print(f"{c.status.upper():<4}  {c.name:<{w}}  {c.detail}")
+            if c.fix and c.status != "ok":
+                print(f"{'':<4}  {'':<{w}}  -> {c.fix}")
+    return EXIT_FAILED if any(c.status == "fail" for c in checks) else EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args)
+    try:
+        return args.func(args)
+    except ImagebuildError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as exc:  # a bug: say so plainly, with the traceback behind --debug
+        if args.debug:
+            traceback.print_exc()
+        print(f"internal error: {type(exc).__name__}: {exc}\n  (rerun with --debug for the traceback; "
+              "please report it)", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+__all__ = ["main", "entry", "build_parser", "EXIT_REFUSED", "EXIT_GATE_FAILED", "EXIT_FAILED"]

@@ -1,0 +1,187 @@
+"""Strict reader and in-place writer for ``versions.env``.
+
+The file must be valid for ``source`` in bash *and* mean the same thing without a shell: no
+expansion, no command substitution, no escapes. Accepted lines:
+
+    # a comment
+    KEY=value            # unquoted: no whitespace, quotes, $ ` \\ ; & | < > ( )
+    KEY="two words"      # double quotes: no $ ` \\ " inside
+    KEY='anything but a single quote'
+    KEY=                 # empty value
+
+Anything else is a problem reported with file and line; all problems are collected.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import DefinitionError, Problem
+from .fsutil import atomic_write_text
+
+KEY_RE = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
+_UNQUOTED_BAD = set(" \t\"'$`\\;&|<>(){}*?[]~")
+_DQ_BAD = set('$`\\"')
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    value: str
+    line: int
+
+
+@dataclass
+class EnvFile:
+    path: Path
+    display: str  # how errors name the file (relative to the project root)
+    entries: dict[str, Entry] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    broken: set[str] = field(default_factory=set)  # keys whose line had a problem
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        e = self.entries.get(key)
+        return e.value if e else default
+
+    def line_of(self, key: str) -> int | None:
+        e = self.entries.get(key)
+        return e.line if e else None
+
+    def values(self) -> dict[str, str]:
+        return {k: e.value for k, e in self.entries.items()}
+
+    def with_updates(self, updates: dict[str, str]) -> str:
+        """The file's text with ``updates`` applied in place (comments, order and layout kept).
+
+        Keys not present are appended at the end. Values are validated and quoted as needed.
+        """
+        new_lines = list(self.lines)
+        for key, value in updates.items():
+            rendered = f"{key}={quote(value)}"
+            entry = self.entries.get(key)
+            if entry is None:
+                if new_lines and new_lines[-1].strip():
+                    new_lines.append("")
+                new_lines.append(rendered)
+                continue
+            old = new_lines[entry.line - 1]
+            comment = _trailing_comment(old)
+            new_lines[entry.line - 1] = rendered + (f"  {comment}" if comment else "")
+        return "\n".join(new_lines) + "\n"
+
+    def update(self, updates: dict[str, str]) -> None:
+        """Rewrite the file atomically with ``updates`` applied in place."""
+        atomic_write_text(self.path, self.with_updates(updates))
+
+
+def quote(value: str) -> str:
+    """Render a value so that bash and this parser read the same string."""
+    if value and not (set(value) & _UNQUOTED_BAD) and "#" not in value[:1]:
+        return value
+    if not (set(value) & _DQ_BAD) and "\n" not in value:
+        return f'"{value}"'
+    if "'" not in value and "\n" not in value:
+        return f"'{value}'"
+    raise ValueError(f"value cannot be written safely to versions.env: {value!r}")
+
+
+def _trailing_comment(line: str) -> str | None:
+    try:
+        _, _, rest = _split_value(line.split("=", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    rest = rest.strip()
+    return rest if rest.startswith("#") else None
+
+
+def _split_value(raw: str) -> tuple[str, str, str]:
+    """Split the text after ``=`` into (value, quoting, rest). Raises ValueError with a reason."""
+    if raw.startswith('"'):
+        end = raw.find('"', 1)
+        if end < 0:
+            raise ValueError('unterminated double quote (expected a closing ")')
+        value = raw[1:end]
+        bad = sorted(set(value) & _DQ_BAD)
+        if bad:
+            raise ValueError(
+                f"character(s) {' '.join(bad)} inside double quotes would be expanded by bash; "
+                "use single quotes or remove them"
+            )
+        return value, '"', raw[end + 1 :]
+    if raw.startswith("'"):
+        end = raw.find("'", 1)
+        if end < 0:
+            raise ValueError("unterminated single quote (expected a closing ')")
+        return raw[1:end], "'", raw[end + 1 :]
+    m = re.match(r"[^\s]*", raw)
+    value = m.group(0) if m else ""
+    bad = sorted(set(value) & _UNQUOTED_BAD)
+    if bad:
+        raise ValueError(
+            f"unquoted value contains {' '.join(repr(c) for c in bad)}, which bash would interpret; "
+            "quote the value (\"...\") or remove them"
+        )
+    return value, "", raw[len(value) :]
+
+
+def parse_text(text: str, path: Path, display: str, problems: list[Problem]) -> EnvFile:
+    """Parse ``text``; append every problem found to ``problems``."""
+    env = EnvFile(path=path, display=display, lines=text.splitlines())
+    for lineno, line in enumerate(env.lines, start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if "=" not in line:
+            problems.append(Problem(display, f"expected KEY=VALUE, got {stripped[:60]!r}", line=lineno,
+                                    hint="every non-comment line assigns one pin, e.g. VLLM_REF=<40-hex sha>"))
+            continue
+        key, raw = line.split("=", 1)
+        if key != key.strip() or raw[:1].isspace():
+            problems.append(Problem(display, "spaces around '=' are not valid in bash", line=lineno,
+                                    key=key.strip(), hint="write KEY=VALUE with nothing around '='"))
+            continue
+        if key.startswith("export "):
+            problems.append(Problem(display, "'export' is not allowed; versions.env holds plain assignments",
+                                    line=lineno, key=key[7:].strip()))
+            continue
+        if not KEY_RE.match(key):
+            problems.append(Problem(display, f"invalid key {key!r} (expected UPPER_CASE letters, digits, _)",
+                                    line=lineno, key=key))
+            continue
+        try:
+            value, _, rest = _split_value(raw)
+        except ValueError as exc:
+            problems.append(Problem(display, str(exc), line=lineno, key=key))
+            env.broken.add(key)
+            continue
+        rest_stripped = rest.strip()
+        if rest_stripped and not (rest[:1].isspace() and rest_stripped.startswith("#")):
+            env.broken.add(key)
+            problems.append(Problem(display, f"unexpected text after the value: {rest_stripped[:40]!r}",
+                                    line=lineno, key=key,
+                                    hint="quote values that contain spaces; comments need a space before '#'"))
+            continue
+        if key in env.entries:
+            first = env.entries[key].line
+            problems.append(Problem(display, f"duplicate key (first set on line {first})", line=lineno, key=key,
+                                    hint="every pin is set exactly once"))
+            continue
+        env.entries[key] = Entry(key, value, lineno)
+    return env
+
+
+def load(path: Path, display: str) -> EnvFile:
+    """Read and parse ``path``; raise DefinitionError listing every problem."""
+    problems: list[Problem] = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DefinitionError([Problem(display, "not valid UTF-8 text")]) from None
+    except OSError as exc:
+        raise DefinitionError([Problem(display, f"cannot read: {exc.strerror}")]) from None
+    env = parse_text(text, path, display, problems)
+    if problems:
+        raise DefinitionError(problems)
+    return env

@@ -1,0 +1,55 @@
+"""The one place where imagebuild starts subprocesses.
+
+Every command is logged as ``+ cmd`` (at debug level) and, when it fails, raises
+``CommandFailed`` carrying the command, its exit code and the tail of its output. Secrets are
+never put on a command line here: pass them through ``env`` (values are not logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .errors import CommandFailed, OperationFailed
+
+log = logging.getLogger("imagebuild")
+
+
+def which(name: str) -> str | None:
+    return shutil.which(name)
+
+
+def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeout: float | None = None,
+        env: Mapping[str, str] | None = None, cwd: Path | str | None = None, input: bytes | None = None,
+        hint: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``argv``; with ``capture`` stdout and stderr are returned (combined in ``.stdout``)."""
+    argv = [str(a) for a in argv]
+    log.debug("+ %s", shlex.join(argv))
+    full_env = None
+    if env is not None:
+        full_env = dict(os.environ)
+        full_env.update(env)
+    try:
+        proc = subprocess.run(
+            argv, cwd=cwd, env=full_env, input=input, timeout=timeout,
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.STDOUT if capture else None,
+        )
+    except FileNotFoundError:
+        raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
+    except subprocess.TimeoutExpired:
+        raise OperationFailed(f"command timed out after {timeout:g} s: {shlex.join(argv)}", hint=hint) from None
+    if check and proc.returncode != 0:
+        out = proc.stdout.decode("utf-8", "replace") if capture and proc.stdout else ""
+        raise CommandFailed(argv, proc.returncode, out, hint=hint)
+    return proc
+
+
+def output(argv: Sequence[str], **kw) -> str:
+    """Run ``argv`` and return its (decoded, stripped) output."""
+    return run(argv, **kw).stdout.decode("utf-8", "replace").strip()

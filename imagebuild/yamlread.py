@@ -1,0 +1,73 @@
+"""YAML read with line numbers, so definition errors can name the line.
+
+``load(text)`` returns a tree of ``Node`` objects: ``.value`` is a dict (str -> Node), a list of
+Node, or a scalar (str, int, float, bool, None); ``.line`` is the 1-based line of the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class Node:
+    value: Any
+    line: int
+    key_lines: dict[str, int] | None = None  # for mappings: key -> line of the key
+
+    def plain(self) -> Any:
+        if isinstance(self.value, dict):
+            return {k: v.plain() for k, v in self.value.items()}
+        if isinstance(self.value, list):
+            return [v.plain() for v in self.value]
+        return self.value
+
+
+class YamlError(ValueError):
+    def __init__(self, message: str, line: int | None):
+        super().__init__(message)
+        self.line = line
+
+
+def load(text: str) -> Node | None:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise YamlError(f"invalid YAML: {problem}", mark.line + 1 if mark else None) from None
+    if root is None:
+        return None
+    return _convert(root)
+
+
+def _convert(node: yaml.Node) -> Node:
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Node] = {}
+        key_lines: dict[str, int] = {}
+        for k, v in node.value:
+            key = _scalar(k)
+            if not isinstance(key, str):
+                raise YamlError(f"mapping keys must be strings, got {key!r}", k.start_mark.line + 1)
+            if key in out:
+                raise YamlError(f"duplicate key {key!r}", k.start_mark.line + 1)
+            out[key] = _convert(v)
+            key_lines[key] = k.start_mark.line + 1
+        return Node(out, line, key_lines)
+    if isinstance(node, yaml.SequenceNode):
+        return Node([_convert(v) for v in node.value], line)
+    return Node(_scalar(node), line)
+
+
+def _scalar(node: yaml.Node) -> Any:
+    if not isinstance(node, yaml.ScalarNode):
+        raise YamlError("expected a plain value here", node.start_mark.line + 1)
+    return yaml.SafeLoader.construct_scalar(_CONSTRUCTOR, node) if node.tag.endswith(":str") else \
+        _CONSTRUCTOR.construct_object(node)
+
+
+_CONSTRUCTOR = yaml.SafeLoader("")

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Make sure the real parts the test suite needs are here, then exit 0.
+#
+#   scripts/testbed.sh            engine + base images (idempotent; fast when all is there)
+#   scripts/testbed.sh --check    only report what is missing (exit 1 if anything is)
+#
+# What it provides (recipe: ../shared/ENVIRONMENT.md, sections 1-2):
+#   - a Docker engine with BuildKit (buildx) and the containerd image store;
+#     on a machine where an engine already answers `docker info`, that engine is used as is;
+#   - git, rsync, ssh, debootstrap, busybox;
+#   - local base images imported without any registry:
+#       imagebuild-test/debian:bookworm   (debootstrap minbase + python3, cmake, g++, make)
+#       imagebuild-test/busybox:1         (busybox-static, ~2 MB)
+#     their root-fs tarballs are cached under $IMAGEBUILD_TESTBED_CACHE (default
+#     ~/.cache/imagebuild-testbed) so a second run takes seconds.
+set -euo pipefail
+
+CACHE=${IMAGEBUILD_TESTBED_CACHE:-$HOME/.cache/imagebuild-testbed}
+DEBIAN_IMAGE=imagebuild-test/debian:bookworm
+BUSYBOX_IMAGE=imagebuild-test/busybox:1
+DEBIAN_PKGS=python3,cmake,g++,make,git
+LOG=${IMAGEBUILD_TESTBED_LOG:-/var/log/imagebuild-dockerd.log}
+check_only=0
+[ "${1:-}" = "--check" ] && check_only=1
+
+say() { echo "testbed: $*" >&2; }
+die() { echo "testbed: error: $*" >&2; exit 1; }
+
+have() { command -v "$1" >/dev/null 2>&1; }
+engine_up() { docker info >/dev/null 2>&1; }
+buildx_ok() { docker buildx version >/dev/null 2>&1; }
+
+apt_updated=0
+apt_install() {
+  [ "$(id -u)" = 0 ] || die "need root to install: $*  (install them yourself, then re-run)"
+  have apt-get || die "no apt-get: install $* with your package manager, then re-run"
+  if [ $apt_updated = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2; apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2
+}
+
+ensure_tools() {
+  local missing=()
+  have git || missing+=(git)
+  have rsync || missing+=(rsync)
+  have ssh || missing+=(openssh-client)
+  have sshd || [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  have debootstrap || [ -x /usr/sbin/debootstrap ] || missing+=(debootstrap)
+  [ -x /bin/busybox ] || missing+=(busybox-static)
+  have ip || missing+=(iproute2)
+  if [ ${#missing[@]} -gt 0 ]; then
+    [ $check_only = 1 ] && { say "missing tools: ${missing[*]}"; return 1; }
+    say "installing ${missing[*]}"
+    apt_install "${missing[@]}"
+  fi
+}
+
+# Debian 13's engine (26.x, BuildKit 0.13) and buildx on top of bookworm's containerd/runc.
+install_engine() {
+  say "installing a Docker engine (bookworm docker.io, then trixie's engine + buildx)"
+  apt_install docker.io
+  local t=/tmp/imagebuild-trixie
+  mkdir -p "$t/lists/partial" "$t/debs"
+  echo "deb http://deb.debian.org/debian trixie main" > "$t/sources.list"
+  local o=(-o Dir::Etc::SourceList="$t/sources.list" -o Dir::Etc::SourceParts=/dev/null -o Dir::State::Lists="$t/lists")
+  apt-get "${o[@]}" update -qq >&2
+  (cd "$t/debs" && apt-get "${o[@]}" download docker.io docker-cli docker-buildx >&2)
+  dpkg -i "$t"/debs/docker.io_*.deb "$t"/debs/docker-cli_*.deb >&2
+  rm -rf "$t/bx" && dpkg -x "$t"/debs/docker-buildx_*.deb "$t/bx"
+  mkdir -p /usr/local/lib/docker/cli-plugins
+  cp "$t/bx/usr/libexec/docker/cli-plugins/docker-buildx" /usr/local/lib/docker/cli-plugins/
+}
+
+start_engine() {
+  mkdir -p /etc/docker
+  if [ ! -f /etc/docker/daemon.json ] || ! grep -q containerd-snapshotter /etc/docker/daemon.json; then
+    echo '{"features":{"containerd-snapshotter":true}}' > /etc/docker/daemon.json
+  fi
+  say "starting dockerd (log: $LOG)"
+  # setsid: the engine outlives this script and make's process group.
+  setsid dockerd >"$LOG" 2>&1 < /dev/null &
+  for _ in $(seq 1 60); do
+    engine_up && return 0
+    sleep 1
+  done
+  tail -n 30 "$LOG" >&2 || true
+  die "dockerd did not answer within 60 s (log: $LOG)"
+}
+
+ensure_engine() {
+  if engine_up; then
+    buildx_ok || { [ $check_only = 1 ] && { say "engine up but no buildx"; return 1; }; install_engine; }
+    return 0
+  fi
+  [ $check_only = 1 ] && { say "no Docker engine answers 'docker info'"; return 1; }
+  if ! have dockerd || ! buildx_ok || ! dockerd --version | grep -qE 'version (2[6-9]|[3-9][0-9])'; then
+    install_engine
+  fi
+  start_engine
+  buildx_ok || die "docker buildx is not available after install"
+}
+
+import_debian() {
+  docker image inspect "$DEBIAN_IMAGE" >/dev/null 2>&1 && return 0
+  [ $check_only = 1 ] && { say "missing base image $DEBIAN_IMAGE"; return 1; }
+  mkdir -p "$CACHE"
+  local tarball="$CACHE/debian-bookworm-minbase.tar"
+  if [ ! -s "$tarball" ]; then
+    local root; root=$(mktemp -d "$CACHE/rootfs.XXXXXX")
+    say "debootstrap bookworm minbase with $DEBIAN_PKGS (a few minutes, once)"
+    debootstrap --variant=minbase --include="$DEBIAN_PKGS" bookworm "$root" http://deb.debian.org/debian >&2 \
+      || { rm -rf "$root"; die "debootstrap failed"; }
+    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+    tar -C "$root" --sort=name --numeric-owner -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
+    rm -rf "$root"
+  fi
+  say "importing $DEBIAN_IMAGE"
+  docker import -c 'CMD ["bash"]' "$tarball" "$DEBIAN_IMAGE" >/dev/null
+}
+
+import_busybox() {
+  docker image inspect "$BUSYBOX_IMAGE" >/dev/null 2>&1 && return 0
+  [ $check_only = 1 ] && { say "missing base image $BUSYBOX_IMAGE"; return 1; }
+  local root; root=$(mktemp -d)
+  mkdir -p "$root/bin" "$root/tmp" "$root/etc"
+  cp /bin/busybox "$root/bin/busybox"
+  for a in $("$root/bin/busybox" --list); do [ "$a" = busybox ] || ln -sf busybox "$root/bin/$a"; done
+  echo 'root:x:0:0:root:/root:/bin/sh' > "$root/etc/passwd"
+  say "importing $BUSYBOX_IMAGE"
+  tar -C "$root" --sort=name --numeric-owner --mtime=@0 -c . | docker import -c 'CMD ["sh"]' - "$BUSYBOX_IMAGE" >/dev/null
+  rm -rf "$root"
+}
+
+rc=0
+ensure_tools || rc=1
+ensure_engine || rc=1
+if engine_up; then
+  import_busybox || rc=1
+  import_debian || rc=1
+fi
+[ $rc = 0 ] && say "ready: $(docker version --format 'engine {{.Server.Version}}'), $(docker buildx version | cut -d' ' -f1-2), store: $(docker info --format '{{.Driver}}')"
+exit $rc

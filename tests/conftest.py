@@ -1,0 +1,95 @@
+"""Shared fixtures.
+
+Tests that need a Docker engine use the ``engine`` fixture. When no engine answers they are
+skipped on a developer's laptop, but FAIL when IMAGEBUILD_REQUIRE_ENGINE=1 (set by `make test`
+after scripts/testbed.sh made sure an engine runs) or in CI (CI=true): a missing engine must
+never pass silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from imagebuild import cli, engine
+
+FIXTURES = Path(__file__).parent / "fixtures"
+BUSYBOX = "imagebuild-test/busybox:1"
+DEBIAN = "imagebuild-test/debian:bookworm"
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def run_cli(*argv: str) -> Result:
+    """Run the CLI in-process (main(argv) -> exit code), capturing stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:  # argparse's --help / usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A private copy of the test project (tests/fixtures/project)."""
+    dst = tmp_path / "project"
+    shutil.copytree(FIXTURES / "project", dst, symlinks=True)
+    return dst
+
+
+def tree_state(root: Path) -> dict[str, str]:
+    """Every file under root with its content digest: to prove a command wrote nothing."""
+    state = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            state[str(p.relative_to(root))] = "L:" + os.readlink(p)
+        elif p.is_file():
+            try:
+                state[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+            except PermissionError:
+                state[str(p.relative_to(root))] = "unreadable"
+        elif p.is_dir():
+            state[str(p.relative_to(root)) + "/"] = "dir"
+    return state
+
+
+def _engine_required() -> bool:
+    return os.environ.get("IMAGEBUILD_REQUIRE_ENGINE") == "1" or os.environ.get("CI") == "true"
+
+
+@pytest.fixture(scope="session")
+def engine_info():
+    info = engine.probe()
+    if not info.reachable:
+        msg = f"no Docker engine: {info.detail} (run scripts/testbed.sh, or `make test`)"
+        if _engine_required():
+            pytest.fail(msg + " -- an engine is required here (IMAGEBUILD_REQUIRE_ENGINE=1 or CI)")
+        pytest.skip(msg)
+    for base in (BUSYBOX,):
+        r = subprocess.run(["docker", "image", "inspect", base], capture_output=True)
+        if r.returncode != 0:
+            msg = f"base image {base} missing (scripts/testbed.sh imports it)"
+            if _engine_required():
+                pytest.fail(msg)
+            pytest.skip(msg)
+    return info
+
+
+@pytest.fixture
+def engine_ready(engine_info):
+    return engine_info

@@ -1,0 +1,110 @@
+"""plan against a real Docker engine (BuildKit, containerd store) and the real CLI process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from imagebuild import definition, engine, plan
+from tests.conftest import BUSYBOX, run_cli
+
+pytestmark = pytest.mark.engine
+
+IMG = "docker-images/tiny"
+
+
+def _buildx(project, stage, p):
+    st = p.stage(stage)
+    args = []
+    for k, v in st.build_args().items():
+        args += ["--build-arg", f"{k}={v}"]
+    ctx = project / IMG
+    subprocess.run(["docker", "buildx", "build", "--network", "none", "--load", "-q", *args,
+                    "-f", str(ctx / f"Dockerfile.{stage}"), "-t", st.image, str(ctx)],
+                   check=True, capture_output=True)
+
+
+def test_engine_is_buildkit_with_containerd_store(engine_ready):
+    assert engine_ready.containerd_store, engine_ready
+    out = subprocess.run(["docker", "buildx", "version"], capture_output=True, text=True, check=True).stdout
+    assert "buildx" in out
+
+
+def test_plan_reports_existing_stage_images(project, engine_ready):
+    p = plan.make_plan(definition.load(project, "tiny"))
+    assert p.stage("base").build_args()["PARENT"] == BUSYBOX
+    _buildx(project, "base", p)
+    try:
+        res = run_cli("--root", str(project), "plan", "tiny", "--json")
+        assert res.code == 0, res.err
+        data = json.loads(res.out)
+        assert data["engine"]["reachable"] is True
+        assert [s["exists"] for s in data["stages"]] == [True, False, False, False]
+        text = run_cli("--root", str(project), "plan", "tiny")
+        assert "1. base  [exists]" in text.out and "2. tools  [to build]" in text.out
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", p.stage("base").image], capture_output=True)
+
+
+def test_plan_creates_nothing_in_the_engine(project, engine_ready):
+    before = subprocess.run(["docker", "image", "ls", "-q", "--no-trunc"], capture_output=True, text=True).stdout
+    assert run_cli("--root", str(project), "plan", "tiny").code == 0
+    after = subprocess.run(["docker", "image", "ls", "-q", "--no-trunc"], capture_output=True, text=True).stdout
+    assert before == after
+
+
+def test_plan_works_without_an_engine(project, monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    res = run_cli("--root", str(project), "plan", "tiny", "--json")
+    assert res.code == 0, res.err
+    data = json.loads(res.out)
+    assert data["engine"]["reachable"] is False
+    assert all(s["exists"] is None for s in data["stages"])
+    assert "no Docker engine reachable" in res.err
+
+
+def test_real_process_stdout_is_data_stderr_is_logs(project, engine_ready):
+    r = subprocess.run([sys.executable, "-m", "imagebuild", "--root", str(project), "plan", "tiny", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0
+    json.loads(r.stdout)
+    bad = subprocess.run([sys.executable, "-m", "imagebuild", "--root", str(project), "plan", "../x"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stdout == "" and "invalid image name" in bad.stderr
+
+
+def test_example_definition_plans(engine_ready):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = run_cli("--root", str(root), "plan", "example", "--json")
+    assert res.code == 0, res.err
+    assert [s["name"] for s in json.loads(res.out)["stages"]] == ["toolchain", "app", "runner"]
+
+
+def test_doctor_on_this_host(engine_ready):
+    res = run_cli("doctor", "--json")
+    data = json.loads(res.out)
+    by = {c["name"]: c for c in data["checks"]}
+    assert by["engine"]["status"] == "ok"
+    assert by["image store"]["status"] == "ok"
+    assert by["buildx"]["status"] == "ok"
+    assert by["git"]["status"] == "ok"
+    assert res.code == (1 if any(c["status"] == "fail" for c in data["checks"]) else 0)
+
+
+def test_doctor_unreachable_peer_fails_with_advice(engine_ready):
+    res = run_cli("doctor", "--peer", "root@127.0.0.1")
+    assert res.code == 1
+    assert "peer root@127.0.0.1" in res.out and "->" in res.out
+
+
+def test_doctor_without_engine_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    res = run_cli("doctor")
+    assert res.code == 1
+    assert "FAIL  engine" in res.out and "start dockerd" in res.out
+    assert engine.probe().reachable is False
