@@ -23,7 +23,8 @@ from .fsutil import canonical_json, sha256_bytes, sha256_tree
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 1
 KEY_VERSION = 1
-LOCK_FILE = "lock.json"
+from .lock import LOCK_FILE  # noqa: E402  (the lock's hash is the build id)
+
 STAGE_TAG_KEY_LEN = 16
 
 
