@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 from . import definition as d
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
+from .lock import LOCK_FILE  # the lock's hash is the build id
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 1
 KEY_VERSION = 1
-from .lock import LOCK_FILE  # noqa: E402  (the lock's hash is the build id)
 
 STAGE_TAG_KEY_LEN = 16
 
