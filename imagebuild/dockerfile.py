@@ -94,7 +94,7 @@ def parse(text: str) -> Dockerfile:
         start = i
         parts = [stripped]
         while parts[-1].endswith("\\") and i + 1 < len(lines):
-            parts[-1] = parts[-1][:-1]
+            parts[-1] = parts[-1][:-1].rstrip()
             i += 1
             nxt = lines[i].strip()
             if nxt.startswith("#") or not nxt:
