@@ -50,9 +50,12 @@ def test_plan_reports_existing_stage_images(project, engine_ready):
 
 
 def test_plan_creates_nothing_in_the_engine(project, engine_ready):
-    before = subprocess.run(["docker", "image", "ls", "-q", "--no-trunc"], capture_output=True, text=True).stdout
+    # only this definition's repository: other processes may use the shared engine meanwhile
+    ls = ["docker", "image", "ls", "-a", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}",
+          "imagebuild/tiny"]
+    before = subprocess.run(ls, capture_output=True, text=True, check=True).stdout
     assert run_cli("--root", str(project), "plan", "tiny").code == 0
-    after = subprocess.run(["docker", "image", "ls", "-q", "--no-trunc"], capture_output=True, text=True).stdout
+    after = subprocess.run(ls, capture_output=True, text=True, check=True).stdout
     assert before == after
 
 
