@@ -11,9 +11,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import config as config_mod
 from . import engine as engine_mod
 from . import run as run_mod
 from .errors import OperationFailed
+from .remote import ssh_argv
 
 GIB = 1 << 30
 # Real images need ~40 GB of build cache and layers; a stage build fails late when the disk fills.
@@ -146,10 +148,9 @@ def check_tool(name: str, version_args: list[str], fix: str) -> Check:
 
 
 def check_peer(host: str) -> list[Check]:
-    ssh = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host]
     try:
-        proc = run_mod.run([*ssh, "docker", "version", "--format", "{{.Server.Version}}"], check=False,
-                           timeout=20)
+        proc = run_mod.run(ssh_argv(host, "docker", "version", "--format", "'{{.Server.Version}}'"),
+                           check=False, timeout=20)
     except OperationFailed as exc:
         return [Check(f"peer {host}", "fail", exc.message, "check the host name and that sshd runs there")]
     text = proc.stdout.decode("utf-8", "replace").strip()
@@ -161,7 +162,7 @@ def check_peer(host: str) -> list[Check]:
                       f"{text.splitlines()[-1] if text else proc.returncode}",
                       f"start dockerd on {host}, or set DOCKER_HOST for the ssh user there")]
     out = [Check(f"peer {host}", "ok", f"ssh ok, Docker {text.splitlines()[-1]}")]
-    rs = run_mod.run([*ssh, "rsync", "--version"], check=False, timeout=20)
+    rs = run_mod.run(ssh_argv(host, "rsync", "--version"), check=False, timeout=20)
     if rs.returncode != 0:
         out.append(Check(f"peer {host} rsync", "fail", "rsync not found on the peer",
                          f"install rsync on {host} (apt-get install rsync)"))
@@ -182,6 +183,7 @@ def run_checks(root: Path | None, peers: list[str]) -> list[Check]:
     checks.append(check_tool("git", ["--version"], "install git (apt-get install git)"))
     checks.append(check_tool("rsync", ["--version"], "install rsync (apt-get install rsync)"))
     checks.append(check_tool("ssh", ["-V"], "install an SSH client (apt-get install openssh-client)"))
-    for host in peers:
+    configured = list(config_mod.load(root).peers) if root else []
+    for host in dict.fromkeys([*configured, *peers]):
         checks += check_peer(host)
     return checks

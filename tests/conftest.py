@@ -93,3 +93,38 @@ def engine_info():
 @pytest.fixture
 def engine_ready(engine_info):
     return engine_info
+
+
+@dataclass
+class Peer:
+    addr: str
+    ssh_config: str
+    docker_host: str
+    ssh_env: str  # value for IMAGEBUILD_SSH
+
+    def docker(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        """Run docker against the peer's own engine (directly, not over ssh)."""
+        env = {**os.environ, "DOCKER_HOST": self.docker_host}
+        return subprocess.run(["docker", *args], env=env, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def peer(tmp_path_factory):
+    """A real peer node: own network namespace (10.77.0.2), sshd, own Docker engine (scripts/peer.sh).
+
+    One per test session; stopped by pid at the end.
+    """
+    script = Path(__file__).resolve().parents[1] / "scripts" / "peer.sh"
+    d = tmp_path_factory.mktemp("peer")
+    r = subprocess.run(["bash", str(script), "up", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        msg = f"could not start the test peer: {r.stderr.strip()[-500:]}"
+        if _engine_required():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    vals = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    try:
+        yield Peer(vals["PEER_ADDR"], vals["PEER_SSH_CONFIG"], vals["PEER_DOCKER_HOST"],
+                   vals["IMAGEBUILD_SSH"].strip("'"))
+    finally:
+        subprocess.run(["bash", str(script), "down", str(d)], capture_output=True)

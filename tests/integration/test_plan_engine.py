@@ -111,3 +111,26 @@ def test_doctor_without_engine_says_what_to_do(monkeypatch):
     assert res.code == 1
     assert "FAIL  engine" in res.out and "start dockerd" in res.out
     assert engine.probe().reachable is False
+
+
+def test_doctor_checks_a_real_peer(engine_ready, peer, monkeypatch, tmp_path):
+    monkeypatch.setenv("IMAGEBUILD_SSH", peer.ssh_env)
+    root = tmp_path / "proj"
+    (root / "docker-images").mkdir(parents=True)
+    (root / "imagebuild.yaml").write_text(f"peers: [{peer.addr}]\n")
+    res = run_cli("--root", str(root), "doctor", "--json")
+    by = {c["name"]: c for c in json.loads(res.out)["checks"]}
+    assert by[f"peer {peer.addr}"]["status"] == "ok", by
+    assert "Docker 26" in by[f"peer {peer.addr}"]["detail"] or "Docker" in by[f"peer {peer.addr}"]["detail"]
+    assert by[f"peer {peer.addr} rsync"]["status"] == "ok"
+    # the peer's engine is its own: the host's base image is not there
+    assert peer.docker("image", "inspect", "imagebuild-test/busybox:1").returncode != 0
+
+
+def test_project_config_errors_name_the_line(tmp_path):
+    root = tmp_path / "proj"
+    (root / "docker-images").mkdir(parents=True)
+    (root / "imagebuild.yaml").write_text("peers: [dgx4]\npeerz: []\n")
+    res = run_cli("--root", str(root), "doctor")
+    assert res.code == 2
+    assert "imagebuild.yaml:2: peerz: unknown key" in res.err and "did you mean 'peers'" in res.err

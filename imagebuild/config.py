@@ -1,0 +1,61 @@
+"""Project settings: ``<root>/imagebuild.yaml`` (optional). Pins never live here (versions.env).
+
+    peers: [dgx4]          # nodes that `doctor` checks and `sync` copies images to
+
+Unknown keys are errors with file, line and a suggestion, like every definition file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import yamlread
+from .errors import DefinitionError, Problem
+
+CONFIG_FILE = "imagebuild.yaml"
+KEYS = ("peers",)
+
+
+@dataclass(frozen=True)
+class ProjectConfig:
+    peers: tuple[str, ...] = ()
+    path: Path | None = None
+
+
+def load(root: Path | None) -> ProjectConfig:
+    if root is None:
+        return ProjectConfig()
+    path = Path(root) / CONFIG_FILE
+    if not path.is_file():
+        return ProjectConfig()
+    shown = CONFIG_FILE
+    try:
+        node = yamlread.load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DefinitionError([Problem(shown, f"cannot read: {exc}")]) from None
+    except yamlread.YamlError as exc:
+        raise DefinitionError([Problem(shown, str(exc), line=exc.line)]) from None
+    if node is None:
+        return ProjectConfig(path=path)
+    if not isinstance(node.value, dict):
+        raise DefinitionError([Problem(shown, "expected a mapping (e.g. 'peers: [dgx4]')", line=node.line)])
+    problems = []
+    for key, line in (node.key_lines or {}).items():
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            problems.append(Problem(shown, f"unknown key {key!r}", line=line, key=key,
+                                    hint=f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(KEYS)}"))
+    peers: list[str] = []
+    if "peers" in node.value:
+        pn = node.value["peers"]
+        if not isinstance(pn.value, list) or not all(isinstance(p.value, str) and p.value.strip()
+                                                      and " " not in p.value for p in pn.value):
+            problems.append(Problem(shown, "expected a list of host names (user@host works)", line=pn.line,
+                                    key="peers"))
+        else:
+            peers = [p.value for p in pn.value]
+    if problems:
+        raise DefinitionError(problems)
+    return ProjectConfig(tuple(peers), path)
