@@ -110,6 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also check this SSH peer (repeatable; user@host works)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.doctor, version 1)")
     sp.set_defaults(func=cmd_doctor)
+
+    sp = sub.add_parser("gate", help="run an image's gate checks inside it and write a receipt",
+                        description="Run the gate spec's checks inside a container of the image (entrypoint "
+                        "overridden, --network none, --gpus all when the host has NVIDIA GPUs) through pytest "
+                        "and pytest-testinfra's docker backend; print one row per check; write a receipt keyed "
+                        "by the image's store-independent identity (.imagebuild/receipts/) and the run's log. "
+                        "IMAGE is a definition name: its gate spec, against IMAGE:candidate unless --ref. "
+                        "REF is any image reference, with --spec FILE. Without a GPU, checks marked "
+                        "`requires: gpu` are SKIPPED (never passed). Exit 4 when the gate fails (a failed "
+                        "check of severity error, zero checks, a timeout), 2 for a malformed spec. "
+                        "Format and check kinds: docs/gate.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("target", metavar="IMAGE|REF", help="definition name, or an image reference (with --spec)")
+    sp.add_argument("--ref", metavar="REF", help="with IMAGE: the image to gate (default: IMAGE:candidate)")
+    sp.add_argument("--spec", metavar="FILE", help="gate spec file (required for a REF; overrides a "
+                    "definition's own spec)")
+    sp.add_argument("--require-gpu", action="store_true",
+                    help="fail, rather than skip, checks marked `requires: gpu` when this host has no GPU")
+    sp.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report to FILE")
+    sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
+                    "version 1)")
+    sp.set_defaults(func=cmd_gate)
     return p
 
 
@@ -261,6 +283,29 @@ def cmd_doctor(args) -> int:
             if c.fix and c.status != "ok":
                 print(f"{'':<4}  {'':<{w}}  -> {c.fix}")
     return EXIT_FAILED if any(c.status == "fail" for c in checks) else EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ gate
+
+
+def cmd_gate(args) -> int:
+    from . import gate as gate_mod  # imports pytest: only when gating
+
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        if args.root:
+            raise
+        root = None  # a bare REF + --spec works outside a project too
+    target = gate_mod.resolve(root, args.target, ref=args.ref, spec=args.spec)
+    receipt = gate_mod.execute(target, require_gpu=args.require_gpu, junit=args.junit)
+    if args.json:
+        _print_json(receipt.data)
+    else:
+        print(gate_mod.render_table(receipt, target.root))
+    if not receipt.passed:
+        raise gate_mod.failure(receipt)
+    return EXIT_OK
 
 
 # ------------------------------------------------------------------------------------------------ main
