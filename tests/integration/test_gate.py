@@ -342,3 +342,33 @@ def test_ctrl_c_removes_the_container(gate_image, state, tmp_path):
             proc.wait()
     assert proc.returncode == 130, err
     assert set(_gate_containers()) == before
+
+
+def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_path, monkeypatch):
+    """docker-images/example/gate.yaml against the example image built here, stage by stage."""
+    from imagebuild import definition, plan
+
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv(gate.NO_GPU_ENV, "1")
+    root = Path(__file__).resolve().parents[2]
+    p = plan.make_plan(definition.load(root, "example"))
+    made = []
+    ref = f"imagebuild-test/example-gate:t{os.getpid()}"
+    try:
+        for st in p.stages:
+            if subprocess.run(["docker", "image", "inspect", st.image], capture_output=True).returncode != 0:
+                args = [x for k, v in st.build_args().items() for x in ("--build-arg", f"{k}={v}")]
+                ctx = root / "docker-images" / "example"
+                subprocess.run(["docker", "buildx", "build", "--network", "none", "--load", "-q", *args,
+                                "-f", str(root / st.dockerfile), "-t", st.image, str(ctx)],
+                               check=True, capture_output=True)
+                made.append(st.image)
+        subprocess.run(["docker", "tag", p.stages[-1].image, ref], check=True)
+        r = run_cli("--root", str(root), "gate", "example", "--ref", ref)
+        assert r.code == 0, r.out + r.err
+        lines = {ln.split()[1]: ln.split()[0] for ln in r.out.splitlines()
+                 if ln.split() and ln.split()[0] in ("PASS", "FAIL", "SKIPPED", "WARN")}
+        assert lines.pop("gpu-visible") == "SKIPPED"
+        assert set(lines.values()) == {"PASS"} and len(lines) == 5, r.out
+    finally:
+        subprocess.run(["docker", "image", "rm", ref, *made], capture_output=True)
