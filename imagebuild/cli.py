@@ -111,6 +111,37 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.doctor, version 1)")
     sp.set_defaults(func=cmd_doctor)
 
+    sp = sub.add_parser("prefetch", help="pin git sources by SHA, compose forks, pack deterministic tarballs, "
+                        "write the lock",
+                        description="Fetch every git source of the images into a local mirror cache (only what "
+                        "is missing, by raw commit SHA), pin bare PR numbers and ref names to SHAs in "
+                        "versions.env (in place), compose each fork (ref + PR heads merged in order, fixed "
+                        "identity and date), check the FetchContent dependencies its CMake files declare, pack "
+                        "deterministic tarballs into deps-src/IMAGE/src/ with a SHA256SUMS, and write the "
+                        "lock's 'sources' section (the build id). A re-run when nothing changed runs no git "
+                        "at all. On failure the previous lock and tarballs are left as they were. "
+                        "Put IMAGE names before --refresh (or write --refresh=NAME). Details: docs/prefetch.md.",
+                        epilog=EPILOG + """
+prefetch environment:
+  IMAGEBUILD_CACHE         mirror cache folder (default $XDG_CACHE_HOME/imagebuild/git,
+                           else ~/.cache/imagebuild/git); --cache overrides it
+  IMAGEBUILD_GIT_RETRIES   attempts per network git operation (default 5)
+  IMAGEBUILD_RETRY_DELAY   first backoff delay in seconds, doubling (default 1)
+  IMAGEBUILD_GIT_TIMEOUT   seconds per git network attempt (default 1800)
+  GITHUB_TOKEN             optional: GitHub API token to report PR states (never logged)
+""", formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("images", nargs="*", metavar="IMAGE",
+                    help="image definitions to prefetch (default: every image with git sources)")
+    sp.add_argument("--refresh", nargs="*", metavar="NAME", default=None,
+                    help="re-resolve pinned PR heads (of the named sources, default all) and report which moved")
+    sp.add_argument("--offline", action="store_true",
+                    help="use the mirror cache only; fail naming the first missing object")
+    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="parallel git operations (default 4)")
+    sp.add_argument("--cache", metavar="DIR", help="mirror cache folder (default: $IMAGEBUILD_CACHE, else "
+                    "$XDG_CACHE_HOME/imagebuild/git)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
+    sp.set_defaults(func=cmd_prefetch)
+
     sp = sub.add_parser("gate", help="run an image's gate checks inside it and write a receipt",
                         description="Run the gate spec's checks inside a container of the image (entrypoint "
                         "overridden, --network none, --gpus all when the host has NVIDIA GPUs) through pytest "
@@ -132,6 +163,64 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
                     "version 1)")
     sp.set_defaults(func=cmd_gate)
+
+    sp = sub.add_parser("build", help="build an image's stages offline, cached by key, up to :candidate (and "
+                        ":local after its gate passes)",
+                        description="Run IMAGE's plan: each stage built with BuildKit FROM its parent, tagged "
+                        "with its cache key, skipped when that image exists; every stage under --network none "
+                        "unless it declares network: true; prefetched sources checked against the lock and "
+                        "bind-mounted as named build contexts. Then the release image (labels, lock, build "
+                        "record) tagged IMAGE:b-<build id> and IMAGE:candidate; when the definition has a gate "
+                        "spec, the gate runs and IMAGE:local moves only on a passing receipt (the old :local "
+                        "becomes :previous). Refuses (exit 3) on a foreign platform, while a serving container "
+                        "runs, on low disk, or while another build of IMAGE runs. Logs: "
+                        ".imagebuild/builds/IMAGE/BUILD-ID/logs/. Details: docs/build.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("--from", dest="from_stage", metavar="STAGE",
+                    help="start at STAGE (earlier stage images must exist)")
+    sp.add_argument("--until", dest="until_stage", metavar="STAGE",
+                    help="stop after STAGE (no release image, no promotion unless STAGE is the last)")
+    sp.add_argument("--no-cache", action="store_true",
+                    help="rebuild the selected stages even when their images exist, without BuildKit's cache")
+    sp.add_argument("--force", action="store_true",
+                    help="build even while a serving container runs or disk is low (with a warning)")
+    sp.add_argument("--emulate", action="store_true",
+                    help="allow a target platform other than the host's (QEMU emulation; slow)")
+    sp.add_argument("--dry-run", action="store_true", help="check everything and print what would run; build "
+                    "nothing")
+    sp.add_argument("--jobs", type=int, metavar="N", help="MAX_JOBS for stages that declare it (default: from "
+                    "free memory and cores, see docs/build.md)")
+    sp.add_argument("--reproducible", choices=("final", "all", "none"), default="final",
+                    help="stages exported as OCI with rewrite-timestamp (digest-stable; costs a full export of the "
+                    "image per stage). default: final")
+    sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
+    sp.add_argument("--json", action="store_true", help="print the build record (schema imagebuild.build, "
+                    "version 1; with --dry-run: imagebuild.build-plan)")
+    sp.set_defaults(func=cmd_build)
+
+    sp = sub.add_parser("patch", help="apply or check an image's patch set on a checkout, outside docker",
+                        description="Apply IMAGE's patch_*.py files (every stage's, in build order) to the "
+                        "source tree DIR with the same primitive the build uses, or with --check only say what "
+                        "would happen. Each patch: applied, already-applied, not-needed (upstream has it), "
+                        "would-apply (--check) or failed (naming the patch, file and anchor). Exit 1 when one "
+                        "fails. How to write a patch: docs/patches.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("--src", required=True, metavar="DIR", help="the checkout to patch")
+    sp.add_argument("--check", action="store_true", help="change nothing; report what would happen")
+    sp.add_argument("--stage", metavar="STAGE", help="only this stage's patches")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.patches, version 1)")
+    sp.set_defaults(func=cmd_patch)
+
+    sp = sub.add_parser("rollback", help="swap IMAGE:local and IMAGE:previous",
+                        description="Point IMAGE:local back at IMAGE:previous (what :local was before the last "
+                        "promotion); the replaced image becomes IMAGE:previous, so a second rollback undoes the "
+                        "first. Exit 1 when there is no :previous.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
+    sp.set_defaults(func=cmd_rollback)
     return p
 
 
@@ -267,6 +356,21 @@ def _print_plan(plan: plan_mod.Plan) -> None:
 # ------------------------------------------------------------------------------------------------ doctor
 
 
+def cmd_prefetch(args) -> int:
+    from . import prefetch as prefetch_mod
+
+    root = _root(args)
+    for name in args.images:
+        defn_mod.check_image_name(name)
+    report = prefetch_mod.prefetch(root, args.images or None, refresh=args.refresh, offline=args.offline,
+                                   jobs=args.jobs, cache_dir=args.cache)
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(prefetch_mod.render(report))
+    return EXIT_OK
+
+
 def cmd_doctor(args) -> int:
     root = None
     try:
@@ -305,6 +409,83 @@ def cmd_gate(args) -> int:
         print(gate_mod.render_table(receipt, target.root))
     if not receipt.passed:
         raise gate_mod.failure(receipt)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ build
+
+
+def cmd_build(args) -> int:
+    from . import build as build_mod
+
+    root = _root(args)
+    opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
+                             force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
+                             reproducible=args.reproducible, gate=not args.no_gate)
+    if args.dry_run:
+        doc = build_mod.dry_run(root, args.image, opts)
+        if args.json:
+            _print_json(doc)
+        else:
+            print(f"image     {doc['image']}  ({doc['platform']}, build id {doc['build_id']}, "
+                  f"SOURCE_DATE_EPOCH {doc['source_date_epoch']})")
+            for i, s in enumerate(doc["stages"], start=1):
+                print(f"{i}. {s['name']:<16} {s['action']:<14} {s['image']}  ({s['reason']}; network {s['network']}"
+                      f"{'; reproducible export' if s['reproducible'] else ''})")
+            print("then: release image, :b-<build id>, :candidate" if doc["release"] else
+                  "then: stop (--until), no release image")
+        return EXIT_OK
+    rec = build_mod.build(root, args.image, opts)
+    if args.json:
+        _print_json(rec)
+    else:
+        for s in rec["stages"]:
+            print(f"{s['name']:<16} {s['status']:<8} {s['image']}" +
+                  (f"  ({s['seconds']:.1f} s)" if s.get("seconds") is not None else ""))
+        if rec.get("release"):
+            print(f"candidate        {', '.join(rec['release']['tags'])}  identity {rec['release']['identity']}")
+        if rec.get("promotion"):
+            p = rec["promotion"]
+            print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else ""))
+    return EXIT_OK
+
+
+def cmd_patch(args) -> int:
+    from . import build as build_mod
+
+    root = _root(args)
+    try:
+        doc = build_mod.patch(root, args.image, args.src, check=args.check, stage=args.stage)
+    except build_mod.PatchFailed as exc:
+        if args.json:
+            _print_json(exc.doc)
+        else:
+            _print_patches(exc.doc)
+        raise
+    if args.json:
+        _print_json(doc)
+    else:
+        _print_patches(doc)
+    return EXIT_OK
+
+
+def _print_patches(doc) -> None:
+    for p in doc["patches"]:
+        print(f"{p['outcome']:<16} {p['patch']}" + (f"  ({p['message']})" if p["message"] and
+                                                   p["outcome"] != "failed" else ""))
+
+
+def cmd_rollback(args) -> int:
+    from . import promote as promote_mod
+
+    _root(args)
+    doc = promote_mod.rollback(args.image)
+    if args.json:
+        _print_json(doc)
+    else:
+        print(f"{args.image}:local    -> {doc['local_id']}")
+        if doc["previous_id"]:
+            print(f"{args.image}:previous -> {doc['previous_id']}")
     return EXIT_OK
 
 

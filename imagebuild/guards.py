@@ -1,0 +1,302 @@
+"""Guard rails checked before a build starts anything: all of them run before docker builds.
+
+- **Platform**: the definition's target platform must match the host's architecture; a
+  foreign platform needs ``--emulate`` (QEMU must then be set up by the operator). No silent
+  emulated builds.
+- **Serving containers**: building while a model is served OOM-kills one of them on GB10's
+  128 GB of unified memory. A running container counts as *serving* when any of the patterns
+  below matches it. Exit 3; ``--force`` overrides with a warning.
+- **Parallelism**: ``MAX_JOBS`` / ``NVCC_THREADS`` / ``CMAKE_BUILD_PARALLEL_LEVEL`` for the
+  stages that declare them, from free memory and cores (rule in ``jobs_rule``), unless set.
+- **Disk**: free space under Docker's data root and the state folder before the build.
+- **One build per image**: an exclusive lock file naming its holder (pid, host, command).
+
+Serving patterns (environment, comma separated; each replaces its default):
+
+    IMAGEBUILD_SERVING_COMMANDS  globs on the container's full command
+                                 (default: *vllm serve*, *vllm.entrypoints.openai.api_server*)
+    IMAGEBUILD_SERVING_LABELS    label keys or key=value (default: imagebuild.role=serve)
+    IMAGEBUILD_SERVING_NAMES     globs on the container name (default: none)
+    IMAGEBUILD_SERVING_IMAGES    globs on the image reference (default: none)
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import fnmatch
+import json
+import logging
+import os
+import platform as _platform
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import run as run_mod
+from .errors import GuardRefused, OperationFailed
+
+log = logging.getLogger("imagebuild")
+
+DEFAULT_SERVING_COMMANDS = ("*vllm serve*", "*vllm.entrypoints.openai.api_server*")
+DEFAULT_SERVING_LABELS = ("imagebuild.role=serve",)
+DEFAULT_MIN_FREE_GIB = 10.0
+
+# jobs rule (documented in docs/build.md)
+JOB_MEMORY_GIB = 4.0  # what one compile job (nvcc / cc1plus on CUDA kernels) may take at peak
+RESERVED_MEMORY_GIB = 8.0  # left to the OS, dockerd, BuildKit
+PARALLEL_KNOBS = ("MAX_JOBS", "NVCC_THREADS", "CMAKE_BUILD_PARALLEL_LEVEL")
+
+_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "armv7l": "arm",
+         "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64", "i686": "386", "i386": "386"}
+
+
+# ------------------------------------------------------------------------------------------ platform
+
+
+def host_arch(engine_arch: str | None = None) -> str:
+    """The architecture builds run on natively (the engine's, else this machine's), Docker-style."""
+    m = (engine_arch or _platform.machine()).lower()
+    return _ARCH.get(m, m)
+
+
+def check_platform(target: str, *, emulate: bool, engine_arch: str | None = None) -> str | None:
+    """Refuse a foreign target platform unless ``emulate``. Returns a warning when emulating."""
+    want = target.split("/")[1] if "/" in target else target
+    have = host_arch(engine_arch)
+    if want == have:
+        return None
+    if emulate:
+        return (f"building {target} on a linux/{have} host under emulation (--emulate): expect it to be "
+                "many times slower, and QEMU binfmt handlers must be installed")
+    raise GuardRefused(f"the definition targets {target} but this host builds linux/{have}",
+                       hint="build on a host of that architecture (DGX Spark is linux/arm64), or pass "
+                       "--emulate to build under QEMU deliberately")
+
+
+# ------------------------------------------------------------------------------------------ serving
+
+
+@dataclass(frozen=True)
+class ServingPatterns:
+    commands: tuple[str, ...] = DEFAULT_SERVING_COMMANDS
+    labels: tuple[str, ...] = DEFAULT_SERVING_LABELS
+    names: tuple[str, ...] = ()
+    images: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> ServingPatterns:
+        env = os.environ if env is None else env
+
+        def get(var: str, default: tuple[str, ...]) -> tuple[str, ...]:
+            if var not in env:
+                return default
+            return tuple(p.strip() for p in env[var].split(",") if p.strip())
+
+        return cls(get("IMAGEBUILD_SERVING_COMMANDS", DEFAULT_SERVING_COMMANDS),
+                   get("IMAGEBUILD_SERVING_LABELS", DEFAULT_SERVING_LABELS),
+                   get("IMAGEBUILD_SERVING_NAMES", ()), get("IMAGEBUILD_SERVING_IMAGES", ()))
+
+    def match(self, c: dict) -> str | None:
+        """Why container ``c`` (a ``docker ps --format json`` row) counts as serving, or None."""
+        command = (c.get("Command") or "").strip('"')
+        for pat in self.commands:
+            if fnmatch.fnmatchcase(command, pat):
+                return f"command matches {pat!r}"
+        labels = _labels(c.get("Labels") or "")
+        for pat in self.labels:
+            k, eq, v = pat.partition("=")
+            if k in labels and (not eq or labels[k] == v):
+                return f"label {pat!r}"
+        for name in (c.get("Names") or "").split(","):
+            for pat in self.names:
+                if fnmatch.fnmatchcase(name, pat):
+                    return f"name matches {pat!r}"
+        for pat in self.images:
+            if fnmatch.fnmatchcase(c.get("Image") or "", pat):
+                return f"image matches {pat!r}"
+        return None
+
+
+def _labels(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        if k:
+            out[k.strip()] = v
+    return out
+
+
+@dataclass(frozen=True)
+class ServingContainer:
+    id: str
+    name: str
+    image: str
+    why: str
+
+
+def serving_containers(patterns: ServingPatterns | None = None) -> list[ServingContainer]:
+    patterns = patterns or ServingPatterns.from_env()
+    text = run_mod.output(["docker", "ps", "--no-trunc", "--format", "{{json .}}"], timeout=30,
+                          hint="is the Docker engine healthy? (imagebuild doctor)")
+    found = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        c = json.loads(line)
+        why = patterns.match(c)
+        if why:
+            found.append(ServingContainer(c.get("ID", "")[:12], c.get("Names", ""), c.get("Image", ""), why))
+    return found
+
+
+def check_serving(*, force: bool, patterns: ServingPatterns | None = None) -> str | None:
+    """Refuse (exit 3) while a serving container runs; with ``force`` return a warning instead."""
+    found = serving_containers(patterns)
+    if not found:
+        return None
+    names = "; ".join(f"{c.name} ({c.id}, {c.image}: {c.why})" for c in found)
+    if force:
+        return f"building while serving containers run (--force): {names}; the build may OOM-kill them"
+    raise GuardRefused(f"a serving container is running: {names}",
+                       hint="stop it first (building while serving OOM-kills one of them on 128 GB unified "
+                       "memory), or pass --force; which containers count: IMAGEBUILD_SERVING_* (docs/build.md)")
+
+
+# ------------------------------------------------------------------------------------------ jobs
+
+
+@dataclass(frozen=True)
+class Jobs:
+    max_jobs: int
+    nvcc_threads: int
+    rule: str
+    explicit: dict = field(default_factory=dict)
+
+    def values(self) -> dict[str, str]:
+        return {"MAX_JOBS": str(self.max_jobs), "NVCC_THREADS": str(self.nvcc_threads),
+                "CMAKE_BUILD_PARALLEL_LEVEL": str(self.max_jobs)}
+
+
+def available_memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1024 * 1024)
+    except OSError:
+        pass
+    return 0.0
+
+
+def jobs_rule(cores: int, mem_gib: float, *, jobs: int | None = None, env: dict | None = None) -> Jobs:
+    """MAX_JOBS = clamp(floor((available memory - 8 GiB) / 4 GiB), 1, cores);
+    NVCC_THREADS = 2 when MAX_JOBS >= 4, else 1 (ninja then runs MAX_JOBS // NVCC_THREADS jobs).
+    ``--jobs N`` or MAX_JOBS / NVCC_THREADS in the environment win over the rule."""
+    env = os.environ if env is None else env
+    by_mem = int((mem_gib - RESERVED_MEMORY_GIB) // JOB_MEMORY_GIB)
+    max_jobs = max(1, min(cores, by_mem))
+    rule = (f"min({cores} cores, ({mem_gib:.1f} GiB available - {RESERVED_MEMORY_GIB:g}) / "
+            f"{JOB_MEMORY_GIB:g} GiB per job) = {max_jobs}")
+    explicit = {}
+    if jobs is not None:
+        max_jobs, explicit["MAX_JOBS"] = jobs, "--jobs"
+    elif env.get("MAX_JOBS", "").isdigit() and int(env["MAX_JOBS"]) > 0:
+        max_jobs, explicit["MAX_JOBS"] = int(env["MAX_JOBS"]), "environment"
+    nvcc = 2 if max_jobs >= 4 else 1
+    if env.get("NVCC_THREADS", "").isdigit() and int(env["NVCC_THREADS"]) > 0:
+        nvcc, explicit["NVCC_THREADS"] = int(env["NVCC_THREADS"]), "environment"
+    return Jobs(max_jobs, nvcc, rule, explicit)
+
+
+def host_jobs(jobs: int | None = None) -> Jobs:
+    return jobs_rule(os.cpu_count() or 1, available_memory_gib(), jobs=jobs)
+
+
+# ------------------------------------------------------------------------------------------ disk
+
+
+def free_gib(path: Path) -> float:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free / (1 << 30)
+
+
+def min_free_gib() -> float:
+    v = os.environ.get("IMAGEBUILD_MIN_FREE_GB")
+    try:
+        return float(v) if v else DEFAULT_MIN_FREE_GIB
+    except ValueError:
+        raise OperationFailed(f"IMAGEBUILD_MIN_FREE_GB={v!r} is not a number", hint="e.g. 10") from None
+
+
+def check_disk(paths: list[Path], *, force: bool) -> str | None:
+    need = min_free_gib()
+    low = [(str(p), free_gib(p)) for p in paths if p is not None]
+    low = [(p, f) for p, f in low if f < need]
+    if not low:
+        return None
+    what = ", ".join(f"{p}: {f:.1f} GiB free" for p, f in low)
+    if force:
+        return f"low disk space (--force): {what}; need {need:g} GiB"
+    raise GuardRefused(f"not enough free disk space before the build: {what} (need {need:g} GiB)",
+                       hint="free space (docker builder prune, docker image prune), lower "
+                       "IMAGEBUILD_MIN_FREE_GB, or pass --force")
+
+
+# ------------------------------------------------------------------------------------------ build lock
+
+
+class BuildLock:
+    """An exclusive, process-lifetime lock on one image's builds (flock: released when the holder
+    dies, so no stale locks). The file names the holder for the refusal message."""
+
+    def __init__(self, path: Path, image: str):
+        self.path = Path(path)
+        self.image = image
+        self._fd: int | None = None
+
+    def acquire(self, command: str = "imagebuild build") -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            holder = self.holder()
+            who = (f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('command')})"
+                   if holder else "another process")
+            raise GuardRefused(f"another build of {self.image!r} is running: {who}",
+                               hint=f"wait for it to finish; the lock is {self.path}") from None
+        info = {"schema": "imagebuild.buildlock", "version": 1, "image": self.image, "pid": os.getpid(),
+                "host": socket.gethostname(), "command": command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info, sort_keys=True) + "\n").encode(), 0)
+        self._fd = fd
+
+    def holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text() or "null")
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> BuildLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
