@@ -53,3 +53,33 @@ def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeou
 def output(argv: Sequence[str], **kw) -> str:
     """Run ``argv`` and return its (decoded, stripped) output."""
     return run(argv, **kw).stdout.decode("utf-8", "replace").strip()
+
+
+def popen(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | str | None = None,
+          stdin: bool = True, hint: str | None = None) -> subprocess.Popen:
+    """Start ``argv`` with pipes (stdin optional, stdout binary, stderr captured) for streaming.
+
+    The caller reads/writes the pipes, then calls ``check_popen`` to reap it and raise
+    ``CommandFailed`` on a non-zero exit.
+    """
+    argv = [str(a) for a in argv]
+    log.debug("+ %s", shlex.join(argv))
+    full_env = None
+    if env is not None:
+        full_env = dict(os.environ)
+        full_env.update(env)
+    try:
+        return subprocess.Popen(argv, cwd=cwd, env=full_env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except FileNotFoundError:
+        raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
+
+
+def check_popen(proc: subprocess.Popen, *, hint: str | None = None) -> None:
+    """Wait for a process started by ``popen``; raise CommandFailed when it failed."""
+    if proc.stdin and not proc.stdin.closed:
+        proc.stdin.close()
+    err = proc.stderr.read() if proc.stderr else b""
+    rc = proc.wait()
+    if rc != 0:
+        raise CommandFailed(list(proc.args), rc, err.decode("utf-8", "replace"), hint=hint)
