@@ -372,3 +372,25 @@ def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_p
         assert set(lines.values()) == {"PASS"} and len(lines) == 5, r.out
     finally:
         subprocess.run(["docker", "image", "rm", ref, *made], capture_output=True)
+
+
+def test_gate_failure_never_moves_local(gate_image, state, tmp_path):
+    """Promotion (build issue) trusts only a passing receipt for exactly the candidate's identity."""
+    from imagebuild import promote
+    from imagebuild.errors import GateFailed
+
+    name = f"imagebuild-test/gatepromo-{os.getpid()}"
+    cand, local = f"{name}:candidate", f"{name}:local"
+    subprocess.run(["docker", "tag", gate_image, cand], check=True)
+    try:
+        bad = _write(tmp_path, "bad.yaml", "checks:\n  - {id: m, kind: import, module: not_there}\n")
+        assert run_cli("gate", cand, "--spec", str(bad)).code == 4
+        with pytest.raises(GateFailed):
+            promote.promote(tmp_path, name)
+        assert promote.image_id(local) is None
+        good = _write(tmp_path, "good.yaml", "checks:\n  - {id: m, kind: import, module: gatedemo}\n")
+        assert run_cli("gate", cand, "--spec", str(good)).code == 0
+        promote.promote(tmp_path, name)
+        assert promote.image_id(local) == promote.image_id(cand)
+    finally:
+        subprocess.run(["docker", "image", "rm", cand, local], capture_output=True)
