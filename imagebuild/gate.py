@@ -439,9 +439,10 @@ def failure(receipt: receipts.Receipt) -> GateFailed:
 
 def _shown(path: Path) -> str:
     try:
-        return os.path.relpath(path)
+        rel = os.path.relpath(path)
     except ValueError:
         return str(path)
+    return str(path) if rel.startswith("..") else rel
 
 
 def render_table(receipt: receipts.Receipt, root: Path | None = None) -> str:

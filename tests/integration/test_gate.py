@@ -394,3 +394,21 @@ def test_gate_failure_never_moves_local(gate_image, state, tmp_path):
         assert promote.image_id(local) == promote.image_id(cand)
     finally:
         subprocess.run(["docker", "image", "rm", cand, local], capture_output=True)
+
+
+def test_busybox_image_without_python(engine_ready, state, tmp_path):
+    """The keep-alive and the shell-only kinds work in busybox; a Python check says what is missing."""
+    from tests.conftest import BUSYBOX
+
+    spec = _write(tmp_path, "gate.yaml", textwrap.dedent("""\
+        checks:
+          - {id: sh, kind: file, path: /bin/sh}
+          - {id: busybox, kind: file, path: /bin/busybox, contains: BusyBox}
+          - {id: echo, kind: command, run: [echo, hi], stdout: '^hi$'}
+          - {id: py, kind: import, module: os}
+        """))
+    r = run_cli("gate", BUSYBOX, "--spec", str(spec), "--json")
+    assert r.code == 4, r.err
+    out = {c["id"]: (c["outcome"], c["detail"]) for c in json.loads(r.out)["checks"]}
+    assert [out[k][0] for k in ("sh", "busybox", "echo")] == ["passed"] * 3
+    assert out["py"] == ("failed", "python3: not found in the image (set `python:` in the gate spec)")
