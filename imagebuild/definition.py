@@ -401,6 +401,17 @@ def _top_level(spec: yamlread.Node, yfile: str, d: Path, c: _Collector):
                 gate = gp
     elif (d / DEFAULT_GATE_FILE).is_file():
         gate = d / DEFAULT_GATE_FILE
+    if gate is not None:  # the gate spec is part of the definition: validate it too (docs/gate.md)
+        from . import gatespec
+
+        try:
+            shown = (PurePosixPath(yfile).parent / gate.relative_to(d).as_posix()).as_posix()
+        except ValueError:
+            shown = str(gate)
+        try:
+            gatespec.load(gate, display=shown)
+        except DefinitionError as exc:
+            c.problems.extend(exc.problems)
 
     stage_nodes: list[yamlread.Node] = []
     if "stages" not in m:

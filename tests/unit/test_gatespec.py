@@ -189,3 +189,10 @@ def test_find_passing_only_for_exactly_that_identity(tmp_path, monkeypatch):
     assert receipts.find_passing(tmp_path, "sha256:" + "3" * 64) is None
     with pytest.raises(ValueError):
         receipts.find_passing(tmp_path, "sha256:nothex")
+
+
+def test_validate_reports_gate_spec_problems(project):
+    (project / "docker-images" / "tiny" / "gate.yaml").write_text("checks:\n  - {id: a, kind: imprt}\n")
+    r = run_cli("--root", str(project), "validate", "tiny")
+    assert r.code == 2
+    assert "docker-images/tiny/gate.yaml:2: checks[a].kind: unknown check kind 'imprt'" in r.err
