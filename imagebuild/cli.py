@@ -326,6 +326,14 @@ def cmd_plan(args) -> int:
     return EXIT_OK
 
 
+def _red(text: str, stream=None) -> str:
+    """``text`` in red when ``stream`` (stdout) is a terminal and NO_COLOR is not set."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
+        return text
+    return f"\033[31m{text}\033[0m"
+
+
 def _print_plan(plan: plan_mod.Plan) -> None:
     print(f"image     {plan.image}")
     print(f"platform  {plan.platform}")
@@ -345,8 +353,11 @@ def _print_plan(plan: plan_mod.Plan) -> None:
             print(f"   input       {inp.path} -> {inp.context_path}  sha256:{inp.sha256[:16]}  ({inp.kind})")
         for src in s.sources:
             print(f"   source      {src}")
+        for kind, pk in sorted(s.packages.items()):
+            state = "locked " + pk["locked"][:16] if pk["locked"] else "NOT PREFETCHED for these inputs"
+            print(f"   {kind:<11} inputs {pk['inputs'][:16]}  {state}")
         if s.network:
-            print("   network     NEEDS NETWORK (declared 'network: true')")
+            print("   network     " + _red("NEEDS NETWORK (declared 'network: true')"))
     if plan.unpinned:
         print("\nunpinned (imagebuild prefetch resolves these):")
         for n in plan.unpinned:

@@ -72,6 +72,12 @@ class Report:
     reused: list[str] = field(default_factory=list)  # files already there with the locked sha256
     pulled: list[str] = field(default_factory=list)  # images pulled into the engine
     steps: list[dict] = field(default_factory=list)
+    offline: bool = False  # nothing may be downloaded or pulled: verify only
+
+    def need_network(self, what: str) -> None:
+        if self.offline:
+            raise OperationFailed(f"{what}, but --offline was given",
+                                  hint="run prefetch without --offline where the indexes and registries answer")
 
     def as_dict(self) -> dict:
         return {"pinned": self.pinned, "downloaded": self.downloaded, "reused": self.reused,
@@ -157,10 +163,10 @@ def apt_inputs(defn: d.Definition, stage: d.Stage) -> dict:
             "platform": defn.platform, "snapshot": defn.apt_snapshot}
 
 
-def _locked_digest(entry: dict | None, inputs_sha: str, files_key: str) -> str | None:
+def _locked_digest(entry: dict | None, inputs_sha: str) -> str | None:
     if not entry or entry.get("inputs_sha256") != inputs_sha:
         return None
-    return _digest({"files": [(f["filename"], f["sha256"]) for f in entry.get(files_key, [])]})
+    return _digest({"files": [(f["filename"], f["sha256"]) for f in entry.get("files", [])]})
 
 
 def lock_for_plan(defn: d.Definition) -> dict:
@@ -181,11 +187,11 @@ def stage_key_inputs(defn: d.Definition, stage: d.Stage, locked: dict | None = N
     if stage.requirements is not None and defn.python is not None:
         ins = _digest(wheel_inputs(defn, stage))
         out["wheels"] = {"inputs": ins,
-                         "locked": _locked_digest(locked.get("wheels", {}).get(stage.name), ins, "wheels")}
+                         "locked": _locked_digest(locked.get("wheels", {}).get(stage.name), ins)}
     if stage.apt is not None:
         ins = _digest(apt_inputs(defn, stage))
         out["apt"] = {"inputs": ins,
-                      "locked": _locked_digest(locked.get("apt", {}).get(stage.name), ins, "packages")}
+                      "locked": _locked_digest(locked.get("apt", {}).get(stage.name), ins)}
     return out
 
 
@@ -267,7 +273,7 @@ def prefetch_images(defn: d.Definition, report: Report | None = None) -> dict:
             raise OperationFailed(f"{defn.env.display}: {key}: {msg}")
         digest = ref.digest
         if digest is None:
-            digest = _resolve_tag(defn, ref)
+            digest = _resolve_tag(defn, ref, report)
             pinned = f"{ref.name}{':' + ref.tag if ref.tag else ''}@{digest}"
             updates[key] = pinned
             report.pinned.append(f"{key}={pinned}")
@@ -289,7 +295,7 @@ def prefetch_images(defn: d.Definition, report: Report | None = None) -> dict:
     return section
 
 
-def _resolve_tag(defn: d.Definition, ref: d.ImageRef) -> str:
+def _resolve_tag(defn: d.Definition, ref: d.ImageRef, report: Report) -> str:
     tagged = f"{ref.name}:{ref.tag or 'latest'}"
     info = _inspect_local(tagged)
     if info is not None:
@@ -302,6 +308,7 @@ def _resolve_tag(defn: d.Definition, ref: d.ImageRef) -> str:
         digest = _local_digest(ref, info)
         if digest:
             return digest
+    report.need_network(f"{ref.key}: {tagged} is not in the local engine; its registry must be asked")
     digest = _registry_digest(tagged, defn.platform)
     if digest:
         return digest
@@ -317,6 +324,7 @@ def _ensure_present(defn: d.Definition, key: str, name: str, digest: str, report
     info = _inspect_local(by_digest)
     if info is not None:
         return info
+    report.need_network(f"{key}: {by_digest} is not in the local engine and must be pulled")
     log.info("pulling %s (%s)", by_digest, defn.platform)
     proc = run_mod.run(["docker", "pull", "--platform", defn.platform, by_digest], check=False, timeout=3600)
     if proc.returncode != 0:
@@ -438,9 +446,10 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
     inputs = wheel_inputs(defn, st)
     inputs_sha = _digest(inputs)
     dest = wheels_dir(defn, st.name)
-    if entry and entry.get("inputs_sha256") == inputs_sha:
-        missing = [w for w in entry["wheels"] if not _has(dest / w["filename"], w["sha256"])]
+    if entry and entry.get("inputs_sha256") == inputs_sha and isinstance(entry.get("files"), list):
+        missing = [w for w in entry["files"] if not _has(dest / w["filename"], w["sha256"])]
         if missing:
+            report.need_network(f"stage {st.name!r}: {len(missing)} locked wheel(s) are missing or damaged")
             log.info("stage %s: fetching %d missing wheel(s) again by exact version", st.name, len(missing))
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
             try:
@@ -463,17 +472,18 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
                     report.downloaded.append(w["filename"])
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-        for w in entry["wheels"]:
+        for w in entry["files"]:
             if w not in missing:
                 report.reused.append(w["filename"])
-        req_sha = _write_requirements(defn, st, dest, entry["wheels"]) if not _has(
+        req_sha = _write_requirements(defn, st, dest, entry["files"]) if not _has(
             dest / REQUIREMENTS_FILE, entry["install_requirements"]["sha256"]) else entry["install_requirements"][
             "sha256"]
-        _remove_extras(dest, {w["filename"] for w in entry["wheels"]} | {REQUIREMENTS_FILE})
+        _remove_extras(dest, {w["filename"] for w in entry["files"]} | {REQUIREMENTS_FILE})
         report.steps.append({"kind": "wheels", "stage": st.name, "downloaded": len(missing),
-                             "files": len(entry["wheels"])})
+                             "files": len(entry["files"])})
         return {**entry, "install_requirements": {**entry["install_requirements"], "sha256": req_sha}}
 
+    report.need_network(f"stage {st.name!r}: its wheels are not locked for {st.requirements.display} as it is")
     log.info("stage %s: resolving %d requirement(s) for %s, CPython %s", st.name, len(st.requirements.items),
              defn.platform, defn.python.version)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
@@ -508,7 +518,7 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
     entry = {"inputs_sha256": inputs_sha, "requirements": st.requirements.display,
              "requirements_sha256": st.requirements.sha256, "python": py.version, "glibc": py.glibc,
              "platform": defn.platform, "index_url": inputs["index_url"],
-             "extra_index_urls": inputs["extra_index_urls"], "dir": _rel(defn, dest), "wheels": wheels,
+             "extra_index_urls": inputs["extra_index_urls"], "dir": _rel(defn, dest), "files": wheels,
              "install_requirements": {"path": _rel(defn, dest / REQUIREMENTS_FILE), "sha256": req_sha}}
     report.steps.append({"kind": "wheels", "stage": st.name, "resolved": True, "files": len(wheels)})
     return entry
@@ -698,9 +708,10 @@ def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Repo
     inputs_sha = _digest(inputs)
     dest = apt_dir(defn, st.name)
     gen = (APT_INDEX, APT_INSTALL)
-    if entry and entry.get("inputs_sha256") == inputs_sha:
-        missing = [p for p in entry["packages"] if not _has(dest / p["filename"], p["sha256"])]
+    if entry and entry.get("inputs_sha256") == inputs_sha and isinstance(entry.get("files"), list):
+        missing = [p for p in entry["files"] if not _has(dest / p["filename"], p["sha256"])]
         if missing:
+            report.need_network(f"stage {st.name!r}: {len(missing)} locked deb(s) are missing or damaged")
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
             try:
                 _apt_run(defn, st, base_ref.value, [f"{p['name']}={p['version']}" for p in missing], tmp,
@@ -720,17 +731,18 @@ def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Repo
                     report.downloaded.append(p["filename"])
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-        for p in entry["packages"]:
+        for p in entry["files"]:
             if p not in missing:
                 report.reused.append(p["filename"])
         if not all(_has(dest / n, entry["generated"][n]) for n in gen):
             raise OperationFailed(f"stage {st.name!r}: the generated index in {_rel(defn, dest)} is missing or "
                                   "was changed", hint="delete the folder and run prefetch again")
-        _remove_extras(dest, {p["filename"] for p in entry["packages"]} | set(gen))
+        _remove_extras(dest, {p["filename"] for p in entry["files"]} | set(gen))
         report.steps.append({"kind": "apt", "stage": st.name, "downloaded": len(missing),
-                             "files": len(entry["packages"])})
+                             "files": len(entry["files"])})
         return entry
 
+    report.need_network(f"stage {st.name!r}: its apt packages are not locked for {st.apt.display} as it is")
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
     try:
         _apt_run(defn, st, base_ref.value, [a.spec() for a in st.apt.items], tmp, "install")
@@ -756,7 +768,7 @@ def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Repo
         shutil.rmtree(tmp, ignore_errors=True)
     entry = {"inputs_sha256": inputs_sha, "list": st.apt.display, "list_sha256": st.apt.sha256,
              "base": base_ref.value, "platform": defn.platform, "architecture": arch,
-             "snapshot": defn.apt_snapshot, "dir": _rel(defn, dest), "packages": packages, "generated": generated}
+             "snapshot": defn.apt_snapshot, "dir": _rel(defn, dest), "files": packages, "generated": generated}
     report.steps.append({"kind": "apt", "stage": st.name, "resolved": True, "files": len(packages)})
     return entry
 
@@ -765,9 +777,19 @@ def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Repo
 # the whole package prefetch, and the build's check
 
 
-def prefetch_packages(root: Path, image: str, report: Report | None = None) -> tuple[d.Definition, Report]:
-    """Pin and fetch base images, then wheels and apt packages. Returns the (re-read) definition."""
+def has_packages(defn: d.Definition) -> bool:
+    """Whether package prefetch has anything to do for ``defn``."""
+    return bool(image_keys(defn)) or any(st.requirements or st.apt for st in defn.stages)
+
+
+def prefetch_packages(root: Path, image: str, report: Report | None = None, *,
+                      offline: bool = False) -> tuple[d.Definition, Report]:
+    """Pin and fetch base images, then wheels and apt packages. Returns the (re-read) definition.
+
+    ``offline``: download and pull nothing; fail when anything is missing (verification only).
+    """
     report = report if report is not None else Report()
+    report.offline = offline
     defn = d.load(root, image)
     prefetch_images(defn, report)
     if report.pinned:
@@ -783,6 +805,25 @@ def prefetch_packages(root: Path, image: str, report: Report | None = None) -> t
     return defn, report
 
 
+def summary(report: Report) -> dict:
+    """The package part of the prefetch report (JSON: ``images[].packages``)."""
+    return {"pinned": report.pinned, "pulled": report.pulled, "downloaded": len(report.downloaded),
+            "reused": len(report.reused), "downloaded_files": report.downloaded, "steps": report.steps}
+
+
+def render(s: dict) -> list[str]:
+    """Lines for the text form of the prefetch report."""
+    lines = [f"  pinned {p}" for p in s["pinned"]] + [f"  pulled {p}" for p in s["pulled"]]
+    for step in s["steps"]:
+        if step["kind"] == "image":
+            lines.append(f"  image  {step['key']} = {step['ref']}")
+        else:
+            got = "resolved" if step.get("resolved") else f"{step.get('downloaded', 0)} fetched again"
+            lines.append(f"  {step['kind']:<6} {step['stage']}: {step['files']} files ({got})")
+    lines.append(f"  packages: {s['downloaded']} downloaded, {s['reused']} already there")
+    return lines
+
+
 def stage_contexts(defn: d.Definition, stage: str) -> dict[str, Path]:
     """The named build contexts of ``stage`` (``imagebuild-wheels``, ``imagebuild-apt``), after
     checking every file against the lock. Raises OperationFailed when anything is stale or wrong."""
@@ -792,9 +833,9 @@ def stage_contexts(defn: d.Definition, stage: str) -> dict[str, Path]:
     data = _read_lock(defn)
     out: dict[str, Path] = {}
     hint = f"run `imagebuild prefetch {defn.name}`"
-    for kind, present, inputs_fn, files_key, ctx, dir_fn in (
-            ("wheels", st.requirements, wheel_inputs, "wheels", WHEELS_CONTEXT, wheels_dir),
-            ("apt", st.apt, apt_inputs, "packages", APT_CONTEXT, apt_dir)):
+    for kind, present, inputs_fn, ctx, dir_fn in (
+            ("wheels", st.requirements, wheel_inputs, WHEELS_CONTEXT, wheels_dir),
+            ("apt", st.apt, apt_inputs, APT_CONTEXT, apt_dir)):
         if present is None:
             continue
         entry = (data.get(kind) or {}).get(stage)
@@ -802,7 +843,7 @@ def stage_contexts(defn: d.Definition, stage: str) -> dict[str, Path]:
             raise OperationFailed(f"stage {stage!r}: the lock's {kind} are missing or stale for its inputs",
                                   hint=hint)
         dest = dir_fn(defn, stage)
-        expected = {f["filename"]: f["sha256"] for f in entry[files_key]}
+        expected = {f["filename"]: f["sha256"] for f in entry["files"]}
         if kind == "wheels":
             expected[REQUIREMENTS_FILE] = entry["install_requirements"]["sha256"]
         else:
@@ -823,5 +864,6 @@ def stage_contexts(defn: d.Definition, stage: str) -> dict[str, Path]:
     return out
 
 
-__all__ = ["Report", "prefetch_images", "prefetch_wheels", "prefetch_apt", "prefetch_packages",
+__all__ = ["Report", "prefetch_images", "prefetch_wheels", "prefetch_apt", "prefetch_packages", "has_packages",
+           "summary", "render",
            "stage_contexts", "stage_key_inputs", "lock_for_plan", "wheel_platform_tags"]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import definition as d
+from . import packages as packages_mod
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
 from .lock import LOCK_FILE  # the lock's hash is the build id
 
@@ -59,6 +60,7 @@ class PlannedStage:
     key: str
     image: str
     exists: bool | None = None
+    packages: dict = field(default_factory=dict)  # wheels/apt inputs in the key (packages.py)
 
     def build_args(self) -> dict[str, str]:
         """The --build-arg values to pass (BuildKit fills its own platform args)."""
@@ -79,6 +81,7 @@ class PlannedStage:
             "key": self.key,
             "image": self.image,
             "exists": self.exists,
+            "packages": self.packages,
         }
 
 
@@ -145,6 +148,7 @@ def build_id_of(defn: d.Definition) -> tuple[str, str]:
 def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = None,
               engine: dict | None = None) -> Plan:
     build_id, build_id_from = build_id_of(defn)
+    pkg_locked = packages_mod.lock_for_plan(defn)
     planned: dict[str, PlannedStage] = {}
     out: list[PlannedStage] = []
     for st in defn.stages:
@@ -193,13 +197,16 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             "sources": sources,
             "network": st.network,
         }
+        pkgs = packages_mod.stage_key_inputs(defn, st, pkg_locked)
+        if pkgs:  # wheels / apt packages it installs (absent: keys of other stages unchanged)
+            key_doc["packages"] = pkgs
         key = "sha256:" + sha256_bytes(canonical_json(key_doc))
         uses = tuple(p.name for p in planned.values() if d.stage_arg(p.name) in key_args)
         ps = PlannedStage(
             name=st.name, dockerfile=st.dockerfile_display, dockerfile_sha256=df_sha,
             parent_kind=st.parent.kind, parent=st.parent.name, parent_ref=parent_ref,
             args=tuple(args), inputs=inputs, sources=tuple(st.sources), uses_stages=uses,
-            network=st.network, key=key, image=stage_image(defn.name, st.name, key))
+            network=st.network, key=key, image=stage_image(defn.name, st.name, key), packages=pkgs)
         if exists is not None:
             ps = _with_exists(ps, exists(ps.image))
         planned[st.name] = ps

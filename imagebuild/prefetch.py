@@ -32,7 +32,7 @@ from pathlib import Path
 
 from . import compose as compose_mod
 from . import definition as d
-from . import fetchcontent, gitcache, lock, state, tarball
+from . import fetchcontent, gitcache, lock, packages, state, tarball
 from .errors import CommandFailed, DefinitionError, OperationFailed, Problem, UsageError
 from .fsutil import atomic_write_text, sha256_file
 
@@ -86,11 +86,12 @@ class ImageReport:
     moved: list[dict] = field(default_factory=list)  # --refresh: PR heads that moved
     pr_states: list[dict] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    packages: dict | None = None  # base images, wheels, apt (packages.summary)
 
     def as_dict(self) -> dict:
         return {"image": self.image, "status": self.status, "lock": self.lock, "build_id": self.build_id,
                 "sources": self.sources, "pinned": self.pinned, "moved": self.moved,
-                "pr_states": self.pr_states, "notices": self.notices}
+                "pr_states": self.pr_states, "notices": self.notices, "packages": self.packages}
 
 
 @dataclass
@@ -121,7 +122,7 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
     if offline and refresh is not None:
         raise UsageError("--refresh needs the network; it cannot be combined with --offline")
     root = Path(root).resolve()
-    names = images or [n for n in d.list_images(root) if _has_sources(root, n)]
+    names = images or [n for n in d.list_images(root) if _has_sources(root, n) or _has_packages(root, n)]
     defns = [d.load(root, n) for n in names]
     if refresh:
         known = {s for defn in defns for s in defn.sources}
@@ -133,9 +134,21 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
     cache = gitcache.Cache(gitcache.default_cache_dir(cache_dir), offline=offline)
     reports = []
     for defn in defns:
-        reports.append(_prefetch_image(defn, cache, refresh, jobs))
+        ir = _prefetch_image(defn, cache, refresh, jobs)
+        if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
+            _, prep = packages.prefetch_packages(root, defn.name, offline=offline)
+            ir.packages = packages.summary(prep)
+            ir.lock, ir.build_id = defn.rel(lock.lock_path(defn.dir)), _build_id(defn)
+        reports.append(ir)
     st = cache.stats
     return Report(reports, str(cache.root), st.network, st.fetch, st.retries, time.monotonic() - t0)
+
+
+def _has_packages(root: Path, name: str) -> bool:
+    try:
+        return packages.has_packages(d.load(root, name))
+    except DefinitionError:
+        return True
 
 
 def _has_sources(root: Path, name: str) -> bool:
@@ -695,6 +708,8 @@ def render(report: Report) -> str:
                          f"{' (merged)' if s.get('merged') else ''}")
         for n in ir.notices:
             lines.append(f"  note   {n}")
+        if ir.packages is not None:
+            lines += packages.render(ir.packages)
     lines.append(f"network operations: {report.network_operations} (fetches {report.fetches}, "
                  f"retries {report.retries}); cache {report.cache}")
     return "\n".join(lines)
