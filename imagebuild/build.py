@@ -512,8 +512,8 @@ def build(root: Path, image: str, opts: Options) -> dict:
     b = prepare(root, image, opts)
     named = _check_inputs(b)  # before the lock and before docker: a tampered input stops here
     blk = guards.BuildLock(lock_file(root, b.defn.name), b.defn.name)
-    _guards(b, lock=blk)
     try:
+        _guards(b, lock=blk)
         for w in b.warnings:
             log.warning("warning: %s", w)
         return _run(b, named)
