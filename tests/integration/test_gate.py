@@ -158,7 +158,9 @@ def test_passing_gate_writes_receipt_for_the_identity(gate_image, engine_info, s
     r = run_cli("gate", gate_image, "--spec", str(spec), "--junit", str(junit))
     took = time.monotonic() - t0
     assert r.code == 0, r.out + r.err
-    assert took < 10, took
+    # the < 10 s acceptance bound is measured by benchmarks/bench_gate.py on a quiet machine; here a
+    # loose bound that still catches a hang, on 2 cores shared with the rest of the suite
+    assert took < 30, took
     # table on stdout: every check with its outcome; GPU check SKIPPED, never PASS
     rows = {ln.split()[1]: ln.split()[0] for ln in r.out.splitlines()
             if ln.split() and ln.split()[0] in ("PASS", "FAIL", "SKIPPED", "WARN")}
