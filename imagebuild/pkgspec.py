@@ -320,6 +320,11 @@ def parse_requirements(text: str, file: str, err) -> list[Requirement] | None:
     seen: dict[str, int] = {}
     ok = True
     for line, body in _logical_lines(text):
+        if body.startswith("-"):
+            err(file, f"option {body.split()[0]!r}: options belong in image.yaml, not here", line=line,
+                hint="index URLs and options belong in image.yaml (python.index_url), not in the file")
+            ok = False
+            continue
         parts = body.split()
         req_text, opts = [], []
         for p in parts:
