@@ -1,0 +1,268 @@
+"""Package prefetch for real: PyPI wheels (for the host and for aarch64), Debian packages with
+their dependencies resolved in the real bookworm test base, a local base image pinned by digest,
+then the stages built by `imagebuild build` under --network none from what was prefetched.
+
+Downloads are small (about 5 MB: jq, python3-pip and their dependencies; jinja2 and markupsafe)
+and happen once per module; the error tests reuse the pip cache of the first run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from imagebuild import definition as d
+from imagebuild import lock as lock_mod
+from imagebuild import packages, plan
+from imagebuild.errors import OperationFailed
+from imagebuild.fsutil import sha256_file
+from tests.conftest import DEBIAN, FIXTURES, run_cli
+
+IMG = "ib-pkgs"
+ARM = "ib-pkgs-arm"
+
+
+def _copy(dst: Path) -> Path:
+    shutil.copytree(FIXTURES / "packages", dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    """One state folder (and so one pip cache) for every project in this module."""
+    return tmp_path_factory.mktemp("pkg-state")
+
+
+@pytest.fixture(autouse=True)
+def _shared_state(state_dir, monkeypatch):
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(state_dir))
+
+
+@pytest.fixture(scope="module")
+def debian(engine_info):
+    if subprocess.run(["docker", "image", "inspect", DEBIAN], capture_output=True).returncode != 0:
+        pytest.fail(f"{DEBIAN} missing (scripts/testbed.sh imports it)")
+    return DEBIAN
+
+
+@pytest.fixture(scope="module")
+def fetched(tmp_path_factory, state_dir, debian):
+    """The test project after one `imagebuild prefetch ib-pkgs` (network: PyPI, Debian)."""
+    root = _copy(tmp_path_factory.mktemp("pkgs") / "project")
+    env = {"IMAGEBUILD_STATE_DIR": str(state_dir)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        r = run_cli("--root", str(root), "prefetch", IMG, "--json")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert r.code == 0, r.err
+    return root, json.loads(r.out)
+
+
+def _lock(root: Path) -> dict:
+    return lock_mod.read(root / "docker-images" / IMG)
+
+
+def test_prefetch_pins_base_and_locks_every_wheel_and_deb(fetched):
+    root, rep = fetched
+    (img,) = rep["images"]
+    assert img["packages"]["downloaded"] == 13 and img["packages"]["reused"] == 0
+    env = (root / "docker-images" / IMG / "versions.env").read_text()
+    local = json.loads(subprocess.run(["docker", "image", "inspect", DEBIAN], capture_output=True,
+                                      check=True).stdout)[0]
+    digest = local["RepoDigests"][0].split("@")[1]
+    # pinned in place: the comment above it and the order are kept
+    assert env.startswith("# Package prefetch test definition")
+    assert f"\nBASE_IMAGE={DEBIAN}@{digest}\nPYPI_INDEX_URL=" in env
+    lk = _lock(root)
+    assert lk["images"]["BASE_IMAGE"]["digest"] == digest
+    assert lk["images"]["BASE_IMAGE"]["platform"] == "linux/amd64"
+    assert lk["images"]["BASE_IMAGE"]["identity"].startswith("sha256:")
+
+    wheels = lk["wheels"]["py"]
+    assert {(w["name"], w["version"], w["requested"]) for w in wheels["files"]} == {
+        ("jinja2", "3.1.4", True), ("markupsafe", "2.1.5", True)}
+    wdir = root / wheels["dir"]
+    assert wheels["dir"] == f"deps-src/{IMG}/wheels/py"
+    for w in wheels["files"]:
+        assert sha256_file(wdir / w["filename"]) == w["sha256"]
+    ms = next(w for w in wheels["files"] if w["name"] == "markupsafe")
+    assert "x86_64" in ms["filename"] and "cp311" in ms["filename"]
+    req = (wdir / "requirements.txt").read_text()
+    assert f"markupsafe==2.1.5 --hash=sha256:{ms['sha256']}" in req
+    assert sha256_file(wdir / "requirements.txt") == wheels["install_requirements"]["sha256"]
+
+    apt = lk["apt"]["base"]
+    names = {p["name"]: p for p in apt["files"]}
+    # the two requested packages at their exact versions, and their dependencies
+    assert names["jq"]["version"] == "1.6-2.1+deb12u2" and names["jq"]["requested"]
+    assert names["python3-pip"]["version"] == "23.0.1+dfsg-1" and names["python3-pip"]["requested"]
+    assert {"libjq1", "libonig5", "python3-setuptools", "python3-wheel"} <= set(names)
+    assert not names["libjq1"]["requested"]
+    adir = root / apt["dir"]
+    for p in apt["files"]:
+        assert sha256_file(adir / p["filename"]) == p["sha256"]
+    assert apt["base"] == f"{DEBIAN}@{digest}" and apt["architecture"] == "amd64"
+    index = (adir / "Packages").read_text()
+    assert f"Filename: ./{names['jq']['filename']}\n" in index and f"SHA256: {names['jq']['sha256']}" in index
+    # no host paths, no timestamps in the lock
+    text = (root / "docker-images" / IMG / "lock.json").read_text()
+    assert str(root) not in text and "/tmp/" not in text
+    # the networked step was logged
+    assert "apt-get update" in (Path(os.environ["IMAGEBUILD_STATE_DIR"]) / "prefetch" / IMG / "apt-base.log").read_text()
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    out = {}
+    for p in sorted((root / "deps-src").rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p.relative_to(root))] = (st.st_ino, st.st_mtime_ns)
+    out["lock"] = (0, sha256_file(root / "docker-images" / IMG / "lock.json"))
+    return out
+
+
+def test_second_prefetch_downloads_nothing(fetched):
+    root, _ = fetched
+    before = _snapshot(root)
+    log = Path(os.environ["IMAGEBUILD_STATE_DIR"]) / "prefetch" / IMG / "apt-base.log"
+    log_mtime = log.stat().st_mtime_ns
+    r = run_cli("--root", str(root), "prefetch", IMG, "--json")
+    assert r.code == 0, r.err
+    pk = json.loads(r.out)["images"][0]["packages"]
+    assert pk["downloaded"] == 0 and pk["reused"] == 13 and pk["pinned"] == [] and pk["pulled"] == []
+    assert _snapshot(root) == before  # not one file rewritten, lock byte-identical
+    assert log.stat().st_mtime_ns == log_mtime  # the base image did not even run
+    # and --offline verifies the same without any network
+    r = run_cli("--root", str(root), "prefetch", IMG, "--offline")
+    assert r.code == 0, r.err
+
+
+def test_plan_keys_follow_the_lock(fetched):
+    root, _ = fetched
+    p = plan.make_plan(d.load(root, IMG))
+    assert p.stage("py").packages["wheels"]["locked"] and p.stage("base").packages["apt"]["locked"]
+
+
+def test_stages_build_offline_from_prefetched_packages(fetched):
+    root, _ = fetched
+    r = run_cli("--root", str(root), "build", IMG, "--no-gate", "--reproducible", "none", "--force", "--json")
+    try:
+        assert r.code == 0, r.err
+        rep = json.loads(r.out)
+        assert [s["network"] for s in rep["stages"]] == ["none", "none", "none"]
+        out = subprocess.run(["docker", "run", "--rm", "--network", "none", f"{IMG}:candidate", "sh", "-c",
+                              "jq --version && cat /app-versions && python3 -m pip --version"],
+                             capture_output=True, text=True, check=True).stdout
+        assert out.startswith("jq-1.6\n3.1.4 2.1.5\npip 23.0.1")
+    finally:
+        _remove_images(IMG)
+
+
+def _remove_images(image: str) -> None:
+    refs = set()
+    for repo in (f"imagebuild/{image}", image):
+        ls = subprocess.run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", repo],
+                            capture_output=True, text=True).stdout.split()
+        refs.update(ls)
+    if refs:
+        subprocess.run(["docker", "image", "rm", "-f", *sorted(refs)], capture_output=True)
+
+
+def test_wheels_for_another_platform(tmp_path, debian):
+    root = _copy(tmp_path / "project")
+    defn = d.load(root, ARM)
+    assert defn.platform == "linux/arm64"
+    rep = packages.Report()
+    section = packages.prefetch_wheels(defn, rep)
+    files = {w["name"]: w["filename"] for w in section["py"]["files"]}
+    assert "aarch64" in files["markupsafe"] and "cp311" in files["markupsafe"]
+    assert files["jinja2"].endswith("-py3-none-any.whl")
+    assert "x86_64" not in " ".join(files.values())
+    # the locked contexts check out for the build
+    ctx = packages.stage_contexts(defn, "py")
+    assert ctx == {"imagebuild-wheels": root / f"deps-src/{ARM}/wheels/py"}
+
+
+def _arm(tmp_path, requirements: str):
+    root = _copy(tmp_path / "project")
+    (root / "docker-images" / ARM / "requirements-py.txt").write_text(requirements)
+    return root, d.load(root, ARM)
+
+
+def test_no_wheel_for_the_target_names_the_requirement(tmp_path, debian):
+    root, defn = _arm(tmp_path, "termcolor==1.1.0\n")  # published as an sdist only
+    with pytest.raises(OperationFailed) as ei:
+        packages.prefetch_wheels(defn)
+    msg = ei.value.message
+    assert f"docker-images/{ARM}/requirements-py.txt:1: termcolor==1.1.0" in msg
+    assert "no binary wheel" in msg and "linux/arm64, CPython 3.11" in msg
+    assert not (root / "deps-src" / ARM / "wheels" / "py").exists()  # nothing half-written
+    assert lock_mod.read(root / "docker-images" / ARM) is None
+
+
+def test_nonexistent_wheel_version_lists_what_exists(tmp_path, debian):
+    _, defn = _arm(tmp_path, "markupsafe==99.0.0\n")
+    with pytest.raises(OperationFailed) as ei:
+        packages.prefetch_wheels(defn)
+    msg = ei.value.message
+    assert "requirements-py.txt:1: markupsafe==99.0.0" in msg and "2.1.5" in msg
+
+
+def test_wrong_hash_in_requirements_is_refused(tmp_path, debian):
+    _, defn = _arm(tmp_path, "markupsafe==2.1.5 --hash=sha256:" + "0" * 64 + "\n")
+    with pytest.raises(OperationFailed) as ei:
+        packages.prefetch_wheels(defn)
+    assert "requirements-py.txt:1: markupsafe==2.1.5: the index served" in ei.value.message
+    assert "not a hash the file lists" in ei.value.message
+
+
+def test_locked_hash_mismatch_on_refetch_is_refused(tmp_path, debian):
+    root, defn = _arm(tmp_path, "markupsafe==2.1.5\n")
+    section = packages.prefetch_wheels(defn)
+    w = section["py"]["files"][0]
+    wdir = root / section["py"]["dir"]
+    # a damaged file is fetched again and must match the lock ...
+    (wdir / w["filename"]).write_bytes(b"damaged")
+    with pytest.raises(OperationFailed, match="sha256 mismatch"):
+        packages.stage_contexts(defn, "py")
+    rep = packages.Report()
+    packages.prefetch_wheels(defn, rep)
+    assert rep.downloaded == [w["filename"]] and sha256_file(wdir / w["filename"]) == w["sha256"]
+    # ... and when the lock says otherwise than the index serves, that is an error naming both
+    lk = lock_mod.read(root / "docker-images" / ARM)
+    lk["wheels"]["py"]["files"][0]["sha256"] = "f" * 64
+    (root / "docker-images" / ARM / "lock.json").write_text(lock_mod.serialise(lk))
+    (wdir / w["filename"]).unlink()
+    with pytest.raises(OperationFailed) as ei:
+        packages.prefetch_wheels(defn)
+    assert f"sha256 mismatch for {w['filename']}: the lock" in ei.value.message and "f" * 64 in ei.value.message
+
+
+def test_nonexistent_apt_version_is_a_clear_error(tmp_path, debian, state_dir):
+    root = _copy(tmp_path / "project")
+    (root / "docker-images" / IMG / "apt-base.txt").write_text("# one bad pin\njq=9.9-9\n")
+    defn = d.load(root, IMG)
+    packages.prefetch_images(defn)
+    defn = d.load(root, IMG)
+    with pytest.raises(OperationFailed) as ei:
+        packages.prefetch_apt(defn)
+    msg = ei.value.message
+    assert f"docker-images/{IMG}/apt-base.txt:2: jq=9.9-9: no such version" in msg
+    assert not any((root / "deps-src" / IMG / "apt").glob("base*"))
+
+
+def test_offline_prefetch_with_nothing_locked_fails(tmp_path, debian):
+    root = _copy(tmp_path / "project")
+    r = run_cli("--root", str(root), "prefetch", IMG, "--offline")
+    assert r.code == 1 and "--offline was given" in r.err
