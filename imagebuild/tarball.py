@@ -4,21 +4,24 @@ The archive holds the tree's files with names relative to the source root (``./C
 no top folder), directories included, entries sorted by name, every entry with the same mtime
 (the composed commit's time), uid/gid 0, empty user and group names, modes 0644/0755 (files by
 their git executable bit, folders 0755) and symlinks as symlinks. GNU tar format; gzip with no
-file name and mtime 0 at level 6. The same tree gives the same bytes on every machine.
+file name and mtime 0 at level 6, written as a series of gzip members of 4 MiB of input each
+(compressed in parallel). The same tree gives the same bytes wherever the same deflate
+implementation runs (zlib; see docs/prefetch.md for zlib-ng).
 
-Blobs stream from ``git cat-file --batch`` (one process per repository), and compression runs in
-a second thread (zlib releases the GIL), so packing keeps pace with ``tar | gzip -n``.
+Blobs stream from ``git cat-file --batch`` (one process per repository) straight into the tar
+stream, so packing keeps pace with ``tar --sort=name | gzip -n`` and beats it on several cores.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import os
-import queue
+import struct
 import tarfile
 import threading
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from .errors import OperationFailed
 from .gitcache import Mirror
 
 LEVEL = 6
-_CHUNK = 1 << 20
+_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -51,46 +54,57 @@ def list_tree(m: Mirror, treeish: str) -> list[tuple[str, str, str]]:
     return out
 
 
-class _GzipSink:
-    """A file-like object: bytes in, gzip (mtime 0, no name) out to ``raw`` from a worker thread."""
+# gzip member header: magic, deflate, no flags, mtime 0, no extra flags, OS "unknown" (255) --
+# written by hand so that it does not depend on the platform zlib was built for.
+_GZ_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
 
-    def __init__(self, raw):
+
+def gzip_member(data: bytes, level: int = LEVEL) -> bytes:
+    """One complete gzip member of ``data`` (deterministic: no name, mtime 0, fixed OS byte)."""
+    c = zlib.compressobj(level, zlib.DEFLATED, -15, 9)
+    body = c.compress(data) + c.flush()
+    return _GZ_HEADER + body + struct.pack("<II", zlib.crc32(data) & 0xFFFFFFFF, len(data) & 0xFFFFFFFF)
+
+
+class _GzipSink:
+    """A file-like object: bytes in, gzip out to ``raw``.
+
+    The input is cut into fixed 4 MiB pieces, each compressed as its own gzip member by a pool
+    of threads (zlib releases the GIL), and the members are written in order: a multi-member
+    gzip file, which gzip, tar and Python read as one stream. The cut points depend only on the
+    input, so the output bytes do too.
+    """
+
+    def __init__(self, raw, workers: int | None = None):
         self._raw = raw
         self._buf = bytearray()
-        self._q: queue.Queue = queue.Queue(maxsize=8)
-        self._err: BaseException | None = None
-        self._gz = gzip.GzipFile(filename="", mode="wb", compresslevel=LEVEL, fileobj=raw, mtime=0)
-        self._t = threading.Thread(target=self._work, daemon=True)
-        self._t.start()
-
-    def _work(self) -> None:
-        try:
-            while True:
-                chunk = self._q.get()
-                if chunk is None:
-                    break
-                self._gz.write(chunk)
-            self._gz.close()
-        except BaseException as exc:  # noqa: BLE001 - handed to the writer thread
-            self._err = exc
-            while self._q.get() is not None:
-                pass
+        self._pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1))
+        self._pending: deque = deque()
+        self._limit = 2 * (workers or min(8, os.cpu_count() or 1)) + 1
+        self._empty = True
 
     def write(self, data) -> int:
         self._buf += data
-        if len(self._buf) >= _CHUNK:
-            self._q.put(bytes(self._buf))
-            self._buf.clear()
+        while len(self._buf) >= _CHUNK:
+            self._submit(bytes(self._buf[:_CHUNK]))
+            del self._buf[:_CHUNK]
         return len(data)
 
+    def _submit(self, chunk: bytes) -> None:
+        self._empty = False
+        self._pending.append(self._pool.submit(gzip_member, chunk))
+        while len(self._pending) > self._limit:
+            self._raw.write(self._pending.popleft().result())
+
     def close(self) -> None:
-        if self._buf:
-            self._q.put(bytes(self._buf))
-            self._buf.clear()
-        self._q.put(None)
-        self._t.join()
-        if self._err:
-            raise self._err
+        try:
+            if self._buf or self._empty:
+                self._submit(bytes(self._buf))
+                self._buf.clear()
+            while self._pending:
+                self._raw.write(self._pending.popleft().result())
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _HashingFile:
@@ -167,30 +181,43 @@ def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
         with open(tmp, "wb") as raw:
             hf = _HashingFile(raw)
             sink = _GzipSink(hf)
-            with tarfile.open(fileobj=sink, mode="w|", format=tarfile.GNU_FORMAT) as tar:
-                for _key, name, e in items:
-                    ti = tarfile.TarInfo("./" + name)
-                    ti.mtime = mtime
-                    ti.uid = ti.gid = 0
-                    ti.uname = ti.gname = ""
-                    if e is None:
-                        ti.type = tarfile.DIRTYPE
-                        ti.mode = 0o755
-                        tar.addfile(ti)
-                        continue
+            written = 0
+            for _key, name, e in items:
+                ti = tarfile.TarInfo("./" + name)
+                ti.mtime = mtime
+                ti.uid = ti.gid = 0
+                ti.uname = ti.gname = ""
+                data = b""
+                if e is None:
+                    ti.type = tarfile.DIRTYPE
+                    ti.mode = 0o755
+                else:
                     rd = readers[id(e.repo)]
                     size = rd.header(e.sha)
+                    data = rd.proc.stdout.read(size)
+                    rd.finish_blob()
+                    if len(data) != size:
+                        raise OperationFailed(f"short read of object {e.sha} from {rd.mirror.path.name}")
                     if e.mode == "120000":
                         ti.type = tarfile.SYMTYPE
                         ti.mode = 0o777
-                        ti.linkname = rd.proc.stdout.read(size).decode("utf-8", "surrogateescape")
-                        rd.finish_blob()
-                        tar.addfile(ti)
-                        continue
-                    ti.mode = 0o755 if e.mode == "100755" else 0o644
-                    ti.size = size
-                    tar.addfile(ti, _Exact(rd.proc.stdout, size))
-                    rd.finish_blob()
+                        ti.linkname = data.decode("utf-8", "surrogateescape")
+                        data = b""
+                    else:
+                        ti.mode = 0o755 if e.mode == "100755" else 0o644
+                        ti.size = size
+                header = ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
+                sink.write(header)
+                written += len(header)
+                if data:
+                    pad = -len(data) % tarfile.BLOCKSIZE
+                    sink.write(data)
+                    sink.write(b"\0" * pad)
+                    written += len(data) + pad
+            # end of archive: two zero blocks, then zeros up to a full record (as tar does)
+            end = 2 * tarfile.BLOCKSIZE
+            end += -(written + end) % tarfile.RECORDSIZE
+            sink.write(b"\0" * end)
             sink.close()
             raw.flush()
             os.fsync(raw.fileno())
@@ -209,21 +236,3 @@ def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
         except FileNotFoundError:
             pass
         raise
-
-
-class _Exact(io.RawIOBase):
-    """Read at most ``size`` bytes from ``f`` (tarfile copies exactly ti.size bytes)."""
-
-    def __init__(self, f, size: int):
-        self.f, self.left = f, size
-
-    def read(self, n: int = -1) -> bytes:
-        if self.left <= 0:
-            return b""
-        n = self.left if n is None or n < 0 else min(n, self.left)
-        data = self.f.read(n)
-        self.left -= len(data)
-        return data
-
-    def readable(self) -> bool:
-        return True

@@ -132,6 +132,11 @@ def test_prefetch_pins_composes_and_locks(done, upstreams):  # noqa: F811
         assert run_sh.mode == 0o755 and run_sh.uid == 0 and run_sh.uname == "" and \
             run_sh.mtime == app["source_date_epoch"]
         assert names == sorted(names)
+    # the real tools read it (multi-member gzip)
+    subprocess.run(["gzip", "-t", str(root / app["tarball"])], check=True)
+    listed = subprocess.run(["tar", "-tzf", str(root / app["tarball"])], check=True, capture_output=True,
+                            text=True).stdout.split()
+    assert [n.rstrip("/") for n in listed] == names
     # tree hash is the git tree of the composed commit
     assert app["tree"] == git("rev-parse", f"{app['commit']}^{{tree}}", cwd=_mirror(cache, "app"))
     assert app["fetchcontent"] and {d["name"] for d in app["fetchcontent"]} == {"dep", "kernels"}
@@ -244,8 +249,11 @@ def _snapshot(root: Path):
 
 
 @pytest.mark.parametrize("case", ["conflict", "unknown_pr", "bad_sha", "unreachable", "undeclared"])
-def test_failures_name_the_source_and_leave_lock_untouched(case, upstreams, tmp_path, git_daemon):  # noqa: F811
+def test_failures_name_the_source_and_leave_lock_untouched(case, upstreams, tmp_path, git_daemon,  # noqa: F811
+                                                           monkeypatch):
     root, cache = _failing(tmp_path, upstreams)
+    if case == "unreachable":
+        monkeypatch.setenv("IMAGEBUILD_GIT_RETRIES", "3")  # the budget runs out in a fraction of a second
     s = upstreams.shas
     if case == "conflict":
         _edit_env(root, f'4@{s["pr4"]}"', f'4@{s["pr4"]} 3"')

@@ -1,0 +1,129 @@
+"""prefetch: (1) a re-run when nothing changed, a definition with a dozen git sources, against a
+plain ``git fetch`` loop over the same dozen mirrors; (2) packing throughput of the
+deterministic tarball writer against ``tar --sort=name ... | gzip -n`` on the same tree.
+
+Upstreams are real repositories served by a real ``git daemon`` on 127.0.0.1 (tests/gitfixtures).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import Benchmark, sh
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from imagebuild import gitcache, tarball  # noqa: E402
+from tests.gitfixtures import GitDaemon, UpstreamFactory, git  # noqa: E402
+
+N_SOURCES = 12
+
+
+class _Rerun:
+    def __init__(self) -> None:
+        self.tmp: Path | None = None
+        self.daemon: GitDaemon | None = None
+
+    def setup(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-prefetch-"))
+        served = self.tmp / "served"
+        served.mkdir()
+        self.daemon = GitDaemon(served).start()
+        f = UpstreamFactory(served, self.daemon)
+        env = ["BASE_IMAGE=imagebuild-test/busybox:1"]
+        self.fetch_args = []
+        for i in range(N_SOURCES):
+            files = {f"src/file{j}.c": f"int f{i}_{j}(void) {{ return {j}; }}\n" * 50 for j in range(40)}
+            up = f.create(f"repo{i}", files)
+            base = up.head()
+            prs = []
+            if i % 3 == 0:  # a third of them are forks with two PRs
+                prs = [up.pull_request(100 + i, {f"pr{i}.txt": "a\n"}),
+                       up.pull_request(200 + i, {f"pr{i}b.txt": "b\n"})]
+            name = f"SRC{i}"
+            env += [f"{name}_REPO={up.url()}", f"{name}_REF={base}"]
+            if prs:
+                env.append(f'{name}_PRS="{100 + i}@{prs[0]} {200 + i}@{prs[1]}"')
+            self.fetch_args.append((up.url(), [base, *prs]))
+        self.root = self.tmp / "project"
+        img = self.root / "docker-images" / "dozen"
+        img.mkdir(parents=True)
+        (img / "versions.env").write_text("\n".join(env) + "\n")
+        (img / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: s\n    from: BASE_IMAGE\n")
+        (img / "Dockerfile.s").write_text("ARG PARENT\nFROM ${PARENT}\n")
+        self.cache = self.tmp / "cache"
+        self.ours()  # the first, real prefetch; the benchmark measures the re-run
+        # the baseline's mirrors: one bare clone per upstream, already holding everything
+        self.plain = self.tmp / "plain"
+        self.plain.mkdir()
+        for i, (url, _) in enumerate(self.fetch_args):
+            git("clone", "-q", "--bare", url, str(self.plain / f"r{i}.git"))
+
+    def ours(self) -> None:
+        sh(sys.executable, "-m", "imagebuild", "--root", str(self.root), "prefetch", "--cache", str(self.cache),
+           "--json")
+
+    def baseline(self) -> None:
+        # what a script does to make sure a dozen mirrors hold their pinned commits: fetch each
+        for i, (url, shas) in enumerate(self.fetch_args):
+            sh("git", "-C", str(self.plain / f"r{i}.git"), "fetch", "-q", url, *shas)
+
+    def teardown(self) -> None:
+        if self.daemon:
+            self.daemon.stop()
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _Pack:
+    """The Python standard library's sources (a real, mixed source tree) as a git tree."""
+
+    def setup(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-pack-"))
+        self.tree = self.tmp / "tree"
+        stdlib = Path(os.__file__).parent
+        shutil.copytree(stdlib, self.tree, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "site-packages", "*.pyc", "*.so",
+                                                      "config-*", "lib-dynload", "idlelib", "turtledemo"))
+        git("init", "-q", "-b", "main", str(self.tree))
+        git("add", "-A", ".", cwd=self.tree)
+        git("commit", "-q", "-m", "tree", cwd=self.tree, epoch=1_700_000_000)
+        self.sha = git("rev-parse", "HEAD", cwd=self.tree)
+        self.cache = gitcache.Cache(self.tmp / "cache", offline=True)
+        self.mirror = self.cache.mirror(self.tree.as_uri())
+        git("clone", "-q", "--bare", str(self.tree), str(self.mirror.path))
+        shutil.rmtree(self.tree / ".git")
+        n = sum(1 for p in self.tree.rglob("*") if p.is_file())
+        size = sum(p.stat().st_size for p in self.tree.rglob("*") if p.is_file())
+        _Pack.note = f"{n} files, {size / 1e6:.0f} MB (CPython stdlib sources)"
+
+    def ours(self) -> None:
+        entries = [tarball.Entry(path, mode, sha, self.mirror)
+                   for mode, sha, path in tarball.list_tree(self.mirror, self.sha) if mode != "160000"]
+        tarball.pack(entries, self.tmp / "ours.tar.gz", 1_700_000_000)
+
+    def baseline(self) -> None:
+        sh("bash", "-c", 'tar --sort=name --mtime=@1700000000 --owner=0 --group=0 --numeric-owner '
+           '-C "$1" -cf - . | gzip -n > "$2"', "_", str(self.tree), str(self.tmp / "base.tar.gz"))
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def benchmarks():
+    rerun = _Rerun()
+    pack = _Pack()
+    return [
+        Benchmark(f"prefetch re-run, nothing changed ({N_SOURCES} sources, 4 forks with 2 PRs)", rerun.ours,
+                  rerun.baseline, repeat=5, setup=rerun.setup, teardown=rerun.teardown,
+                  note="ours: whole CLI run, no git run; baseline: `git fetch` of the pinned SHAs per mirror"),
+        Benchmark("pack deterministic tar.gz from git objects", pack.ours, pack.baseline, repeat=5,
+                  setup=pack.setup, teardown=pack.teardown,
+                  note="baseline: tar --sort=name --mtime --owner=0 --group=0 --numeric-owner | gzip -n "
+                  "on the same tree checked out"),
+    ]
