@@ -122,8 +122,12 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
     if offline and refresh is not None:
         raise UsageError("--refresh needs the network; it cannot be combined with --offline")
     root = Path(root).resolve()
-    names = images or [n for n in d.list_images(root) if _has_sources(root, n) or _has_packages(root, n)]
-    defns = [d.load(root, n) for n in names]
+    if images:
+        defns = [d.load(root, n) for n in images]
+    else:  # every image with git sources or packages (a broken definition is reported, not skipped)
+        defns = [x for x in (d.load(root, n) for n in d.list_images(root))
+                 if x.sources or packages.has_packages(x)]
+    names = [x.name for x in defns]
     if refresh:
         known = {s for defn in defns for s in defn.sources}
         unknown = [r for r in refresh if r not in known]
@@ -142,20 +146,6 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
         reports.append(ir)
     st = cache.stats
     return Report(reports, str(cache.root), st.network, st.fetch, st.retries, time.monotonic() - t0)
-
-
-def _has_packages(root: Path, name: str) -> bool:
-    try:
-        return packages.has_packages(d.load(root, name))
-    except DefinitionError:
-        return True
-
-
-def _has_sources(root: Path, name: str) -> bool:
-    try:
-        return bool(d.load(root, name).sources)
-    except DefinitionError:
-        return True  # let the load in prefetch() report it
 
 
 def _pmap(fn: Callable, items: Iterable, jobs: int) -> list:
