@@ -158,7 +158,7 @@ def test_debug_shows_traceback(project):
 
 def test_validate_reports_and_exits_2(project):
     _edit(f"{IMG}/image.yaml", "from: tools", "from: toolz")(project)
-    res = run_cli("--root", str(project), "validate", "--json")
+    res = run_cli("--root", str(project), "validate", "tiny", "--json")
     assert res.code == 2
     import json
 
