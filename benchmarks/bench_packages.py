@@ -45,7 +45,7 @@ def _baseline():
 
     argv = [sys.executable, "-m", "pip", "download", "--isolated", "--only-binary=:all:", "--implementation", "cp",
             "--python-version", "3.11", "--abi", "cp311", "--index-url", "https://pypi.org/simple",
-            "-d", str(_tmp["root"] / "deps-src" / IMG / "wheels" / "py"), "jinja2==3.1.4", "markupsafe==2.1.5"]
+            "-d", str(_tmp["root"] / "deps-src" / IMG / "wheels" / "pydeps"), "jinja2==3.1.4", "markupsafe==2.1.5"]
     for t in wheel_platform_tags("linux/amd64", "2.36"):
         argv += ["--platform", t]
     sh(*argv, env={**os.environ, "PIP_CONFIG_FILE": os.devnull})

@@ -248,8 +248,10 @@ def _registry_digest(ref: str, platform: str) -> str | None:
                               hint="platforms there: " + ", ".join(
                                   f"{(m.get('platform') or {}).get('os')}/{(m.get('platform') or {}).get('architecture')}"
                                   for m in doc["manifests"]))
-    # a single manifest: its digest is that of the bytes the registry served
-    return "sha256:" + sha256_bytes(raw.rstrip(b"\n") if not raw.endswith(b"}\n") else raw[:-1])
+    # a single manifest: its digest is that of the exact bytes the registry served
+    if "config" not in doc:
+        raise OperationFailed(f"{ref}: the registry served neither an index nor an image manifest")
+    return "sha256:" + sha256_bytes(raw)
 
 
 def _local_digest(ref: d.ImageRef, info: dict) -> str | None:

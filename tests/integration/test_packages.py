@@ -89,11 +89,11 @@ def test_prefetch_pins_base_and_locks_every_wheel_and_deb(fetched):
     assert lk["images"]["BASE_IMAGE"]["platform"] == "linux/amd64"
     assert lk["images"]["BASE_IMAGE"]["identity"].startswith("sha256:")
 
-    wheels = lk["wheels"]["py"]
+    wheels = lk["wheels"]["pydeps"]
     assert {(w["name"], w["version"], w["requested"]) for w in wheels["files"]} == {
         ("jinja2", "3.1.4", True), ("markupsafe", "2.1.5", True)}
     wdir = root / wheels["dir"]
-    assert wheels["dir"] == f"deps-src/{IMG}/wheels/py"
+    assert wheels["dir"] == f"deps-src/{IMG}/wheels/pydeps"
     for w in wheels["files"]:
         assert sha256_file(wdir / w["filename"]) == w["sha256"]
     ms = next(w for w in wheels["files"] if w["name"] == "markupsafe")
@@ -151,7 +151,7 @@ def test_second_prefetch_downloads_nothing(fetched):
 def test_plan_keys_follow_the_lock(fetched):
     root, _ = fetched
     p = plan.make_plan(d.load(root, IMG))
-    assert p.stage("py").packages["wheels"]["locked"] and p.stage("base").packages["apt"]["locked"]
+    assert p.stage("pydeps").packages["wheels"]["locked"] and p.stage("base").packages["apt"]["locked"]
 
 
 def test_stages_build_offline_from_prefetched_packages(fetched):
@@ -185,13 +185,13 @@ def test_wheels_for_another_platform(tmp_path, debian):
     assert defn.platform == "linux/arm64"
     rep = packages.Report()
     section = packages.prefetch_wheels(defn, rep)
-    files = {w["name"]: w["filename"] for w in section["py"]["files"]}
+    files = {w["name"]: w["filename"] for w in section["pydeps"]["files"]}
     assert "aarch64" in files["markupsafe"] and "cp311" in files["markupsafe"]
     assert files["jinja2"].endswith("-py3-none-any.whl")
     assert "x86_64" not in " ".join(files.values())
     # the locked contexts check out for the build
-    ctx = packages.stage_contexts(defn, "py")
-    assert ctx == {"imagebuild-wheels": root / f"deps-src/{ARM}/wheels/py"}
+    ctx = packages.stage_contexts(defn, "pydeps")
+    assert ctx == {"imagebuild-wheels": root / f"deps-src/{ARM}/wheels/pydeps"}
 
 
 def _arm(tmp_path, requirements: str):
@@ -207,7 +207,7 @@ def test_no_wheel_for_the_target_names_the_requirement(tmp_path, debian):
     msg = ei.value.message
     assert f"docker-images/{ARM}/requirements-py.txt:1: termcolor==1.1.0" in msg
     assert "no binary wheel" in msg and "linux/arm64, CPython 3.11" in msg
-    assert not (root / "deps-src" / ARM / "wheels" / "py").exists()  # nothing half-written
+    assert not (root / "deps-src" / ARM / "wheels" / "pydeps").exists()  # nothing half-written
     assert lock_mod.read(root / "docker-images" / ARM) is None
 
 
@@ -230,18 +230,18 @@ def test_wrong_hash_in_requirements_is_refused(tmp_path, debian):
 def test_locked_hash_mismatch_on_refetch_is_refused(tmp_path, debian):
     root, defn = _arm(tmp_path, "markupsafe==2.1.5\n")
     section = packages.prefetch_wheels(defn)
-    w = section["py"]["files"][0]
-    wdir = root / section["py"]["dir"]
+    w = section["pydeps"]["files"][0]
+    wdir = root / section["pydeps"]["dir"]
     # a damaged file is fetched again and must match the lock ...
     (wdir / w["filename"]).write_bytes(b"damaged")
     with pytest.raises(OperationFailed, match="sha256 mismatch"):
-        packages.stage_contexts(defn, "py")
+        packages.stage_contexts(defn, "pydeps")
     rep = packages.Report()
     packages.prefetch_wheels(defn, rep)
     assert rep.downloaded == [w["filename"]] and sha256_file(wdir / w["filename"]) == w["sha256"]
     # ... and when the lock says otherwise than the index serves, that is an error naming both
     lk = lock_mod.read(root / "docker-images" / ARM)
-    lk["wheels"]["py"]["files"][0]["sha256"] = "f" * 64
+    lk["wheels"]["pydeps"]["files"][0]["sha256"] = "f" * 64
     (root / "docker-images" / ARM / "lock.json").write_text(lock_mod.serialise(lk))
     (wdir / w["filename"]).unlink()
     with pytest.raises(OperationFailed) as ei:
@@ -266,3 +266,65 @@ def test_offline_prefetch_with_nothing_locked_fails(tmp_path, debian):
     root = _copy(tmp_path / "project")
     r = run_cli("--root", str(root), "prefetch", IMG, "--offline")
     assert r.code == 1 and "--offline was given" in r.err
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A real registry (distribution's docker-registry) on 127.0.0.1, stopped by its pid."""
+    exe = shutil.which("docker-registry")
+    if exe is None:
+        pytest.skip("docker-registry not installed (apt-get install docker-registry)")
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "registry.yml"
+    cfg.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'data'}\n"
+                   f"http:\n  addr: 127.0.0.1:{port}\n")
+    proc = subprocess.Popen([exe, "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_base_tag_resolved_from_a_registry_and_pulled_by_digest(tmp_path, registry, engine_info):
+    from tests.conftest import BUSYBOX
+
+    name = f"{registry}/ib-pkgtest/busybox"
+    subprocess.run(["docker", "tag", BUSYBOX, f"{name}:1"], check=True, capture_output=True)
+    subprocess.run(["docker", "push", "-q", f"{name}:1"], check=True, capture_output=True)
+    raw = subprocess.run(["docker", "buildx", "imagetools", "inspect", "--raw", f"{name}:1"], check=True,
+                         capture_output=True).stdout
+    pushed = "sha256:" + __import__("hashlib").sha256(raw).hexdigest()
+    subprocess.run(["docker", "image", "rm", f"{name}:1"], check=True, capture_output=True)  # not local any more
+    root = tmp_path / "project"
+    img = root / "docker-images" / "reg"
+    img.mkdir(parents=True)
+    (img / "versions.env").write_text(f"# a base only the registry has\nBASE_IMAGE={name}:1  # by tag\n")
+    (img / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: s\n    from: BASE_IMAGE\n")
+    (img / "Dockerfile.s").write_text("ARG PARENT\nFROM ${PARENT}\n")
+    try:
+        defn, rep = packages.prefetch_packages(root, "reg")
+        assert rep.pinned == [f"BASE_IMAGE={name}:1@{pushed}"]
+        assert rep.pulled == [f"{name}@{pushed}"]
+        assert (img / "versions.env").read_text() == \
+            f"# a base only the registry has\nBASE_IMAGE={name}:1@{pushed}  # by tag\n"
+        assert lock_mod.read(img)["images"]["BASE_IMAGE"]["digest"] == pushed
+        # pinned and present: a second run asks neither the registry nor pulls
+        _, rep2 = packages.prefetch_packages(root, "reg", offline=True)
+        assert rep2.pinned == [] and rep2.pulled == []
+    finally:
+        refs = subprocess.run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", name],
+                              capture_output=True, text=True).stdout.split()
+        digests = [f"{name}@{pushed}"]
+        subprocess.run(["docker", "image", "rm", "-f", *refs, *digests], capture_output=True)

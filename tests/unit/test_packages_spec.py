@@ -61,7 +61,7 @@ def test_requirement_errors_name_file_and_line(pkproject, text, line, fragment):
 def test_requirement_with_hash_and_continuation_parses(pkproject):
     h = "a" * 64
     (_idir(pkproject) / "requirements-py.txt").write_text(f"jinja2==3.1.4 \\\n    --hash=sha256:{h}\nmarkupsafe==2.1.5\n")
-    (r1, r2) = d.load(pkproject, IMG).stage("py").requirements.items
+    (r1, r2) = d.load(pkproject, IMG).stage("pydeps").requirements.items
     assert r1.hashes == (h,) and r1.line == 1 and r2.line == 3
 
 
@@ -89,8 +89,8 @@ def _yaml(root: Path, old: str, new: str) -> None:
     ("index_url: PYPI_INDEX_URL", "index_url: NO_SUCH_KEY", "python.index_url", "not a versions.env key"),
     ("index_url: PYPI_INDEX_URL", "index_url: PYPI_INDEX_URL\n  mirror: x", "python.mirror", "unknown key"),
     ("requirements: requirements-py.txt", "requirements: {file: requirements-py.txt, index_url: NOPE}",
-     "stages[py].requirements.index_url", "not a versions.env key"),
-    ("requirements: requirements-py.txt", "requirements: missing.txt", "stages[py].requirements", "not found"),
+     "stages[pydeps].requirements.index_url", "not a versions.env key"),
+    ("requirements: requirements-py.txt", "requirements: missing.txt", "stages[pydeps].requirements", "not found"),
 ])
 def test_image_yaml_package_key_errors(pkproject, old, new, key, fragment):
     _yaml(pkproject, old, new)
@@ -148,12 +148,12 @@ def test_changing_one_requirement_changes_only_its_stage_and_descendants(pkproje
     req.write_text(req.read_text().replace("jinja2==3.1.4", "jinja2==3.1.3"))
     after = _keys(pkproject)
     assert after["base"] == before["base"]
-    assert after["py"] != before["py"] and after["app"] != before["app"]
+    assert after["pydeps"] != before["pydeps"] and after["app"] != before["app"]
     # an apt change moves the first stage and everything built on it
     apt = _idir(pkproject) / "apt-base.txt"
     apt.write_text(apt.read_text().replace("jq=1.6-2.1+deb12u2", "jq=1.6-2.1"))
     again = _keys(pkproject)
-    assert all(again[s] != after[s] for s in ("base", "py", "app"))
+    assert all(again[s] != after[s] for s in ("base", "pydeps", "app"))
 
 
 def test_index_and_python_target_are_in_the_key(pkproject):
@@ -161,16 +161,16 @@ def test_index_and_python_target_are_in_the_key(pkproject):
     env = _idir(pkproject) / "versions.env"
     env.write_text(env.read_text().replace("https://pypi.org/simple", "https://mirror.example/simple"))
     after = _keys(pkproject)
-    assert after["base"] == before["base"] and after["py"] != before["py"]
+    assert after["base"] == before["base"] and after["pydeps"] != before["pydeps"]
     _yaml(pkproject, 'glibc: "2.36"', 'glibc: "2.28"')
-    assert _keys(pkproject)["py"] != after["py"]
+    assert _keys(pkproject)["pydeps"] != after["pydeps"]
 
 
 def test_stage_without_packages_keeps_its_key_document(pkproject):
     """Stages that install nothing get no 'packages' entry: their keys are as before this feature."""
     p = plan.make_plan(d.load(pkproject, IMG))
     assert p.stage("app").packages == {}
-    assert set(p.stage("py").packages) == {"wheels"} and p.stage("py").packages["wheels"]["locked"] is None
+    assert set(p.stage("pydeps").packages) == {"wheels"} and p.stage("pydeps").packages["wheels"]["locked"] is None
     assert set(p.stage("base").packages) == {"apt"}
 
 
@@ -178,7 +178,7 @@ def test_plan_json_and_text_show_packages(pkproject):
     r = run_cli("--root", str(pkproject), "plan", IMG, "--json", "--no-engine")
     assert r.code == 0, r.err
     st = {s["name"]: s for s in json.loads(r.out)["stages"]}
-    assert st["py"]["packages"]["wheels"]["inputs"] and st["app"]["packages"] == {}
+    assert st["pydeps"]["packages"]["wheels"]["inputs"] and st["app"]["packages"] == {}
     r = run_cli("--root", str(pkproject), "plan", IMG, "--no-engine")
     assert "wheels      inputs" in r.out and "NOT PREFETCHED" in r.out
 
@@ -197,7 +197,7 @@ def test_network_stage_is_red_only_on_a_terminal_without_no_color(monkeypatch):
 
 
 def test_plan_prints_declared_network_stage(pkproject):
-    _yaml(pkproject, "  - name: app\n    from: py", "  - name: app\n    from: py\n    network: true")
+    _yaml(pkproject, "  - name: app\n    from: pydeps", "  - name: app\n    from: pydeps\n    network: true")
     r = run_cli("--root", str(pkproject), "plan", IMG, "--no-engine")
     assert "NEEDS NETWORK (declared 'network: true')" in r.out
     assert "\033[31m" not in r.out  # captured stdout is not a terminal
