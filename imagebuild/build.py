@@ -359,6 +359,12 @@ class _StageFailed(Exception):
         self.code = code
 
 
+def _inspect(ref: str) -> dict:
+    text = run_mod.output(["docker", "image", "inspect", "--format", "{{json .}}", ref], timeout=60,
+                          hint="is the Docker engine healthy? (imagebuild doctor)")
+    return json.loads(text.splitlines()[-1])
+
+
 def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -401,6 +407,7 @@ class Build:
     stages: list[StageRun]
     first: int
     last: int
+    tags: set | None = None  # the engine's imagebuild/<image>:* tags when the build started
     warnings: list[str] = field(default_factory=list)
     record: dict = field(default_factory=dict)
 
@@ -446,7 +453,7 @@ def prepare(root: Path, image: str, opts: Options) -> Build:
         else:
             action, reason = "build", "no image with this key" if s.exists is False else "engine unknown"
         runs.append(StageRun(s.name, s.key, s.image, action, reason, "default" if s.network else "none", repro))
-    return Build(root, defn, plan, opts, lock, epoch, runs, first, last)
+    return Build(root, defn, plan, opts, lock, epoch, runs, first, last, tags)
 
 
 def _check_inputs(b: Build) -> dict[str, dict[str, Path]]:
@@ -677,7 +684,7 @@ def _release(b: Build, tmp: Path, stream: bool, started: str) -> dict:
     ref = f"imagebuild/{b.defn.name}:release-{rkey.removeprefix('sha256:')[:plan_mod.STAGE_TAG_KEY_LEN]}"
     final_run = b.stages[-1]
     rebuild = b.opts.no_cache and final_run.action == "build"
-    if promote_mod.image_id(ref) and not rebuild:
+    if ref in (b.tags or ()) and not rebuild:
         log.info("release: %s exists", ref)
         built = False
     else:
@@ -702,10 +709,17 @@ def _release(b: Build, tmp: Path, stream: bool, started: str) -> dict:
                                   "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
                                   hint=f"full log: {log_path}") from None
         built = True
-    tags = promote_mod.tag_candidate(b.defn.name, ref, b.plan.build_id)
     from . import identity as identity_mod
 
-    ident = identity_mod.inspect(ref)
+    data = _inspect(ref)
+    wanted = [promote_mod.ref(b.defn.name, promote_mod.build_tag(b.plan.build_id)),
+              promote_mod.ref(b.defn.name, promote_mod.CANDIDATE)]
+    have = {t.removeprefix("docker.io/library/") for t in data.get("RepoTags") or []}
+    for t in wanted:
+        if t not in have:  # one inspect on a no-op build, not one per tag
+            promote_mod.tag(ref, t)
+    tags = wanted
+    ident = identity_mod.from_inspect(data)
     log.info("candidate: %s (identity %s)", ", ".join(tags), ident.digest)
     return {"ref": ref, "key": rkey, "built": built, "tags": tags, "image_id": ident.local_id,
             "identity": ident.digest, "labels": labels}

@@ -97,6 +97,9 @@ def promote(root: Path, image: str, candidate: str | None = None) -> Promotion:
     if old_id and old_id != cand_id:
         tag(old_id, ref(image, PREVIOUS))
         previous = old_id
+    if old_id and old_id == cand_id:
+        log.info("%s:local already is %s (identity %s)", image, candidate, ident.digest)
+        return Promotion(image, ident.digest, cand_id, None, receipt)
     tag(cand_id or candidate, ref(image, LOCAL))
     log.info("promoted %s -> %s:local (identity %s)%s", candidate, image, ident.digest,
              f"; previous :local kept as {image}:previous" if previous else "")
