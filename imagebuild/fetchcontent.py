@@ -83,8 +83,10 @@ def _strip_comments(text: str) -> str:
 def parse(text: str, file: str) -> list[Declaration]:
     """Every FetchContent_Declare call in one CMake file, in order."""
     text = _strip_comments(text)
+    # find calls where quoted strings are blanked out (same length, so positions agree)
+    masked = re.sub(r'"(?:[^"\\]|\\.)*"', lambda q: '"' + re.sub(r"[^\n]", " ", q.group(0)[1:-1]) + '"', text)
     decls: list[Declaration] = []
-    for m in re.finditer(r"(?i)\bFetchContent_Declare\s*\(", text):
+    for m in re.finditer(r"(?i)\bFetchContent_Declare\s*\(", masked):
         line = text.count("\n", 0, m.start()) + 1
         depth, i, args = 1, m.end(), []
         while depth and i < len(text):
