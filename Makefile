@@ -37,6 +37,7 @@ bench: install testbed
 demo: install testbed
 	$(BIN)/imagebuild list
 	$(BIN)/imagebuild plan example
+	$(BIN)/imagebuild build example
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -292,10 +292,13 @@ def _parallel_args(stage: plan_mod.PlannedStage, jobs: guards.Jobs, explicit_job
     return out
 
 
-def _git_revision(root: Path) -> str | None:
+def _git_revision(root: Path, defn: defn_mod.Definition) -> str | None:
+    """The last commit that touched the definition (its folder or the shared patch set): stable
+    across commits that do not change the image, so they do not change its digest."""
     if not (root / ".git").exists() or run_mod.which("git") is None:
         return None
-    proc = run_mod.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=False, timeout=10)
+    paths = [defn_mod.display_path(root, defn.dir), defn_mod.SHARED_PATCHES_DIR]
+    proc = run_mod.run(["git", "-C", str(root), "log", "-1", "--format=%H", "--", *paths], check=False, timeout=10)
     rev = proc.stdout.decode().strip()
     return rev if proc.returncode == 0 and len(rev) == 40 else None
 
@@ -660,7 +663,7 @@ def _provenance(b: Build) -> tuple[dict, dict]:
     }
     if b.defn.description:
         labels["org.opencontainers.image.description"] = b.defn.description
-    rev = _git_revision(b.root)
+    rev = _git_revision(b.root, b.defn)
     if rev:
         labels["org.opencontainers.image.revision"] = rev
     url = _git_source_url(b.root)
