@@ -1,0 +1,107 @@
+"""The mirror definition end to end: real upstreams on a loopback git daemon -> imagebuild prefetch
+(pins, composes the fork from base + two PR heads, packs tarballs, writes the lock) -> imagebuild
+build, every stage under --network none, the C++ library's FetchContent dependency taken only
+from the prefetched tarball."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from tests.buildfixtures import cat, image_id, remove_images
+from tests.conftest import FIXTURES, run_cli
+from tests.gitfixtures import UpstreamFactory, git_daemon, git_root  # noqa: F401  (pytest fixtures)
+
+pytestmark = pytest.mark.engine
+
+IMAGE = "mirror"
+EXT_CMAKE = """cmake_minimum_required(VERSION 3.20)
+project(fastext LANGUAGES CXX)
+include(FetchContent)
+FetchContent_Declare(
+  mathdep
+  GIT_REPOSITORY https://github.com/example/mathdep.git
+  GIT_TAG {sha}
+)
+FetchContent_MakeAvailable(mathdep)
+add_library(fastext SHARED src/fastext.cpp)
+target_link_libraries(fastext PRIVATE mathdep)
+"""
+
+
+@pytest.fixture(scope="module")
+def mirror_project(git_daemon, tmp_path_factory, engine_info):  # noqa: F811
+    factory = UpstreamFactory(git_daemon.base, git_daemon)
+    mathdep = factory.create("mathdep", {
+        "CMakeLists.txt": "cmake_minimum_required(VERSION 3.20)\nproject(mathdep LANGUAGES CXX)\n"
+                          "add_library(mathdep INTERFACE)\n"
+                          "target_include_directories(mathdep INTERFACE ${CMAKE_CURRENT_SOURCE_DIR}/include)\n",
+        "include/mathdep.h": "inline int triple(int x) { return 3 * x; }\n"})
+    factory.create("fastext", {
+        "CMakeLists.txt": EXT_CMAKE.format(sha=mathdep.head()),
+        "src/fastext.cpp": '#include "mathdep.h"\nextern "C" int fast_triple(int x) { return triple(x); }\n'})
+    greet = factory.create("greetpkg", {
+        "greetpkg/__init__.py": '"""greetpkg"""\nVERSION = "1.0"\n\n\ndef greet():\n    return "hello"\n'})
+    greet.pull_request(1, {"greetpkg/pr1.py": 'NAME = "pr1"\n'})
+    greet.pull_request(2, {"greetpkg/__init__.py":
+                           '"""greetpkg"""\nVERSION = "1.0+pr2"\n\n\ndef greet():\n    return "hello"\n'})
+
+    base = tmp_path_factory.mktemp("mirror")
+    root = base / "project"
+    shutil.copytree(FIXTURES / "project", root, symlinks=True)
+    env = root / "docker-images" / IMAGE / "versions.env"
+    env.write_text(env.read_text().replace("git://127.0.0.1:9/", git_daemon.url("").rstrip("/") + "/")
+                   .replace("MATHDEP_REF=main", f"MATHDEP_REF={mathdep.head()}"))
+    r = run_cli("--root", str(root), "prefetch", IMAGE, "--cache", str(base / "cache"))
+    assert r.code == 0, r.err
+    remove_images(f"imagebuild/{IMAGE}", IMAGE)
+    yield root
+    remove_images(f"imagebuild/{IMAGE}", IMAGE)
+
+
+def test_mirror_builds_end_to_end_offline(mirror_project):
+    root = mirror_project
+    lock = json.loads((root / "docker-images" / IMAGE / "lock.json").read_text())
+    assert len(lock["sources"]["GREETPKG"]["prs"]) == 2
+    assert lock["sources"]["MATHDEP"]["dependency_of"] == "FASTEXT"
+    res = run_cli("--root", str(root), "build", IMAGE, "--json")
+    assert res.code == 0, res.err
+    rec = json.loads(res.out)
+    assert [s["status"] for s in rec["stages"]] == ["built"] * 6
+    assert all(s["network"] == "none" for s in rec["stages"])
+    ext = next(s for s in rec["stages"] if s["name"] == "ext")
+    assert ext["named_contexts"]["imagebuild-src"] == ["FASTEXT.tar.gz", "MATHDEP.tar.gz"]
+    cand = f"{IMAGE}:candidate"
+    # the composed fork (both PR heads), the C++ library (its dependency from the tarball), the patch
+    out = subprocess.run(["docker", "run", "--rm", "--network", "none", cand, "python3", "/opt/mirror/smoke.py"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["hello", "42", "pr1", "1.0+pr2"]
+    patches = json.loads(cat(cand, "/opt/imagebuild/patches.json"))["patches"]
+    assert patches["patch_greetpkg.py"]["outcome"] == "applied"
+    assert cat(cand, "/opt/imagebuild/lock.json") == (root / "docker-images" / IMAGE / "lock.json").read_text()
+    cfg = json.loads(subprocess.run(["docker", "image", "inspect", "--format", "{{json .Config}}", cand],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert cfg["Cmd"] == ["bash"] and not cfg.get("Entrypoint")
+    # SOURCE_DATE_EPOCH: the newest pinned source commit
+    newest = max(s["source_date_epoch"] for s in lock["sources"].values())
+    assert rec["source_date_epoch"] == newest
+
+
+def test_mirror_tampered_prefetched_tarball_refused(mirror_project):
+    root = mirror_project
+    lock = json.loads((root / "docker-images" / IMAGE / "lock.json").read_text())
+    tb = root / lock["sources"]["MATHDEP"]["tarball"]
+    good = tb.read_bytes()
+    before = image_id(f"{IMAGE}:candidate")
+    try:
+        tb.write_bytes(good[:100] + bytes([good[100] ^ 0xFF]) + good[101:])
+        res = run_cli("--root", str(root), "build", IMAGE, "--from", "ext", "--no-cache")
+        assert res.code == 1
+        assert "MATHDEP" in res.err and "does not match the lock" in res.err
+        assert image_id(f"{IMAGE}:candidate") == before
+    finally:
+        tb.write_bytes(good)
