@@ -1,7 +1,8 @@
 """Deterministic tar.gz of a git tree (plus its submodules), straight from the object store.
 
 The archive holds the tree's files with names relative to the source root (``./CMakeLists.txt``,
-no top folder), directories included, entries sorted by name, every entry with the same mtime
+no top folder), directories included, entries sorted by name within each folder (the order of
+``tar --sort=name``), every entry with the same mtime
 (the composed commit's time), uid/gid 0, empty user and group names, modes 0644/0755 (files by
 their git executable bit, folders 0755) and symlinks as symlinks. GNU tar format; gzip with no
 file name and mtime 0 at level 6, written as a series of gzip members of 4 MiB of input each
@@ -154,7 +155,6 @@ class _BlobReader:
 
 def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
     """Write the archive of ``entries`` to ``dest`` atomically; return its SHA-256."""
-    entries = sorted(entries, key=lambda e: e.path.encode("utf-8", "surrogateescape"))
     # folders: every parent of every entry
     dirs = sorted({str(Path(e.path).parent.as_posix()) for e in entries} - {"."})
     alldirs: set[str] = set()
@@ -162,16 +162,19 @@ def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
         parts = d.split("/")
         for i in range(1, len(parts) + 1):
             alldirs.add("/".join(parts[:i]))
-    items: list[tuple[bytes, str, Entry | None]] = [(d.encode("utf-8", "surrogateescape") + b"/", d, None)
-                                                    for d in alldirs]
-    items += [(e.path.encode("utf-8", "surrogateescape"), e.path, e) for e in entries]
-    # sort by name, a folder before what it holds ("a/" sorts right before "a/x")
+    def key(path: str) -> tuple[bytes, ...]:
+        return tuple(path.encode("utf-8", "surrogateescape").split(b"/"))
+
+    # sorted like `tar --sort=name`: by name within each folder, a folder right before what it holds
+    items: list[tuple[tuple, str, Entry | None]] = [(key(d), d, None) for d in alldirs]
+    items += [(key(e.path), e.path, e) for e in entries]
     items.sort(key=lambda t: t[0])
 
     readers: dict[int, _BlobReader] = {}
     by_repo: dict[int, list[str]] = {}
-    for e in entries:
-        by_repo.setdefault(id(e.repo), []).append(e.sha)
+    for _k, _n, e in items:  # each reader is fed its blobs in the order the archive takes them
+        if e is not None:
+            by_repo.setdefault(id(e.repo), []).append(e.sha)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
