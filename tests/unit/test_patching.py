@@ -1,0 +1,134 @@
+"""The anchor-patch primitive (imagebuild/patching.py), its CLI, and `imagebuild patch`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from imagebuild import guards, patching
+from imagebuild.build import DEFAULT_SOURCE_DATE_EPOCH, source_date_epoch
+from tests.conftest import run_cli, tree_state
+
+SRC = 'def greet():\n    return "hello"\n'
+PATCH = '''from imagebuild_patching import Edit
+
+EDITS = [Edit(file="greet.py", anchor='    return "hello"\\n',
+              replacement='    return "HELLO"  # imagebuild-patch: loud\\n', marker="imagebuild-patch: loud",
+              upstream=['return "HELLO"'])]
+'''
+
+
+def _setup(tmp_path: Path, src: str = SRC, patch: str = PATCH) -> tuple[Path, Path]:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "greet.py").write_text(src)
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "patch_loud.py").write_text(patch)
+    return tmp_path / "src", tmp_path / "patches" / "patch_loud.py"
+
+
+def test_applied_then_already_applied_and_idempotent(tmp_path):
+    src, p = _setup(tmp_path)
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == "applied"
+    after = (src / "greet.py").read_text()
+    assert 'return "HELLO"  # imagebuild-patch: loud' in after
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == "already-applied"
+    assert (src / "greet.py").read_text() == after
+
+
+def test_upstream_equivalent_is_not_needed(tmp_path):
+    src, p = _setup(tmp_path, src='def greet():\n    return "HELLO"\n')
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == "not-needed" and "upstream already has the change" in r.message
+
+
+@pytest.mark.parametrize("src,why", [('def greet():\n    return "hi"\n', "not found"),
+                                     ('def greet():\n    return "hello"\n    return "hello"\n', "found 2 times")])
+def test_anything_else_fails_naming_patch_file_anchor(tmp_path, src, why):
+    s, p = _setup(tmp_path, src=src)
+    before = tree_state(tmp_path)
+    (r,) = patching.apply_all([p], s)
+    assert r.outcome == "failed"
+    assert "patch_loud.py" in r.message and "greet.py" in r.message and "return \"hello\"" in r.message
+    assert why in r.message
+    assert tree_state(tmp_path) == before  # nothing written
+
+
+def test_python_result_must_parse(tmp_path):
+    bad = PATCH.replace('# imagebuild-patch: loud', '( # imagebuild-patch: loud')
+    s, p = _setup(tmp_path, patch=bad)
+    (r,) = patching.apply_all([p], s)
+    assert r.outcome == "failed" and "does not parse" in r.message
+    assert (s / "greet.py").read_text() == SRC
+
+
+def test_cli_check_record_and_exit_codes(tmp_path):
+    s, p = _setup(tmp_path)
+    prim = Path(patching.__file__)
+    rec = tmp_path / "out" / "patches.json"
+    chk = subprocess.run([sys.executable, str(prim), "apply", "--src", str(s), "--check", str(p.parent)],
+                         capture_output=True, text=True)
+    assert chk.returncode == 0 and "would-apply" in chk.stderr and (s / "greet.py").read_text() == SRC
+    run = subprocess.run([sys.executable, str(prim), "apply", "--src", str(s), "--record", str(rec), str(p.parent)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(rec.read_text())
+    assert data["schema"] == "imagebuild.patches" and data["patches"]["patch_loud.py"]["outcome"] == "applied"
+    (s / "greet.py").write_text('def greet():\n    return "bye"\n')
+    fail = subprocess.run([sys.executable, str(prim), "apply", "--src", str(s), str(p)], capture_output=True, text=True)
+    assert fail.returncode == 1 and "failed" in fail.stderr
+
+
+def test_imagebuild_patch_command(project, tmp_path):
+    src = tmp_path / "checkout"
+    src.mkdir()
+    (src / "greet.py").write_text(SRC)
+    res = run_cli("--root", str(project), "patch", "staged", "--src", str(src), "--check", "--json")
+    assert res.code == 0, res.err
+    assert json.loads(res.out)["patches"][0]["outcome"] == "would-apply"
+    assert (src / "greet.py").read_text() == SRC
+    assert run_cli("--root", str(project), "patch", "staged", "--src", str(src)).code == 0
+    res = run_cli("--root", str(project), "patch", "staged", "--src", str(src))
+    assert res.code == 0 and "already-applied" in res.out
+    (src / "greet.py").write_text('def greet():\n    return "moved"\n')
+    res = run_cli("--root", str(project), "patch", "staged", "--src", str(src), "--check")
+    assert res.code == 1 and "patch_greet.py" in res.err and "greet.py" in res.err and "anchor" in res.err
+
+
+def test_jobs_rule():
+    j = guards.jobs_rule(20, 121.0, env={})
+    assert j.max_jobs == 20 and j.nvcc_threads == 2  # (121 - 8) // 4 = 28, capped by cores
+    j = guards.jobs_rule(20, 24.0, env={})
+    assert j.max_jobs == 4
+    assert guards.jobs_rule(20, 5.0, env={}).max_jobs == 1
+    assert guards.jobs_rule(20, 121.0, jobs=3, env={}).max_jobs == 3
+    j = guards.jobs_rule(20, 121.0, env={"MAX_JOBS": "2", "NVCC_THREADS": "4"})
+    assert (j.max_jobs, j.nvcc_threads) == (2, 4)
+
+
+def test_serving_patterns():
+    p = guards.ServingPatterns()
+    assert p.match({"Command": '"vllm serve /models/x --port 8000"'})
+    assert p.match({"Command": '"python3 -m vllm.entrypoints.openai.api_server"'})
+    assert p.match({"Command": '"sleep 1"', "Labels": "a=b,imagebuild.role=serve"})
+    assert not p.match({"Command": '"sleep 1"', "Names": "web"})
+    p = guards.ServingPatterns.from_env({"IMAGEBUILD_SERVING_NAMES": "vllm-*", "IMAGEBUILD_SERVING_COMMANDS": ""})
+    assert p.match({"Command": '"vllm serve x"', "Names": "vllm-head"}) == "name matches 'vllm-*'"
+    assert not p.match({"Command": '"vllm serve x"', "Names": "other"})
+
+
+def test_platform_guard():
+    assert guards.check_platform("linux/amd64", emulate=False, engine_arch="x86_64") is None
+    with pytest.raises(guards.GuardRefused):
+        guards.check_platform("linux/arm64", emulate=False, engine_arch="x86_64")
+    assert "emulation" in guards.check_platform("linux/arm64", emulate=True, engine_arch="x86_64")
+
+
+def test_source_date_epoch():
+    assert source_date_epoch(None) == DEFAULT_SOURCE_DATE_EPOCH
+    assert source_date_epoch({"sources": {"A": {"source_date_epoch": 5}, "B": {"source_date_epoch": 9}}}) == 9
