@@ -261,7 +261,10 @@ class Mirror:
                          _last_error_line(last))
                 pol.sleep(attempt - 1)
             try:
-                r = run_mod.run(["git", *argv], env=_GIT_ENV, timeout=pol.timeout, check=False)
+                # over https a stalled transfer (under 1 kB/s for 60 s) fails and is retried; for
+                # git:// and ssh the per-attempt timeout bounds it
+                r = run_mod.run(["git", "-c", "http.lowSpeedLimit=1000", "-c", "http.lowSpeedTime=60", *argv],
+                                env=_GIT_ENV, timeout=pol.timeout, check=False)
             except OperationFailed as exc:  # timed out
                 last = exc.message
                 continue
