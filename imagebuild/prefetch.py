@@ -13,8 +13,9 @@ Per image (docs/prefetch.md):
 5. **FetchContent** (fetchcontent.py): every declaration in the composed tree must be pinned.
 6. **Submodules** of sources that want them, fetched by the SHAs their parents record.
 7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<tree12>.tar.gz`` + ``SHA256SUMS``.
-8. **Commit**: versions.env pins written back in place, then the lock (last: it is the commit
-   point; a failure or interruption before it leaves the previous lock and tarballs as they were).
+8. **Commit**: versions.env pins written back in place, then the lock (the commit point; a
+   failure or interruption before it leaves the previous lock and tarballs as they were), then
+   ``SHA256SUMS`` and the removal of tarballs no lock refers to.
 """
 
 from __future__ import annotations
@@ -250,10 +251,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     entries = _pmap(do_pack, pins.values(), jobs)
     sources = {p.name: e for p, e in zip(pins.values(), entries, strict=True)}
 
-    # 8. commit: SHA256SUMS, versions.env, lock (last)
-    sums = "".join(f"{e['sha256']}  {Path(e['tarball']).name}\n"
-                   for e in sorted(sources.values(), key=lambda e: Path(e["tarball"]).name))
-    atomic_write_text(srcdir / SUMS_FILE, sums)
+    # 8. commit: versions.env, the lock (the commit point), then SHA256SUMS and pruning
     updates = {}
     for p in pins.values():
         src = defn.sources[p.name]
@@ -270,6 +268,9 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         for u in rep.pinned:
             log.info("  pinned %s=%s in %s", u["key"], u["to"], defn.env.display)
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
+    sums = "".join(f"{e['sha256']}  {Path(e['tarball']).name}\n"
+                   for e in sorted(sources.values(), key=lambda e: Path(e["tarball"]).name))
+    atomic_write_text(srcdir / SUMS_FILE, sums)
     _prune(srcdir, {Path(e["tarball"]).name for e in sources.values()})
     rep.sources = sources
     rep.lock = lock_disp
