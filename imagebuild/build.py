@@ -65,7 +65,7 @@ DRY_RUN_SCHEMA = "imagebuild.build-plan"
 DEFAULT_SOURCE_DATE_EPOCH = 315532800  # 1980-01-01T00:00:00Z: zip (wheels) cannot hold older times
 IMAGE_META_DIR = "/opt/imagebuild"
 PATCH_RECORD = f"{IMAGE_META_DIR}/patches.json"
-PRIMITIVE_NAME = "patches/imagebuild_patching.py"
+PRIMITIVE_NAME = plan_mod.PRIMITIVE_CONTEXT
 NAMED_SRC, NAMED_WHEELS, NAMED_APT = "imagebuild-src", "imagebuild-wheels", "imagebuild-apt"
 LOG_TAIL_LINES = 30
 REPRODUCIBLE_CHOICES = ("final", "all", "none")
@@ -260,6 +260,8 @@ def make_context(root: Path, stage: plan_mod.PlannedStage, dest: Path, epoch: in
     """A folder holding exactly the stage's declared inputs (and the patch primitive)."""
     dest.mkdir(parents=True, exist_ok=True)
     for inp in stage.inputs:
+        if inp.kind == "primitive":
+            continue  # copied from the installed package below
         src = root / inp.path
         target = dest / inp.context_path
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -267,7 +269,7 @@ def make_context(root: Path, stage: plan_mod.PlannedStage, dest: Path, epoch: in
             shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
         else:
             shutil.copy2(src, target)
-    if any(i.kind == "patch" for i in stage.inputs):
+    if any(i.kind == "primitive" for i in stage.inputs):
         (dest / PRIMITIVE_NAME).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(patching.__file__, dest / PRIMITIVE_NAME)
     _fix_mtimes(dest, epoch)

@@ -118,6 +118,18 @@ class Plan:
         }
 
 
+PRIMITIVE_CONTEXT = "patches/imagebuild_patching.py"
+PRIMITIVE_DISPLAY = "<imagebuild>/patching.py"
+
+
+def _primitive_sha256() -> str:
+    from pathlib import Path
+
+    from . import patching
+
+    return sha256_tree(Path(patching.__file__))
+
+
 def stage_image(image: str, stage: str, key: str) -> str:
     """The tag of a stage image: one repository per image, the stage and its key in the tag."""
     return f"imagebuild/{image}:{stage}-{key.removeprefix('sha256:')[:STAGE_TAG_KEY_LEN]}"
@@ -185,6 +197,9 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
 
         inputs = tuple(PlannedInput(d.display_path(defn.root, i.path), i.context_path,
                                     sha256_tree(i.path), i.kind) for i in st.inputs)
+        if any(i.kind == "patch" for i in st.inputs):
+            # the patch primitive is shipped into the context of every patching stage
+            inputs += (PlannedInput(PRIMITIVE_DISPLAY, PRIMITIVE_CONTEXT, _primitive_sha256(), "primitive"),)
         sources = {name: defn.sources[name].pins() for name in st.sources}
         df_sha = sha256_bytes(st.dockerfile_bytes)
         key_doc = {

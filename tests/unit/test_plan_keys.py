@@ -36,7 +36,11 @@ def test_plan_json_valid_and_ordered(project):
     assert args["APP_FLAVOUR"] == ("plain vanilla", "versions.env")
     assert args["APP_COLOUR"] == ("blue", "default")
     assert args["STAGE_BASE"] == (data["stages"][0]["image"], "plan")
-    assert {i["context"] for i in app["inputs"]} == {"patches/patch_hello.py", "patches/patch_shared.py"}
+    assert {i["context"] for i in app["inputs"]} == {"patches/patch_hello.py", "patches/patch_shared.py",
+                                                      "patches/imagebuild_patching.py"}
+    # the patch primitive is an input of patching stages only, so a change to it rebuilds them
+    assert [i["kind"] for i in app["inputs"]].count("primitive") == 1
+    assert all(i["kind"] != "primitive" for s in data["stages"] if s["name"] != "app" for i in s["inputs"])
     runner = {a["name"]: a["value"] for a in data["stages"][3]["args"]}
     assert runner["TARGETARCH"] == "amd64" and runner["RUNNER_USER"] == "root"
     assert all(s["key"].startswith("sha256:") and len(s["key"]) == 71 for s in data["stages"])
@@ -132,3 +136,9 @@ def test_help_is_complete():
 def test_bad_flag_exits_2():
     res = run_cli("plan", "--frobnicate")
     assert res.code == 2
+
+
+def test_patch_primitive_change_reaches_patching_stages_only(project, monkeypatch):
+    before = keys(project)
+    monkeypatch.setattr(plan, "_primitive_sha256", lambda: "0" * 64)
+    assert changed(before, keys(project)) == ["app", "runner"]
