@@ -8,6 +8,7 @@ stops with the pull-request number and the conflicting paths.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import OperationFailed
@@ -39,7 +40,21 @@ def commit_time(m: Mirror, sha: str) -> int:
     return int(m.out("show", "-s", "--format=%ct", sha))
 
 
+MIN_GIT = (2, 38)  # git merge-tree --write-tree
+
+
+def check_git_version(version_text: str) -> None:
+    """Refuse, with a hint, a git too old to merge without a work tree."""
+    m = re.search(r"(\d+)\.(\d+)", version_text)
+    if m and (int(m.group(1)), int(m.group(2))) < MIN_GIT:
+        raise OperationFailed(f"{version_text.strip()} cannot compose pull requests: 'git merge-tree "
+                              f"--write-tree' needs git >= {MIN_GIT[0]}.{MIN_GIT[1]}",
+                              hint="install a newer git (Ubuntu 24.04 ships 2.43)")
+
+
 def compose(m: Mirror, source: str, ref: str, prs: list[tuple[int, str]]) -> Composed:
+    if prs:
+        check_git_version(m.out("version"))
     current = ref
     epoch = commit_time(m, ref)
     for number, sha in prs:

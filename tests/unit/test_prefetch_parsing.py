@@ -149,3 +149,12 @@ def test_sources_cycle(tmp_path):
     with pytest.raises(DefinitionError) as ei:
         d.load(root, "tiny")
     assert ei.value.render().count("forms a cycle") == 1
+
+
+def test_old_git_is_refused_with_a_hint():
+    from imagebuild.compose import check_git_version
+
+    check_git_version("git version 2.43.0")
+    with pytest.raises(OperationFailed) as ei:
+        check_git_version("git version 2.34.1")
+    assert "needs git >= 2.38" in ei.value.message and ei.value.hint
