@@ -71,18 +71,8 @@ def detect_gpus() -> list[str]:
 
 
 def _inspect(ref: str) -> dict:
-    import json
-
-    proc = run_mod.run(["docker", "image", "inspect", ref], check=False, timeout=60)
-    text = proc.stdout.decode("utf-8", "replace")
-    if proc.returncode != 0:
-        raise OperationFailed(f"image {ref!r} not found in the engine",
-                              hint="docker image ls; build it first (imagebuild build), or pass --ref")
-    try:
-        (data,) = json.loads(text[text.index("["):])
-    except (ValueError, json.JSONDecodeError):
-        raise OperationFailed(f"unexpected output of docker image inspect {ref}") from None
-    return data
+    return identity_mod.inspect_data(
+        ref, hint="docker image ls; build it first (imagebuild build), or pass --ref")
 
 
 def _now() -> str:

@@ -65,14 +65,19 @@ def inspect(ref: str, *, docker: list[str] | None = None) -> ImageIdentity:
 
     ``docker`` may be a remote command prefix, e.g. ``["ssh", "dgx4", "docker"]``.
     """
+    return from_inspect(inspect_data(ref, docker=docker))
+
+
+def inspect_data(ref: str, *, docker: list[str] | None = None, hint: str | None = None) -> dict:
+    """The ``docker image inspect`` object of ``ref``; a clear error when the image is not there."""
     argv = [*(docker or ["docker"]), "image", "inspect", ref]
     proc = run_mod.run(argv, check=False, timeout=60)
     text = proc.stdout.decode("utf-8", "replace")
     if proc.returncode != 0:
-        raise OperationFailed(f"image {ref!r} not found in the engine: {text.strip().splitlines()[-1:]}",
-                              hint="docker image ls; build it first (imagebuild build)")
+        raise OperationFailed(f"image {ref!r} not found in the engine",
+                              hint=hint or "docker image ls; build it first (imagebuild build)")
     try:
         (data,) = json.loads(text[text.index("["):])
     except (ValueError, json.JSONDecodeError):
         raise OperationFailed(f"unexpected output of docker image inspect {ref}") from None
-    return from_inspect(data)
+    return data

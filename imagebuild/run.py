@@ -24,19 +24,25 @@ def which(name: str) -> str | None:
     return shutil.which(name)
 
 
+def _announce(argv: Sequence[str]) -> list[str]:
+    argv = [str(a) for a in argv]
+    log.debug("+ %s", shlex.join(argv))
+    return argv
+
+
+def _environ(env: Mapping[str, str] | None) -> dict[str, str] | None:
+    """The child's environment: ours plus ``env`` (whose values are never logged)."""
+    return None if env is None else {**os.environ, **env}
+
+
 def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeout: float | None = None,
         env: Mapping[str, str] | None = None, cwd: Path | str | None = None, input: bytes | None = None,
         hint: str | None = None) -> subprocess.CompletedProcess:
     """Run ``argv``; with ``capture`` stdout and stderr are returned (combined in ``.stdout``)."""
-    argv = [str(a) for a in argv]
-    log.debug("+ %s", shlex.join(argv))
-    full_env = None
-    if env is not None:
-        full_env = dict(os.environ)
-        full_env.update(env)
+    argv = _announce(argv)
     try:
         proc = subprocess.run(
-            argv, cwd=cwd, env=full_env, input=input, timeout=timeout,
+            argv, cwd=cwd, env=_environ(env), input=input, timeout=timeout,
             stdout=subprocess.PIPE if capture else None,
             stderr=subprocess.STDOUT if capture else None,
         )
@@ -62,14 +68,9 @@ def popen(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Pat
     The caller reads/writes the pipes, then calls ``check_popen`` to reap it and raise
     ``CommandFailed`` on a non-zero exit.
     """
-    argv = [str(a) for a in argv]
-    log.debug("+ %s", shlex.join(argv))
-    full_env = None
-    if env is not None:
-        full_env = dict(os.environ)
-        full_env.update(env)
+    argv = _announce(argv)
     try:
-        return subprocess.Popen(argv, cwd=cwd, env=full_env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        return subprocess.Popen(argv, cwd=cwd, env=_environ(env), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except FileNotFoundError:
         raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
