@@ -433,14 +433,15 @@ def _write_requirements(defn: d.Definition, stage: d.Stage, dest: Path, wheels: 
 
 def prefetch_wheels(defn: d.Definition, report: Report | None = None) -> dict:
     """Download every stage's wheels for the target; write the lock's ``wheels`` section."""
+    return _prefetch_section(defn, "wheels", lambda st: st.requirements is not None, _stage_wheels, report)
+
+
+def _prefetch_section(defn: d.Definition, name: str, wanted, fetch_stage, report: Report | None) -> dict:
+    """Run ``fetch_stage`` for each stage that ``wanted``; replace the lock section ``name``."""
     report = report if report is not None else Report()
-    locked = _read_lock(defn).get("wheels") or {}
-    section: dict[str, dict] = {}
-    for st in defn.stages:
-        if st.requirements is None:
-            continue
-        section[st.name] = _stage_wheels(defn, st, locked.get(st.name), report)
-    lock_mod.update_sections(defn.dir, defn.name, {"wheels": section})
+    locked = _read_lock(defn).get(name) or {}
+    section = {st.name: fetch_stage(defn, st, locked.get(st.name), report) for st in defn.stages if wanted(st)}
+    lock_mod.update_sections(defn.dir, defn.name, {name: section})
     return section
 
 
@@ -690,15 +691,7 @@ rm -rf "$work"
 
 def prefetch_apt(defn: d.Definition, report: Report | None = None) -> dict:
     """Download every stage's apt packages (with dependencies); write the lock's ``apt`` section."""
-    report = report if report is not None else Report()
-    locked = _read_lock(defn).get("apt") or {}
-    section: dict[str, dict] = {}
-    for st in defn.stages:
-        if st.apt is None:
-            continue
-        section[st.name] = _stage_apt(defn, st, locked.get(st.name), report)
-    lock_mod.update_sections(defn.dir, defn.name, {"apt": section})
-    return section
+    return _prefetch_section(defn, "apt", lambda st: st.apt is not None, _stage_apt, report)
 
 
 def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Report) -> dict:
