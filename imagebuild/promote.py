@@ -91,7 +91,9 @@ def promote(root: Path, image: str, candidate: str | None = None) -> Promotion:
     if not receipt:
         raise GateFailed(f"{candidate} ({ident.digest}) has no passing gate receipt: :local stays where it is",
                          hint=f"imagebuild gate {image} (the receipt is tied to this exact image identity)")
-    cand_id = image_id(candidate)
+    # the id from the very inspect the receipt was checked against: if :candidate moves meanwhile,
+    # :local still goes to the image that passed
+    cand_id = ident.local_id or image_id(candidate)
     old_id = image_id(ref(image, LOCAL))
     previous = None
     if old_id and old_id != cand_id:
