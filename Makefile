@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	# byte-compile now: an editable install does not, and PYTHONDONTWRITEBYTECODE would
+	# otherwise make every command re-compile the package (~0.1 s a run)
+	$(BIN)/python -m compileall -q imagebuild
 	touch $@
 
 # Real parts for the tests: a Docker engine with BuildKit and the containerd store, local
