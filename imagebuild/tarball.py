@@ -6,8 +6,8 @@ no top folder), directories included, entries sorted by name within each folder 
 (the composed commit's time), uid/gid 0, empty user and group names, modes 0644/0755 (files by
 their git executable bit, folders 0755) and symlinks as symlinks. GNU tar format; gzip with no
 file name and mtime 0 at level 6, written as a series of gzip members of 4 MiB of input each
-(compressed in parallel). The same tree gives the same bytes wherever the same deflate
-implementation runs (zlib; see docs/prefetch.md for zlib-ng).
+(compressed in parallel). The same tree gives the same bytes wherever deflate is mainline
+zlib's (1.2.13 and 1.3.1 agree); ``check_deflate`` refuses any other (zlib-ng) before packing.
 
 Blobs stream from ``git cat-file --batch`` (one process per repository) straight into the tar
 stream, so packing keeps pace with ``tar --sort=name | gzip -n`` and beats it on several cores.
@@ -58,6 +58,44 @@ def list_tree(m: Mirror, treeish: str) -> list[tuple[str, str, str]]:
 # gzip member header: magic, deflate, no flags, mtime 0, no extra flags, OS "unknown" (255) --
 # written by hand so that it does not depend on the platform zlib was built for.
 _GZ_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+
+
+def _known_answer_input() -> bytes:
+    """~0.5 MiB of text-like data with matches at many distances, from a fixed LCG (no stdlib
+    random, whose algorithms may change between Python versions)."""
+    words = (b"the build never depends on a flaky network cmake fetchcontent cutlass vllm b12x kernel "
+             b"sm_121a arm64 gate receipt layer digest tarball deterministic").split()
+    x, out = 20261129, []
+    for _ in range(60000):
+        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append(words[(x >> 33) % len(words)] + str((x >> 17) % 1000).encode())
+    return b" ".join(out)
+
+
+# sha256 of gzip_member(_known_answer_input()) as mainline zlib (1.2.x, 1.3.x) writes it at LEVEL
+_KNOWN_ANSWER_SHA256 = "c36a8ae81667bf711b55605d2cf9de95cf20dd8248ad8ca20e53e5c13af0064e"
+_deflate_checked = False
+
+
+def check_deflate() -> None:
+    """Refuse to pack when this Python's deflate writes other bytes than mainline zlib.
+
+    Tarballs are byte-identical across machines only if every machine compresses alike. A zlib
+    that is not mainline (zlib-ng, some vendor-optimised builds, as in some standalone Python
+    builds) produces valid but different bytes, which the lock then rejects everywhere else.
+    A known-answer test catches that before anything is written.
+    """
+    global _deflate_checked
+    if _deflate_checked:
+        return
+    got = hashlib.sha256(gzip_member(_known_answer_input())).hexdigest()
+    if got != _KNOWN_ANSWER_SHA256:
+        raise OperationFailed(
+            f"this Python's zlib ({zlib.ZLIB_RUNTIME_VERSION}) does not compress like mainline zlib "
+            "(known-answer test failed): its tarballs would not match the lock on other machines",
+            hint="run imagebuild with a Python linked against the system's zlib (Debian/Ubuntu python3, "
+            "pyenv builds); standalone builds linked with zlib-ng differ")
+    _deflate_checked = True
 
 
 def gzip_member(data: bytes, level: int = LEVEL) -> bytes:
@@ -155,6 +193,7 @@ class _BlobReader:
 
 def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
     """Write the archive of ``entries`` to ``dest`` atomically; return its SHA-256."""
+    check_deflate()
     # folders: every parent of every entry
     dirs = sorted({str(Path(e.path).parent.as_posix()) for e in entries} - {"."})
     alldirs: set[str] = set()
