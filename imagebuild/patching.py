@@ -197,10 +197,15 @@ def load_edits(path: Path) -> list:
     if spec is None or spec.loader is None:
         raise PatchError(f"patch {path.name}: cannot be imported")
     mod = importlib.util.module_from_spec(spec)
+    # no __pycache__ beside the patch: it would litter the definition folder (and a folder of
+    # patches declared as 'files:' would change its cache key)
+    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         spec.loader.exec_module(mod)
     except Exception as exc:  # a broken patch script is a failed patch, with its reason
         raise PatchError(f"patch {path.name}: importing it failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.dont_write_bytecode = saved
     edits = getattr(mod, "EDITS", None)
     if not isinstance(edits, (list, tuple)):
         raise PatchError(f"patch {path.name}: defines no EDITS list (EDITS = [Edit(...), ...])")

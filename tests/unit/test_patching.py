@@ -49,7 +49,11 @@ def test_upstream_equivalent_is_not_needed(tmp_path):
 
 @pytest.mark.parametrize("src,why", [('def greet():\n    return "hi"\n', "not found"),
                                      ('def greet():\n    return "hello"\n    return "hello"\n', "found 2 times")])
-def test_anything_else_fails_naming_patch_file_anchor(tmp_path, src, why):
+def test_anything_else_fails_naming_patch_file_anchor(tmp_path, src, why, monkeypatch):
+    import sys
+
+    # as on a machine without PYTHONDONTWRITEBYTECODE: importing the patch must not leave __pycache__
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
     s, p = _setup(tmp_path, src=src)
     before = tree_state(tmp_path)
     (r,) = patching.apply_all([p], s)
