@@ -445,6 +445,33 @@ def _prefetch_section(defn: d.Definition, name: str, wanted, fetch_stage, report
     return section
 
 
+def _restore_locked(defn: d.Definition, st: d.Stage, dest: Path, missing: list[dict], report: Report, *,
+                    served_by: str, fetch, gone_hint: str, subdir: str = "") -> None:
+    """Fetch the ``missing`` locked files again (``fetch(tmp)``), check each against its locked
+    sha256 and move it into ``dest``. A file no longer served, or served with other bytes, is an
+    error: the lock is the truth, never what the index or archive serves today."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
+    try:
+        fetch(tmp)
+        for f in missing:
+            got_path = tmp / subdir / f["filename"]
+            if not got_path.is_file():
+                raise OperationFailed(f"stage {st.name!r}: the {served_by} no longer serves {f['filename']}",
+                                      hint=gone_hint)
+            got = sha256_file(got_path)
+            if got != f["sha256"]:
+                raise OperationFailed(
+                    f"stage {st.name!r}: sha256 mismatch for {f['filename']}: the lock "
+                    f"({_rel(defn, lock_mod.lock_path(defn.dir))}) says {f['sha256']}, the {served_by} "
+                    f"served {got}", hint=f"the {served_by} changed a published file (or the lock was edited); "
+                    "find out which before trusting it")
+            _mkdir(dest)
+            os.replace(got_path, dest / f["filename"])
+            report.downloaded.append(f["filename"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: Report) -> dict:
     inputs = wheel_inputs(defn, st)
     inputs_sha = _digest(inputs)
@@ -454,27 +481,11 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
         if missing:
             report.need_network(f"stage {st.name!r}: {len(missing)} locked wheel(s) are missing or damaged")
             log.info("stage %s: fetching %d missing wheel(s) again by exact version", st.name, len(missing))
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
-            try:
-                _pip_download(defn, st, [f"{w['name']}=={w['version']}" for w in missing], tmp, no_deps=True)
-                for w in missing:
-                    got_path = tmp / w["filename"]
-                    if not got_path.is_file():
-                        raise OperationFailed(f"stage {st.name!r}: the index no longer serves {w['filename']}",
-                                              hint="re-resolve: change or touch the requirements, or delete the "
-                                              "stage's entry in lock.json")
-                    got = sha256_file(got_path)
-                    if got != w["sha256"]:
-                        raise OperationFailed(
-                            f"stage {st.name!r}: sha256 mismatch for {w['filename']}: the lock "
-                            f"({_rel(defn, lock_mod.lock_path(defn.dir))}) says {w['sha256']}, the index "
-                            f"served {got}", hint="the index changed a published file (or the lock was edited); "
-                            "find out which before trusting it")
-                    _mkdir(dest)
-                    os.replace(got_path, dest / w["filename"])
-                    report.downloaded.append(w["filename"])
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            _restore_locked(
+                defn, st, dest, missing, report, served_by="index",
+                fetch=lambda tmp: _pip_download(defn, st, [f"{w['name']}=={w['version']}" for w in missing], tmp,
+                                                no_deps=True),
+                gone_hint="re-resolve: change or touch the requirements, or delete the stage's entry in lock.json")
         for w in entry["files"]:
             if w not in missing:
                 report.reused.append(w["filename"])
@@ -707,25 +718,11 @@ def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Repo
         missing = [p for p in entry["files"] if not _has(dest / p["filename"], p["sha256"])]
         if missing:
             report.need_network(f"stage {st.name!r}: {len(missing)} locked deb(s) are missing or damaged")
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
-            try:
-                _apt_run(defn, st, base_ref.value, [f"{p['name']}={p['version']}" for p in missing], tmp,
-                         "download")
-                for p in missing:
-                    got_path = tmp / "archives" / p["filename"]
-                    if not got_path.is_file():
-                        raise OperationFailed(f"stage {st.name!r}: the archive no longer serves {p['filename']}",
-                                              hint="set apt_snapshot to pin the archive, or re-resolve the stage")
-                    got = sha256_file(got_path)
-                    if got != p["sha256"]:
-                        raise OperationFailed(
-                            f"stage {st.name!r}: sha256 mismatch for {p['filename']}: the lock says {p['sha256']}, "
-                            f"the archive served {got}", hint="the archive changed (or the lock was edited)")
-                    _mkdir(dest)
-                    os.replace(got_path, dest / p["filename"])
-                    report.downloaded.append(p["filename"])
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            _restore_locked(
+                defn, st, dest, missing, report, served_by="archive", subdir="archives",
+                fetch=lambda tmp: _apt_run(defn, st, base_ref.value,
+                                           [f"{p['name']}={p['version']}" for p in missing], tmp, "download"),
+                gone_hint="set apt_snapshot to pin the archive, or re-resolve the stage")
         for p in entry["files"]:
             if p not in missing:
                 report.reused.append(p["filename"])
