@@ -28,6 +28,7 @@ from .errors import (
     EXIT_REFUSED,
     DefinitionError,
     ImagebuildError,
+    UsageError,
 )
 
 log = logging.getLogger("imagebuild")
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="project root holding docker-images/ (default: $IMAGEBUILD_ROOT, else the nearest "
                    "folder at or above the current one that has docker-images/)")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (every command run)")
-    p.add_argument("-v", "--verbose", action="store_true", help="more progress on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="more on stderr: every command run (+ docker ...) and, for build, each stage's log lines")
     p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -191,13 +193,27 @@ prefetch environment:
                     "nothing")
     sp.add_argument("--jobs", type=int, metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
-    sp.add_argument("--reproducible", choices=("final", "all", "none"), default="final",
-                    help="stages exported as OCI with rewrite-timestamp (digest-stable; costs a full export of the "
-                    "image per stage). default: final")
+    sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
+                    help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
+                    "terminal, otherwise a heartbeat line at least once a minute (stage, elapsed time, log); "
+                    "quiet: only the heartbeat")
     sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
     sp.add_argument("--json", action="store_true", help="print the build record (schema imagebuild.build, "
                     "version 1; with --dry-run: imagebuild.build-plan)")
     sp.set_defaults(func=cmd_build)
+
+    sp = sub.add_parser("log", help="list build runs, or show one run's record and logs",
+                        description="Without RUN: the recorded build runs (of IMAGE, or of every image), newest "
+                        "first, with their status and build id. With RUN (a run id, a unique prefix of one, or "
+                        "'latest'): that run's stages and log paths; with --stage, that stage's full log. Every "
+                        "run keeps its own folder under .imagebuild/builds/IMAGE/RUN/ (record.json, logs/).",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("run", metavar="RUN", nargs="?", help="run id, a unique prefix of one, or 'latest'")
+    sp.add_argument("--stage", metavar="STAGE", help="print this stage's log (needs IMAGE; 'release' for the release "
+                    "step)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
+    sp.set_defaults(func=cmd_log)
 
     sp = sub.add_parser("patch", help="apply or check an image's patch set on a checkout, outside docker",
                         description="Apply IMAGE's patch_*.py files (every stage's, in build order) to the "
@@ -225,8 +241,8 @@ prefetch environment:
 
 
 def _setup_logging(args) -> None:
-    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else \
-        logging.WARNING if args.quiet else logging.INFO
+    # -v: also every command run ("+ docker ...") and the build logs as they come; --debug: and tracebacks
+    level = logging.DEBUG if (args.debug or args.verbose) else logging.WARNING if args.quiet else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.handlers[:] = [handler]
@@ -308,17 +324,16 @@ def cmd_validate(args) -> int:
 def cmd_plan(args) -> int:
     root = _root(args)
     dfn = defn_mod.load(root, args.image)
-    exists = None
+    from .stagestore import StageStore
+
     engine_info = None
     if not args.no_engine:
         info = engine_mod.probe()
         engine_info = info.as_dict()
-        if info.reachable:
-            tags = engine_mod.existing_tags(f"imagebuild/{dfn.name}")
-            exists = lambda ref: ref in tags  # noqa: E731
-        else:
-            log.info("no Docker engine reachable (%s): stage existence unknown", info.detail)
-    plan = plan_mod.make_plan(dfn, exists=exists, engine=engine_info)
+        if not info.reachable:
+            log.info("no Docker engine reachable (%s)", info.detail)
+    store = StageStore.for_image(root, dfn.name)  # built stages: read from the stage store, no engine needed
+    plan = plan_mod.make_plan(dfn, exists=lambda key: store.lookup(key) is not None, engine=engine_info)
     if args.json:
         _print_json(plan.as_dict())
         return EXIT_OK
@@ -338,8 +353,10 @@ def _print_plan(plan: plan_mod.Plan) -> None:
     print(f"image     {plan.image}")
     print(f"platform  {plan.platform}")
     print(f"build id  {plan.build_id}  (from {plan.build_id_from})")
+    if plan.provenance is not None:
+        print(f"revision  {plan.provenance.revision or '(not in git)'}  definition {plan.provenance.definition_sha256[:23]}")
     for i, s in enumerate(plan.stages, start=1):
-        exists = {True: "exists", False: "to build", None: "unknown (no engine)"}[s.exists]
+        exists = {True: "built", False: "to build", None: "unknown"}[s.exists]
         print(f"\n{i}. {s.name}  [{exists}]")
         print(f"   image       {s.image}")
         print(f"   key         {s.key}")
@@ -351,8 +368,12 @@ def _print_plan(plan: plan_mod.Plan) -> None:
             print(f"   arg         {a.name}={a.value}  ({a.origin})")
         for inp in s.inputs:
             print(f"   input       {inp.path} -> {inp.context_path}  sha256:{inp.sha256[:16]}  ({inp.kind})")
-        for src in s.sources:
-            print(f"   source      {src}")
+        for m in s.mounts:
+            what = f"sha256:{m.sha256[:16]}" if m.sha256 else "NOT PREFETCHED"
+            dep = f", dependency of {m.dependency_of}" if m.dependency_of else ""
+            print(f"   source      {m.name}  {m.tarball or '-'}  {what}{dep}" +
+                  (f"  STALE: {m.stale}" if m.stale and m.sha256 else ""))
+        print(f"   epoch       SOURCE_DATE_EPOCH={s.source_date_epoch}")
         for kind, pk in sorted(s.packages.items()):
             state = "locked " + pk["locked"][:16] if pk["locked"] else "NOT PREFETCHED for these inputs"
             print(f"   {kind:<11} inputs {pk['inputs'][:16]}  {state}")
@@ -432,7 +453,7 @@ def cmd_build(args) -> int:
     root = _root(args)
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
-                             reproducible=args.reproducible, gate=not args.no_gate)
+                             gate=not args.no_gate, progress=args.progress)
     if args.dry_run:
         doc = build_mod.dry_run(root, args.image, opts)
         if args.json:
@@ -440,9 +461,13 @@ def cmd_build(args) -> int:
         else:
             print(f"image     {doc['image']}  ({doc['platform']}, build id {doc['build_id']}, "
                   f"SOURCE_DATE_EPOCH {doc['source_date_epoch']})")
+            import shlex
+
+            print(f"stages    {doc['stage_store']} (OCI layout, every stage exported with rewrite-timestamp)")
             for i, s in enumerate(doc["stages"], start=1):
-                print(f"{i}. {s['name']:<16} {s['action']:<14} {s['image']}  ({s['reason']}; network {s['network']}"
-                      f"{'; reproducible export' if s['reproducible'] else ''})")
+                print(f"{i}. {s['name']:<16} {s['action']:<14} {s['image']}  ({s['reason']}; network {s['network']})")
+                if s["command"]:
+                    print("   " + shlex.join(s["command"]))
             print("then: release image, :b-<build id>, :candidate" if doc["release"] else
                   "then: stop (--until), no release image")
         return EXIT_OK
@@ -457,7 +482,60 @@ def cmd_build(args) -> int:
             print(f"candidate        {', '.join(rec['release']['tags'])}  identity {rec['release']['identity']}")
         if rec.get("promotion"):
             p = rec["promotion"]
-            print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else ""))
+            print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else "") +
+                  (" (:local already held this identity)" if p["status"] == "unchanged" else ""))
+        print(f"run              {rec['run_id']} (imagebuild log {rec['image']} {rec['run_id']})")
+    return EXIT_OK
+
+
+def cmd_log(args) -> int:
+    from . import runs as runs_mod
+
+    root = _root(args)
+    if args.image:
+        defn_mod.check_image_name(args.image)
+    if args.run is None and args.stage is None:
+        runs = runs_mod.list_runs(root, args.image)
+        if args.json:
+            _print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
+            return EXIT_OK
+        if not runs:
+            print("no build runs recorded" + (f" for {args.image}" if args.image else ""))
+            return EXIT_OK
+        for r in runs:
+            s = r.summary()
+            print(f"{r.image:<20} {r.run_id:<24} {s['status']:<12} build {s['build_id'] or '-'}"
+                  + (f"  failed at {s['failed_stage']}" if s["failed_stage"] else "")
+                  + (f"  {s['promotion']}" if s["promotion"] else ""))
+        return EXIT_OK
+    if not args.image:
+        raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
+    run = runs_mod.find_run(root, args.image, args.run)
+    if args.stage:
+        path = run.dir / "logs" / f"{args.stage}.log"
+        if not path.is_file():
+            have = ", ".join(p.stem for p in run.logs()) or "none"
+            raise UsageError(f"run {run.run_id} of {args.image} has no log for stage {args.stage!r}",
+                             hint=f"logs of that run: {have}")
+        sys.stdout.write(path.read_text(encoding="utf-8", errors="replace"))
+        return EXIT_OK
+    if args.json:
+        _print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
+                     "logs": [defn_mod.display_path(root, p) for p in run.logs()]})
+        return EXIT_OK
+    s = run.summary()
+    print(f"run       {run.run_id}  ({args.image}, {s['status']})")
+    print(f"build id  {s['build_id'] or '-'}")
+    print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}")
+    for st in run.record.get("stages") or []:
+        took = f"{st['seconds']:.1f} s" if st.get("seconds") is not None else ""
+        print(f"  {st['name']:<16} {st.get('status', '-'):<8} {took:>9}  {st.get('log') or ''}")
+    if s["identity"]:
+        print(f"identity  {s['identity']}")
+    if s["promotion"]:
+        print(f"promotion {s['promotion']}")
+    for p in run.logs():
+        print(f"log       {defn_mod.display_path(root, p)}")
     return EXIT_OK
 
 
@@ -489,8 +567,8 @@ def _print_patches(doc) -> None:
 def cmd_rollback(args) -> int:
     from . import promote as promote_mod
 
-    _root(args)
-    doc = promote_mod.rollback(args.image)
+    root = _root(args)
+    doc = promote_mod.rollback(args.image, root)
     if args.json:
         _print_json(doc)
     else:
@@ -503,10 +581,26 @@ def cmd_rollback(args) -> int:
 # ------------------------------------------------------------------------------------------------ main
 
 
+def _signals_as_interrupt() -> None:
+    """SIGTERM and SIGHUP behave like Ctrl-C: every ``finally`` runs (child processes stopped,
+    temporary files removed, locks released) and the exit code is 130."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):  # not the main thread (tests call main() in-process from threads)
+            pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args)
+    _signals_as_interrupt()
     try:
         return args.func(args)
     except ImagebuildError as exc:

@@ -49,7 +49,7 @@ PLATFORM_RE = re.compile(r"linux/(amd64|arm64|arm/v7|arm/v6|ppc64le|s390x|riscv6
 
 # Build args the plan provides (not from versions.env).
 ARG_PARENT = "PARENT"
-ARG_BUILD_ID = "IMAGEBUILD_BUILD_ID"
+ARG_BUILD_ID = "IMAGEBUILD_BUILD_ID"  # refused: the build id derives from the stage keys
 ARG_IMAGE = "IMAGEBUILD_IMAGE"
 ARG_STAGE = "IMAGEBUILD_STAGE"
 STAGE_ARG_PREFIX = "STAGE_"
@@ -820,7 +820,7 @@ def _check_dockerfile(name, parsed, df_disp, env, earlier, inputs, args_out, c, 
     if not parsed.froms:
         c.err(df_disp, "no FROM instruction", hint="start the stage with: ARG PARENT / FROM ${PARENT}")
         return False
-    plan_args = {ARG_PARENT, ARG_BUILD_ID, ARG_IMAGE, ARG_STAGE} | {stage_arg(s) for s in earlier}
+    plan_args = {ARG_PARENT, ARG_IMAGE, ARG_STAGE} | {stage_arg(s) for s in earlier}
     declared = parsed.defaults()
     global_args = {a.name for a in parsed.args if a.global_scope}
     aliases: set[str] = set()
@@ -867,7 +867,12 @@ def _check_dockerfile(name, parsed, df_disp, env, earlier, inputs, args_out, c, 
 
     for argname in parsed.arg_names():
         line = next(a.line for a in parsed.args if a.name == argname)
-        if env.get(argname) is not None:
+        if argname == ARG_BUILD_ID:
+            c.err(df_disp, f"ARG {argname}: a stage cannot receive the build id", line=line, key=argname,
+                  hint="the build id is derived from every stage's key, so no stage can depend on it; the "
+                  "release image carries it (label io.imagebuild.build-id, /opt/imagebuild/build.json)")
+            ok = False
+        elif env.get(argname) is not None:
             if argname in plan_args:
                 c.err(env.display, f"{argname} is provided by imagebuild and cannot be set in versions.env",
                       line=env.line_of(argname), key=argname)

@@ -24,11 +24,13 @@ class EngineInfo:
     architecture: str | None = None
     root_dir: str | None = None
     detail: str | None = None
+    id: str | None = None  # the engine's own ID (docker info .ID): names it across clones and state folders
 
     def as_dict(self) -> dict:
         return {"reachable": self.reachable, "server_version": self.server_version,
                 "storage_driver": self.storage_driver, "containerd_store": self.containerd_store,
-                "architecture": self.architecture, "root_dir": self.root_dir, "detail": self.detail}
+                "architecture": self.architecture, "root_dir": self.root_dir, "detail": self.detail,
+                "id": self.id}
 
 
 def probe() -> EngineInfo:
@@ -53,7 +55,7 @@ def probe() -> EngineInfo:
     containerd = info.get("Driver", "").startswith("overlayfs") or "io.containerd" in status.get(
         "driver-type", "")
     return EngineInfo(True, info.get("ServerVersion"), info.get("Driver"), containerd,
-                      info.get("Architecture"), info.get("DockerRootDir"))
+                      info.get("Architecture"), info.get("DockerRootDir"), id=info.get("ID") or info.get("Name"))
 
 
 def existing_tags(repository: str) -> set[str]:

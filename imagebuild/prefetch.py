@@ -280,8 +280,9 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
 
 
 def _build_id(defn: d.Definition) -> str:
-    from .plan import build_id_of
-    return build_id_of(defn)[0]
+    from .plan import make_plan
+
+    return make_plan(d.load(defn.root, defn.name)).build_id
 
 
 def _local(fn):

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from imagebuild import guards, patching
-from imagebuild.build import DEFAULT_SOURCE_DATE_EPOCH, source_date_epoch
 from tests.conftest import run_cli, tree_state
 
 SRC = 'def greet():\n    return "hello"\n'
@@ -133,6 +132,3 @@ def test_platform_guard():
     assert "emulation" in guards.check_platform("linux/arm64", emulate=True, engine_arch="x86_64")
 
 
-def test_source_date_epoch():
-    assert source_date_epoch(None) == DEFAULT_SOURCE_DATE_EPOCH
-    assert source_date_epoch({"sources": {"A": {"source_date_epoch": 5}, "B": {"source_date_epoch": 9}}}) == 9

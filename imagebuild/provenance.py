@@ -1,0 +1,82 @@
+"""Where a definition came from, told truthfully: its content digest and its git revision.
+
+- ``definition_sha256``: a digest of the definition folder's files and of every input it takes
+  from outside that folder (the shared patch set), by relative name, x bit and content;
+- ``revision``: the last commit that touched those paths, with ``-dirty`` appended when any of
+  them differs from that commit or is not committed at all (``git status --porcelain``), and
+  None outside a git checkout.
+
+Both go into the release image's labels and into the build id, so a label never names a commit
+whose tree does not hold what was built. Read-only: only ``git log`` and ``git status`` run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import definition as d
+from . import run as run_mod
+from .fsutil import canonical_json, sha256_bytes, sha256_tree
+
+DIRTY_SUFFIX = "-dirty"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    definition_sha256: str
+    revision: str | None  # "<sha40>", "<sha40>-dirty", or None (no git)
+    paths: tuple[str, ...]  # project-relative paths the digest and the revision cover
+    source_url: str | None = None  # the project's git remote (credentials removed)
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.revision and self.revision.endswith(DIRTY_SUFFIX))
+
+    def as_dict(self) -> dict:
+        return {"definition_sha256": self.definition_sha256, "revision": self.revision,
+                "dirty": self.dirty, "paths": list(self.paths), "source_url": self.source_url}
+
+
+def _paths(defn: d.Definition) -> list[Path]:
+    outside = sorted({i.path for s in defn.stages for i in s.inputs if defn.dir not in i.path.parents})
+    return [defn.dir, *outside]
+
+
+def definition_sha256(defn: d.Definition) -> str:
+    parts = [(d.display_path(defn.root, p), sha256_tree(p)) for p in _paths(defn)]
+    return "sha256:" + sha256_bytes(canonical_json(parts))
+
+
+def revision(root: Path, paths: list[str]) -> str | None:
+    if not (Path(root) / ".git").exists() or run_mod.which("git") is None:
+        return None
+    proc = run_mod.run(["git", "-C", str(root), "log", "-1", "--format=%H", "--", *paths], check=False, timeout=10)
+    rev = proc.stdout.decode().strip()
+    if proc.returncode != 0:
+        return None
+    status = run_mod.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all", "--", *paths],
+                         check=False, timeout=10)
+    dirty = status.returncode != 0 or bool(status.stdout.strip())
+    if len(rev) != 40:  # never committed: there is no commit to name
+        return None if not dirty else "uncommitted" + DIRTY_SUFFIX
+    return rev + (DIRTY_SUFFIX if dirty else "")
+
+
+def source_url(root: Path) -> str | None:
+    """The project's ``origin`` remote, without credentials (never put a token into a label)."""
+    if not (Path(root) / ".git").exists() or run_mod.which("git") is None:
+        return None
+    proc = run_mod.run(["git", "-C", str(root), "remote", "get-url", "origin"], check=False, timeout=10)
+    url = proc.stdout.decode().strip()
+    if proc.returncode != 0 or not url:
+        return None
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme}://{rest.split('@', 1)[1]}"
+    return url
+
+
+def of(defn: d.Definition) -> Provenance:
+    paths = [d.display_path(defn.root, p) for p in _paths(defn)]
+    return Provenance(definition_sha256(defn), revision(defn.root, paths), tuple(paths), source_url(defn.root))
