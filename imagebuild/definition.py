@@ -42,6 +42,7 @@ NAME_RE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
 STAGE_RE = re.compile(r"[a-z][a-z0-9]*(?:[_-][a-z0-9]+)*\Z")
 SHA_RE = re.compile(r"[0-9a-f]{40}\Z")
 HEXISH_RE = re.compile(r"[0-9a-fA-F]{4,64}\Z")
+REF_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*\Z")
 PR_RE = re.compile(r"(?P<num>[1-9][0-9]*)(?:@(?P<sha>[^\s,]*))?\Z")
 # registry/name[:tag][@sha256:digest]; name components are lower case
 IMAGE_REF_RE = re.compile(
@@ -98,8 +99,9 @@ class PullRequest:
 class GitSource:
     name: str  # e.g. VLLM (the versions.env prefix)
     repo: str
-    ref: str
+    ref: str  # the commit (40 hex) once pinned, else the branch or tag name to resolve
     prs: tuple[PullRequest, ...]
+    follows: str | None = None  # NAME_REF=<branch or tag>@<sha>: the name the pin follows (--refresh moves it)
 
     @property
     def ref_pinned(self) -> bool:
@@ -452,7 +454,20 @@ def _git_sources(env: envfile.EnvFile, c: _Collector) -> dict[str, GitSource]:
                   "user@host:path", line=env.line_of(rk), key=rk)
             ok = False
         ref = env.get(fk)
-        if ref is None:
+        follows, ref_ok = None, True
+        if ref and "@" in ref:  # <branch or tag>@<sha>: a pin that remembers what it follows
+            follows, _, ref = ref.rpartition("@")
+            if not REF_NAME_RE.match(follows) or ".." in follows:
+                c.err(f, f"invalid ref name {follows!r} before '@' (expected a branch or tag name)",
+                      line=env.line_of(fk), key=fk, hint=f"write {fk}=<branch or tag>@<40-hex sha>, or only one")
+                ok = ref_ok = False
+            elif not SHA_RE.match(ref):
+                c.err(f, f"{follows}@{ref}: {ref!r} is not a full 40-hex commit sha", line=env.line_of(fk), key=fk,
+                      hint=f"write {fk}={follows} and let prefetch pin it as {follows}@<sha>")
+                ok = ref_ok = False
+        if not ref_ok:
+            pass
+        elif ref is None:
             c.err(f, f"git source {name} has {rk} but no {fk}", line=env.line_of(rk), key=fk,
                   hint=f"add {fk}=<full 40-hex commit sha>")
             ok = False
@@ -469,7 +484,7 @@ def _git_sources(env: envfile.EnvFile, c: _Collector) -> dict[str, GitSource]:
                           hint="abbreviated shas are ambiguous; `git rev-parse <sha>` in a clone gives the "
                           "full one")
                 ok = False
-            elif re.match(r"[A-Za-z0-9][A-Za-z0-9._/+-]*\Z", ref):
+            elif REF_NAME_RE.match(ref):
                 c.note(f, f"ref {ref!r} is a name, not a commit: unpinned (imagebuild prefetch resolves it)",
                        line=env.line_of(fk), key=fk)
             else:
@@ -503,7 +518,7 @@ def _git_sources(env: envfile.EnvFile, c: _Collector) -> dict[str, GitSource]:
                            line=env.line_of(pk), key=pk)
                 prs.append(PullRequest(num, sha))
         if ok and ref is not None:
-            sources[name] = GitSource(name, repo, ref, tuple(prs))
+            sources[name] = GitSource(name, repo, ref, tuple(prs), follows)
     return sources
 
 

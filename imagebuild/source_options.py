@@ -16,8 +16,13 @@ from pathlib import PurePosixPath
 
 from . import envfile, yamlread
 
-SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules")
+SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules", "exclude")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# an override may also be a CMake cache variable, which may hold '-', '.', '+'
+# (FetchContent's own FETCHCONTENT_SOURCE_DIR_VLLM-FLASH-ATTN); only ENV_NAME_RE names can be env vars
+OVERRIDE_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.+-]*\Z")
+FETCHCONTENT_NAME_RE = re.compile(r"[A-Za-z0-9_.+-]+\Z")
+SUBMODULES_DECLARED = "declared"  # the lock's word for "as the FetchContent declaration asks"
 
 
 @dataclass(frozen=True)
@@ -28,21 +33,40 @@ class SourceOptions:
     scan_fetchcontent: bool  # read FetchContent_Declare calls in the composed tree
     dependency_of: str | None  # the source whose FetchContent declaration this one satisfies
     declares: str  # the FetchContent name it satisfies (default: NAME lower-case)
-    env: str | None  # the override variable the build points at it
+    env: str | None  # the override variable, as written; None: the one the tree reads (prefetch finds it)
     subdir: str | None  # only this folder of the tree is packed
-    submodules: bool  # pack the submodules (recursively) too
+    # which submodules to pack: None = as the declaration's GIT_SUBMODULES asks (a dependency) or none
+    # (a top-level source); True = all, recursively; False = none; a tuple = those paths
+    submodules: bool | tuple[str, ...] | None = None
     line: int | None = None  # where image.yaml declares it (None: defaults)
+    # FetchContent declarations of this source's tree that no source pins, on purpose: (name, reason)
+    exclude: tuple[tuple[str, str], ...] = ()
+
+    def setting(self) -> dict:
+        """The settings as the lock records them (compared by prefetch's no-change check)."""
+        sub = self.submodules
+        return {"scan_fetchcontent": self.scan_fetchcontent, "dependency_of": self.dependency_of,
+                "declares": self.declares, "env": self.env, "subdir": self.subdir,
+                "submodules": SUBMODULES_DECLARED if sub is None else (list(sub) if isinstance(sub, tuple) else sub),
+                "exclude": {n: r for n, r in self.exclude}}
+
+    def excluded(self, declared_name: str) -> str | None:
+        """The reason ``declared_name`` is excluded, or None."""
+        for n, r in self.exclude:
+            if n.lower() == declared_name.lower():
+                return r
+        return None
 
 
 def default_source_options(name: str) -> SourceOptions:
-    return SourceOptions(name, True, None, name.lower(), None, None, False)
-
+    return SourceOptions(name, True, None, name.lower(), None, None, None)
 
 
 def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, sources: Mapping[str, object],
                    err: Callable[..., None]) -> dict[str, SourceOptions]:
     """image.yaml ``sources:``: per git source, how prefetch finds, fetches and packs it."""
     out = {name: default_source_options(name) for name in sources}
+    lines: dict[str, dict[str, int]] = {}  # name -> key -> line
     node = spec.value.get("sources")
     if node is None:
         return out
@@ -64,17 +88,25 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             continue
         if not isinstance(opts.value, dict):
             err(yfile, "expected a mapping of options", line=opts.line, key=where,
-                  hint=f"allowed: {', '.join(SOURCE_KEYS)}")
+                hint=f"allowed: {', '.join(SOURCE_KEYS)}")
             continue
         _unknown_keys(opts, SOURCE_KEYS, yfile, where, err)
         m = opts.value
         vals: dict = {}
-        for key in ("scan_fetchcontent", "submodules"):
-            if key in m:
-                if not isinstance(m[key].value, bool):
-                    err(yfile, "expected true or false", line=m[key].line, key=f"{where}.{key}")
-                else:
-                    vals[key] = m[key].value
+        if "scan_fetchcontent" in m:
+            if not isinstance(m["scan_fetchcontent"].value, bool):
+                err(yfile, "expected true or false", line=m["scan_fetchcontent"].line,
+                    key=f"{where}.scan_fetchcontent")
+            else:
+                vals["scan_fetchcontent"] = m["scan_fetchcontent"].value
+        if "submodules" in m:
+            sub = _submodules(m["submodules"], yfile, f"{where}.submodules", err)
+            if sub is not _BAD:
+                vals["submodules"] = sub
+        if "exclude" in m:
+            ex = _exclude(m["exclude"], yfile, f"{where}.exclude", err)
+            if ex is not _BAD:
+                vals["exclude"] = ex
         for key in ("dependency_of", "declares", "env", "subdir"):
             if key in m:
                 v = m[key].value
@@ -92,9 +124,9 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             err(yfile, "a source cannot be a dependency of itself", line=kl("dependency_of"),
                   key=f"{where}.dependency_of")
             vals.pop("dependency_of")
-        if "env" in vals and not ENV_NAME_RE.match(vals["env"]):
+        if "env" in vals and not OVERRIDE_NAME_RE.match(vals["env"]):
             err(yfile, f"invalid variable name {vals['env']!r}", line=kl("env"), key=f"{where}.env",
-                  hint="e.g. VLLM_CUTLASS_SRC_DIR or FETCHCONTENT_SOURCE_DIR_CUTLASS")
+                hint="e.g. VLLM_CUTLASS_SRC_DIR or FETCHCONTENT_SOURCE_DIR_CUTLASS")
             vals.pop("env")
         if "subdir" in vals:
             sp = PurePosixPath(vals["subdir"])
@@ -105,14 +137,13 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             else:
                 vals["subdir"] = sp.as_posix()
         declares = vals.get("declares", name.lower())
-        env_var = vals.get("env")
-        if env_var is None and vals.get("dependency_of"):
-            env_var = "FETCHCONTENT_SOURCE_DIR_" + re.sub(r"[^A-Z0-9_]", "_", declares.upper())
         out[name] = SourceOptions(
             name=name,
             scan_fetchcontent=vals.get("scan_fetchcontent", not vals.get("dependency_of")),
-            dependency_of=vals.get("dependency_of"), declares=declares, env=env_var,
-            subdir=vals.get("subdir"), submodules=vals.get("submodules", False), line=line)
+            dependency_of=vals.get("dependency_of"), declares=declares, env=vals.get("env"),
+            subdir=vals.get("subdir"), submodules=vals.get("submodules"), line=line,
+            exclude=vals.get("exclude", ()))
+        lines[name] = {k: m[k].line for k in m}
     # no cycles through dependency_of
     in_cycle: set[str] = set()
     for name in out:
@@ -126,7 +157,72 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
                 break
             seen.append(cur)
             cur = out[cur].dependency_of
+    # a declaration is either pinned by a source or excluded by its parent, not both
+    for name, o in out.items():
+        parent = out.get(o.dependency_of) if o.dependency_of else None
+        reason = parent.excluded(o.declares) if parent else None
+        if reason is not None:
+            err(yfile, f"{name} pins {o.declares!r} for {o.dependency_of}, which also excludes it "
+                f"({reason!r})", line=lines.get(o.dependency_of, {}).get("exclude", o.line),
+                key=f"sources.{o.dependency_of}.exclude",
+                hint=f"remove {o.declares!r} from sources.{o.dependency_of}.exclude, or remove {name}")
     return out
+
+
+_BAD = object()
+
+
+def _submodules(node: yamlread.Node, yfile: str, key: str, err: Callable[..., None]):
+    """true / false / a list of submodule paths (relative, no '..')."""
+    v = node.value
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, list):
+        paths: list[str] = []
+        ok = True
+        for item in v:
+            p = item.value
+            sp = PurePosixPath(p) if isinstance(p, str) and p.strip() else None
+            if sp is None or sp.is_absolute() or ".." in sp.parts or "\\" in p or str(sp) == ".":
+                err(yfile, f"submodule path {p!r} must be a relative path inside the repository",
+                    line=item.line, key=key)
+                ok = False
+                continue
+            if sp.as_posix() in paths:
+                err(yfile, f"submodule path {p!r} is listed twice", line=item.line, key=key)
+                ok = False
+                continue
+            paths.append(sp.as_posix())
+        return tuple(paths) if ok else _BAD
+    err(yfile, "expected true (all, recursively), false (none) or a list of submodule paths", line=node.line,
+        key=key, hint="leave it out to take what the FetchContent declaration's GIT_SUBMODULES asks for")
+    return _BAD
+
+
+def _exclude(node: yamlread.Node, yfile: str, key: str, err: Callable[..., None]):
+    """{FetchContent name: reason}: declarations the image leaves out on purpose."""
+    if not isinstance(node.value, dict):
+        err(yfile, "expected a mapping of FetchContent names to the reason each is left out", line=node.line,
+            key=key, hint='e.g. exclude: {oneDNN: "CPU-only; this image builds for CUDA"}')
+        return _BAD
+    out: list[tuple[str, str]] = []
+    ok = True
+    for name, reason in node.value.items():
+        line = (node.key_lines or {}).get(name, reason.line)
+        if not FETCHCONTENT_NAME_RE.match(str(name)):
+            err(yfile, f"{name!r} is not a FetchContent name", line=line, key=f"{key}.{name}")
+            ok = False
+        elif not isinstance(reason.value, str) or not reason.value.strip():
+            err(yfile, f"exclusion of {name!r} needs a reason (a non-empty string)", line=line,
+                key=f"{key}.{name}", hint='say why this image does not need it, e.g. "CPU-only; this image '
+                'builds for CUDA"')
+            ok = False
+        elif any(n.lower() == str(name).lower() for n, _ in out):
+            err(yfile, f"{name!r} is excluded twice", line=line, key=f"{key}.{name}")
+            ok = False
+        else:
+            out.append((str(name), reason.value.strip()))
+    return tuple(sorted(out, key=lambda t: t[0].lower())) if ok else _BAD
 
 
 def _unknown_keys(node: yamlread.Node, allowed: tuple[str, ...], file: str, where: str,

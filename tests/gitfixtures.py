@@ -409,6 +409,12 @@ CMAKE_TEMPLATE = """cmake_minimum_required(VERSION 3.20)
 project(app LANGUAGES CXX)
 include(FetchContent)
 
+if (DEFINED ENV{{APP_DEP_SRC_DIR}})
+  set(APP_DEP_SRC_DIR $ENV{{APP_DEP_SRC_DIR}})
+endif()
+if(APP_DEP_SRC_DIR)
+  FetchContent_Declare(dep SOURCE_DIR ${{APP_DEP_SRC_DIR}})
+else()
 FetchContent_Declare(
   dep
   GIT_REPOSITORY https://github.com/example/dep.git
@@ -416,6 +422,7 @@ FetchContent_Declare(
   GIT_SUBMODULES "third-party/sub"
   GIT_PROGRESS TRUE
 )
+endif()
 include(cmake/external_projects/kernels.cmake)
 add_executable(app src/main.cpp)
 """
@@ -427,6 +434,8 @@ FetchContent_Declare(
         GIT_TAG        {kernels_tag}
         GIT_SHALLOW    TRUE
 )
+# (read from the environment only, as vLLM reads TRITON_KERNELS_SRC_DIR)
+message(STATUS "kernels override: $ENV{{KERNELS_SRC_DIR}}")
 """
 
 
