@@ -353,6 +353,16 @@ def _print_plan(plan: plan_mod.Plan) -> None:
             print(f"   input       {inp.path} -> {inp.context_path}  sha256:{inp.sha256[:16]}  ({inp.kind})")
         for src in s.sources:
             print(f"   source      {src}")
+        if s.mounts is not None:
+            for m in s.mounts["mounts"]:
+                dep = f", dependency of {m['dependency_of']}" if m["dependency_of"] else ""
+                print(f"   mounts      {m['name']} {m['tarball']}  sha256:{m['sha256'][:16]} -> {m['dir']}{dep}")
+                for o in m["overrides"]:
+                    print(f"   override    {o['name']}={o['value']}  ({'environment' if o['via'] == 'env' else '-D'})")
+            for x in s.mounts["excluded"]:
+                print(f"   excluded    {x['name']} ({x['declared_by']} at {x['where']}): {x['reason']}")
+            for n in s.mounts["missing"]:
+                print(f"   mounts      {n}: NOT PREFETCHED (imagebuild prefetch {plan.image})")
         for kind, pk in sorted(s.packages.items()):
             state = "locked " + pk["locked"][:16] if pk["locked"] else "NOT PREFETCHED for these inputs"
             print(f"   {kind:<11} inputs {pk['inputs'][:16]}  {state}")
