@@ -32,7 +32,7 @@ class MergeConflict(OperationFailed):
         self.culprits = culprits or []  # earlier PRs that changed the conflicting paths: (number, paths)
         shown = ", ".join(paths[:20]) + (f" (+{len(paths) - 20} more)" if len(paths) > 20 else "")
         if self.culprits:
-            withs = "; ".join(f"PR {n} ({', '.join(ps[:5])}{' ...' if len(ps) > 5 else ''})"
+            withs = "; ".join(f"{n} ({', '.join(ps[:5])}{' ...' if len(ps) > 5 else ''})"
                               for n, ps in self.culprits)
             what = f"conflicts with the earlier {'PR' if len(self.culprits) == 1 else 'PRs'} {withs}"
             hint = (f"drop or reorder PR {number} or PR {', '.join(str(n) for n, _ in self.culprits)} in "

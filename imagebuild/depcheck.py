@@ -83,13 +83,20 @@ def override_for(scan: Scan, decl: Declaration | None, explicit: str | None, dep
     it there and it is a valid environment name, else as ``-D``.
     """
     name_in_tree = decl.name if decl is not None else declares
-    own = fetchcontent_dir_var(name_in_tree)
+    # FetchContent reads its own variable for declared content, not for FetchContent_Populate's direct form
+    own = fetchcontent_dir_var(name_in_tree) if decl is None or decl.kind == "declare" else None
+    guards = guard_names(decl)
     if explicit:
         name, origin = explicit, "image.yaml"
     elif decl is not None and decl.override:
         name, origin = decl.override, f"the tree's SOURCE_DIR branch at {decl.override_where}"
-    else:
+    elif own is not None:
         name, origin = own, "FetchContent's own variable"
+    elif guards:
+        name, origin = guards[0], "the condition the declaration is the else branch of"
+    else:
+        return None, f"no override is known for {dep_name} ({name_in_tree!r} is populated directly)", \
+            suggestions(scan, decl, "", name_in_tree)
     env_at, var_at = scan.how_read(name)
     var_at = list(var_at)
     if name == own:
@@ -108,14 +115,38 @@ def suggestions(scan: Scan, decl: Declaration | None, wrong: str, name_in_tree: 
     out: list[str] = []
     if decl is not None and decl.override:
         out.append(decl.override)
-    out.append(fetchcontent_dir_var(name_in_tree))
-    out += difflib.get_close_matches(wrong, scan.read_names(), n=3, cutoff=0.75)
+    out += guard_names(decl)
+    if decl is None or decl.kind == "declare":
+        out.append(fetchcontent_dir_var(name_in_tree))
+    if wrong:
+        out += difflib.get_close_matches(wrong, scan.read_names(), n=3, cutoff=0.75)
     return list(dict.fromkeys(n for n in out if n != wrong))
+
+
+def guard_names(decl: Declaration | None) -> list[str]:
+    """Names read in the conditions a declaration is the ``else`` branch of: ``if(DEFINED
+    ENV{ACL_ROOT_DIR}) ... else() FetchContent_Populate(arm_compute ...)`` makes ACL_ROOT_DIR the
+    way to skip the download."""
+    out: list[str] = []
+    for w in (decl.when if decl is not None else ()):
+        _, _, what = w.partition(": ")
+        if not what.startswith("else of if"):
+            continue
+        for m in re.finditer(r"ENV\{([A-Za-z_][A-Za-z0-9_]*)\}|\b([A-Za-z_][A-Za-z0-9_]*)\b", what[len("else of if"):]):
+            n = m.group(1) or m.group(2)
+            if n and n.upper() not in _NOT_NAMES and not n.startswith(("CMAKE_", "FETCHCONTENT_BASE")):
+                out.append(n)
+    return list(dict.fromkeys(out))
+
+
+_NOT_NAMES = frozenset({"NOT", "AND", "OR", "DEFINED", "ENV", "STREQUAL", "MATCHES", "EQUAL", "IS_DIRECTORY",
+                        "EXISTS", "IS_ABSOLUTE", "TRUE", "FALSE", "ON", "OFF", "VERSION_LESS", "VERSION_GREATER",
+                        "LESS", "GREATER"})
 
 
 def describe_read(scan: Scan, name: str, name_in_tree: str | None = None) -> str:
     env_at, var_at = scan.how_read(name)
-    if name_in_tree and name == fetchcontent_dir_var(name_in_tree):
+    if name_in_tree and name == fetchcontent_dir_var(name_in_tree) and not env_at and not var_at:
         return f"{name} (-D only; FetchContent's own variable for {name_in_tree!r})"
     kinds = []
     if env_at:
@@ -245,7 +276,9 @@ def _undeclared(p, decl: Declaration, commit: str, pins: dict, env_file: str, en
            "from the network")
     existing = next((q for q in pins.values() if repo and _norm_url(q.repo) == _norm_url(repo)), None)
     name = existing.name if existing else upper
-    override = decl.override or fetchcontent_dir_var(decl.name)
+    guards = guard_names(decl)
+    override = decl.override or (fetchcontent_dir_var(decl.name) if decl.kind == "declare" else
+                                 guards[0] if guards else "<the variable the tree reads>")
     entry = f"sources: {{{name}: {{dependency_of: {p.name}, declares: {decl.name}, env: {override}}}}}"
     if existing is not None or f"{upper}_REPO" in env_keys:
         hint = (f"versions.env already has {name}_REPO: link it in image.yaml with '{entry}'")

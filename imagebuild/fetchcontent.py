@@ -391,7 +391,8 @@ class Scan:
 
     def how_read(self, name: str) -> tuple[list[str], list[str]]:
         """(where the tree reads ``name`` from the environment, where as a CMake variable)."""
-        return self.env_reads.get(name, []), self.var_reads.get(name, [])
+        return (list(dict.fromkeys(self.env_reads.get(name, []))),
+                list(dict.fromkeys(self.var_reads.get(name, []))))
 
     def read_names(self) -> list[str]:
         return sorted(set(self.env_reads) | set(self.var_reads))
