@@ -48,7 +48,7 @@ VERSION = 1
 MANIFEST = "imagebuild-bundle.json"
 SUMS = "SHA256SUMS"
 SRC_SUMS = "SHA256SUMS"  # beside the source tarballs (prefetch.SUMS_FILE)
-_CHUNK = 1 << 20
+_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -137,20 +137,36 @@ def definition_digest(img_dir: Path) -> str:
 # ------------------------------------------------------------------------------------------------ bundle
 
 
-class _Hashing:
-    def __init__(self, f, sha: hashlib._Hash):
-        self.f, self.h = f, sha
+class _TarWriter:
+    """A plain tar of regular files, written in large blocks (the archive's bytes are what
+    tarfile writes: GNU headers, 512-byte padding, two zero blocks and a 10240-byte record)."""
 
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.h.update(data)
-        return data
+    def __init__(self, raw):
+        self.raw = raw
+        self.written = 0
 
+    def add(self, name: str, src, size: int, h) -> None:
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
+        self._write(ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
+        left = size
+        while left:
+            chunk = src.read(min(_CHUNK, left))
+            if not chunk:
+                raise OperationFailed(f"{name}: changed while it was being bundled")
+            h.update(chunk)
+            self._write(chunk)
+            left -= len(chunk)
+        self._write(b"\0" * (-size % tarfile.BLOCKSIZE))
 
-def _info(name: str, size: int) -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(name)
-    ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
-    return ti
+    def close(self) -> None:
+        end = 2 * tarfile.BLOCKSIZE
+        end += -(self.written + end) % tarfile.RECORDSIZE
+        self._write(b"\0" * end)
+
+    def _write(self, data: bytes) -> None:
+        self.raw.write(data)
+        self.written += len(data)
 
 
 def bundle(root: Path, image: str, output: Path) -> Result:
@@ -169,7 +185,8 @@ def bundle(root: Path, image: str, output: Path) -> Result:
     manifest_files = []
     total = 0
     try:
-        with open(tmp, "wb") as raw, tarfile.open(fileobj=raw, mode="w|", format=tarfile.GNU_FORMAT) as tf:
+        with open(tmp, "wb") as raw:
+            tf = _TarWriter(raw)
             for it in want:
                 src = root / it.path
                 if not src.is_file():
@@ -178,7 +195,7 @@ def bundle(root: Path, image: str, output: Path) -> Result:
                 size = src.stat().st_size
                 h = hashlib.sha256()
                 with open(src, "rb") as f:
-                    tf.addfile(_info(it.path, size), _Hashing(f, h))
+                    tf.add(it.path, f, size, h)
                 got = h.hexdigest()
                 if it.sha256 is not None and got != it.sha256:
                     raise OperationFailed(f"{it.path}: sha256 {got} does not match {lock_disp} ({it.sha256}); "
@@ -187,16 +204,16 @@ def bundle(root: Path, image: str, output: Path) -> Result:
                 manifest_files.append({"path": it.path, "size": size, "sha256": got})
                 total += size
             sums = "".join(f"{f['sha256']}  {f['path']}\n" for f in manifest_files).encode()
-            tf.addfile(_info(SUMS, len(sums)), _bytes(sums))
+            tf.add(SUMS, _bytes(sums), len(sums), hashlib.sha256())
             man = {"schema": SCHEMA, "version": VERSION, "image": image,
                    "lock": defn.rel(lock_mod.lock_path(defn.dir)),
                    "lock_sha256": next(f["sha256"] for f in manifest_files if f["path"].endswith("/lock.json")),
                    "definition_sha256": definition_digest(defn.dir), "files": manifest_files,
                    "sums_sha256": hashlib.sha256(sums).hexdigest()}
             data = (json.dumps(man, indent=2, sort_keys=True) + "\n").encode()
-            tf.addfile(_info(MANIFEST, len(data)), _bytes(data))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+            tf.add(MANIFEST, _bytes(data), len(data), hashlib.sha256())
+            tf.close()
+        # no fsync: a bundle is a transport file, and unbundle verifies every byte of it
         os.replace(tmp, output)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -308,7 +325,7 @@ def _read(file: Path, stage: Path) -> dict[str, str]:
     """Extract every member into ``stage`` (regular files only, paths checked); {path: sha256}."""
     out: dict[str, str] = {}
     try:
-        with tarfile.open(file, mode="r|") as tf:
+        with tarfile.open(file, mode="r:") as tf:
             for m in tf:
                 name = m.name
                 if not m.isreg():
