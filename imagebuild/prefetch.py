@@ -7,12 +7,16 @@ Per image (docs/prefetch.md):
    and every tarball still has the lock's digest, nothing is run at all (no git, no network).
 2. **Resolve** (network only for what is unpinned, or with ``--refresh``): ref names and bare PR
    numbers via ``git ls-remote`` (``refs/pull/N/head``); PR state from the GitHub API when
-   reachable.
+   reachable. A name is pinned as ``<name>@<sha>`` (``--refresh`` moves it).
 3. **Fetch** into the mirror cache (gitcache.py) only the commits that are missing, by raw SHA.
 4. **Compose** (compose.py): base, then each PR merged in order; record the tree hash.
-5. **FetchContent** (fetchcontent.py): every declaration in the composed tree must be pinned.
-6. **Submodules** of sources that want them, fetched by the SHAs their parents record.
-7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<tree12>.tar.gz`` + ``SHA256SUMS``.
+5. **FetchContent** (fetchcontent.py reads, depcheck.py decides): every declaration in the
+   composed tree pinned or excluded with a reason, each override one the tree reads, tags given
+   through variables resolved and compared.
+6. **Submodules** as the declaration asks (or image.yaml lists), fetched by the SHAs their
+   parents record.
+7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<id12>.tar.gz`` + ``SHA256SUMS``, only
+   what changed: a tarball the lock already has for the same content is kept.
 8. **Commit**: versions.env pins written back in place, then the lock (the commit point; a
    failure or interruption before it leaves the previous lock and tarballs as they were), then
    ``SHA256SUMS`` and the removal of tarballs no lock refers to.
@@ -689,7 +693,8 @@ def _entries(cache, p: Pin, m: gitcache.Mirror, commit: str, subdir: str | None,
                 sm.fetch([sha], what, shallow=True)
             except gitcache.RemoteMissing as exc:
                 raise gitcache.RemoteMissing(
-                    f"{what}: submodule commit {sha} not found on {gitcache.redact(sub_url)}: {exc.message}",
+                    f"{what}: submodule commit {sha} could not be fetched from {gitcache.redact(sub_url)}: "
+                    f"{exc.message.split(': ', 1)[-1]}",
                     hint=f"if the build does not need {path}, list only the submodules it needs in "
                     f"sources.{p.name}.submodules") from None
         rel = path[len(sub_prefix):]

@@ -244,7 +244,7 @@ def test_submodule_settings_against_the_declaration(shapes, tmp_path, done):
                                                                    "submodules: true"))
     r = prefetch(root, tmp_path / "c")
     assert r.code == 1, r.err
-    assert f"FA:csrc/ck: submodule commit {shapes.shas['ck_lost']} not found" in r.err
+    assert f"FA:csrc/ck: submodule commit {shapes.shas['ck_lost']} could not be fetched" in r.err
     assert ("FA: submodules: true (all, recursively) in image.yaml, but 'vl-fa' at cmake/external/fa.cmake:11 asks "
             "for csrc/cutlass" in r.err)
     assert "list only the submodules it needs in sources.FA.submodules" in r.err
