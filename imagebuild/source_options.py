@@ -81,8 +81,8 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             if env.get(f"{name}_REPO") is None:
                 close = difflib.get_close_matches(name, list(sources), n=1)
                 err(yfile, f"unknown git source {name!r}: versions.env has no {name}_REPO", line=line,
-                      key=where, hint=f"did you mean {close[0]!r}?" if close else
-                      f"known sources: {', '.join(sorted(sources)) or 'none'}")
+                    key=where, hint=f"did you mean {close[0]!r}?" if close else
+                    f"known sources: {', '.join(sorted(sources)) or 'none'}")
             continue
         if opts.value is None:
             continue
@@ -118,11 +118,11 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
         dep = vals.get("dependency_of")
         if dep is not None and dep not in sources:
             err(yfile, f"dependency_of {dep!r} is not a git source (versions.env has no {dep}_REPO)",
-                  line=kl("dependency_of"), key=f"{where}.dependency_of")
+                line=kl("dependency_of"), key=f"{where}.dependency_of")
             vals.pop("dependency_of")
         elif dep == name:
             err(yfile, "a source cannot be a dependency of itself", line=kl("dependency_of"),
-                  key=f"{where}.dependency_of")
+                key=f"{where}.dependency_of")
             vals.pop("dependency_of")
         if "env" in vals and not OVERRIDE_NAME_RE.match(vals["env"]):
             err(yfile, f"invalid variable name {vals['env']!r}", line=kl("env"), key=f"{where}.env",
@@ -132,7 +132,7 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             sp = PurePosixPath(vals["subdir"])
             if sp.is_absolute() or ".." in sp.parts or "\\" in vals["subdir"] or str(sp) == ".":
                 err(yfile, f"subdir {vals['subdir']!r} must be a relative path inside the repository "
-                      "(no absolute path, no '..')", line=kl("subdir"), key=f"{where}.subdir")
+                    "(no absolute path, no '..')", line=kl("subdir"), key=f"{where}.subdir")
                 vals.pop("subdir")
             else:
                 vals["subdir"] = sp.as_posix()
@@ -153,7 +153,7 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
                 if cur not in in_cycle:
                     in_cycle.update(seen)
                     err(yfile, f"dependency_of forms a cycle: {' -> '.join(seen + [cur])}",
-                          line=out[name].line, key=f"sources.{name}.dependency_of")
+                        line=out[name].line, key=f"sources.{name}.dependency_of")
                 break
             seen.append(cur)
             cur = out[cur].dependency_of
