@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from . import definition as d
 from . import lock as lock_mod
 from . import packages as packages_mod
-from . import provenance
+from . import provenance, source_mounts
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
 
 PLAN_SCHEMA = "imagebuild.plan"
@@ -100,6 +100,7 @@ class PlannedStage:
     mounts: tuple[MountedSource, ...] = ()  # every source tarball the stage gets
     source_date_epoch: int = DEFAULT_SOURCE_DATE_EPOCH
     stage_contexts: dict = field(default_factory=dict)  # named context -> earlier stage it holds
+    src_mounts: dict | None = None  # what imagebuild-src gives it (source_mounts.py); None: no sources
 
     def build_args(self) -> dict[str, str]:
         """The --build-arg values to pass (BuildKit fills its own platform args)."""
@@ -123,6 +124,7 @@ class PlannedStage:
             "image": self.image,
             "exists": self.exists,
             "packages": self.packages,
+            "mounts": self.src_mounts,
         }
 
 
@@ -312,6 +314,8 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             # the patch primitive is shipped into the context of every patching stage
             inputs += (PlannedInput(PRIMITIVE_DISPLAY, PRIMITIVE_CONTEXT, _primitive_sha256(), "primitive"),)
         mounts = tuple(mounted_sources(defn, lock, st))
+        sm = source_mounts.source_mounts(lock, st.name, st.sources) if st.sources else None
+        src_mounts = sm.as_dict() if sm is not None else None
         epoch = max([parent_epoch, *(m.source_date_epoch for m in mounts if m.source_date_epoch)],
                     default=DEFAULT_SOURCE_DATE_EPOCH)
         df_sha = sha256_bytes(st.dockerfile_bytes)
@@ -326,6 +330,8 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             "network": st.network,
             "source_date_epoch": epoch,
         }
+        if sm is not None:  # the generated unpack script and manifest in imagebuild-src
+            key_doc["generated"] = sm.key_inputs()["generated"]
         pkgs = packages_mod.stage_key_inputs(defn, st, pkg_locked)
         if pkgs:  # wheels / apt packages it installs (absent: keys of other stages unchanged)
             key_doc["packages"] = pkgs
@@ -336,7 +342,7 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             parent_kind=st.parent.kind, parent=st.parent.name, parent_ref=parent_ref,
             args=tuple(args), inputs=inputs, sources=tuple(st.sources), uses_stages=uses,
             network=st.network, key=key, image=stage_image(defn.name, st.name, key), packages=pkgs,
-            mounts=mounts, source_date_epoch=epoch, stage_contexts=stage_contexts)
+            mounts=mounts, source_date_epoch=epoch, stage_contexts=stage_contexts, src_mounts=src_mounts)
         if exists is not None:
             ps = _with_exists(ps, exists(ps.key))
         planned[st.name] = ps
