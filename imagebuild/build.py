@@ -49,7 +49,7 @@ from pathlib import Path, PurePosixPath
 
 from . import definition as defn_mod
 from . import engine as engine_mod
-from . import guards, patching, state
+from . import guards, patching, source_mounts, state
 from . import lock as lock_mod
 from . import plan as plan_mod
 from . import promote as promote_mod
@@ -611,13 +611,16 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     src_dir.mkdir()
     for vf in inputs["src"]:
         _link_or_copy(vf.path, src_dir / vf.name)
+    # the generated unpack script + manifest (extract every source, set every override; source_mounts.py)
+    for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
+        (src_dir / fname).write_bytes(data)
     contexts = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
                 NAMED_APT: str(inputs["apt"] or empty)}
     args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(b.epoch), **_parallel_args(st, jobs, b.opts.jobs is not None)}
     labels = {f"{LABEL_PREFIX}.image": b.defn.name, f"{LABEL_PREFIX}.stage": st.name,
               f"{LABEL_PREFIX}.stage-key": st.key}
     r.args = {k: v for k, v in args.items()}
-    r.contexts = {NAMED_SRC: sorted(vf.name for vf in inputs["src"]),
+    r.contexts = {NAMED_SRC: sorted(p.name for p in src_dir.iterdir()),
                   NAMED_WHEELS: defn_mod.display_path(b.root, inputs["wheels"]) if inputs["wheels"] else None,
                   NAMED_APT: defn_mod.display_path(b.root, inputs["apt"]) if inputs["apt"] else None}
     log_path = b.dir / "logs" / f"{st.name}.log"

@@ -133,7 +133,8 @@ prefetch environment:
     sp.add_argument("images", nargs="*", metavar="IMAGE",
                     help="image definitions to prefetch (default: every image with git sources)")
     sp.add_argument("--refresh", nargs="*", metavar="NAME", default=None,
-                    help="re-resolve pinned PR heads (of the named sources, default all) and report which moved")
+                    help="re-resolve pinned PR heads and followed branches (NAME_REF=<branch>@<sha>) of the named "
+                    "sources (default all) and report which moved")
     sp.add_argument("--offline", action="store_true",
                     help="use the mirror cache only; fail naming the first missing object")
     sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="parallel git operations (default 4)")
@@ -141,6 +142,29 @@ prefetch environment:
                     "$XDG_CACHE_HOME/imagebuild/git)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
     sp.set_defaults(func=cmd_prefetch)
+
+    sp = sub.add_parser("bundle", help="pack an image's lock and every prefetched file into one verified file "
+                        "for a node without GitHub access",
+                        description="Write one file holding IMAGE's lock.json and versions.env, every source "
+                        "tarball, wheel and deb the lock names (each checked against the lock while it is "
+                        "written), a SHA256SUMS and a manifest. Carry it to the build node and run `imagebuild "
+                        "unbundle FILE` there. Details: docs/prefetch.md (\"Carry it to an air-gapped node\").",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("-o", "--output", required=True, metavar="FILE", help="the bundle to write (a tar)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")
+    sp.set_defaults(func=cmd_bundle)
+
+    sp = sub.add_parser("unbundle", help="verify a bundle against its lock, then put its files in place",
+                        description="Read FILE (made by `imagebuild bundle`) into a temporary folder, verify every "
+                        "member against its manifest and SHA256SUMS and every file against the bundled lock, "
+                        "and only then move the prefetched files, versions.env and lock.json into this project. "
+                        "A bad bundle changes nothing (exit 1). After it, `imagebuild build IMAGE` needs no "
+                        "network.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("file", metavar="FILE", help="the bundle")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")
+    sp.set_defaults(func=cmd_unbundle)
 
     sp = sub.add_parser("gate", help="run an image's gate checks inside it and write a receipt",
                         description="Run the gate spec's checks inside a container of the image (entrypoint "
@@ -353,6 +377,16 @@ def _print_plan(plan: plan_mod.Plan) -> None:
             print(f"   input       {inp.path} -> {inp.context_path}  sha256:{inp.sha256[:16]}  ({inp.kind})")
         for src in s.sources:
             print(f"   source      {src}")
+        if s.mounts is not None:
+            for m in s.mounts["mounts"]:
+                dep = f", dependency of {m['dependency_of']}" if m["dependency_of"] else ""
+                print(f"   mounts      {m['name']} {m['tarball']}  sha256:{m['sha256'][:16]} -> {m['dir']}{dep}")
+                for o in m["overrides"]:
+                    print(f"   override    {o['name']}={o['value']}  ({'environment' if o['via'] == 'env' else '-D'})")
+            for x in s.mounts["excluded"]:
+                print(f"   excluded    {x['name']} ({x['declared_by']} at {x['where']}): {x['reason']}")
+            for n in s.mounts["missing"]:
+                print(f"   mounts      {n}: NOT PREFETCHED (imagebuild prefetch {plan.image})")
         for kind, pk in sorted(s.packages.items()):
             state = "locked " + pk["locked"][:16] if pk["locked"] else "NOT PREFETCHED for these inputs"
             print(f"   {kind:<11} inputs {pk['inputs'][:16]}  {state}")
@@ -379,6 +413,36 @@ def cmd_prefetch(args) -> int:
         _print_json(report.as_dict())
     else:
         print(prefetch_mod.render(report))
+    return EXIT_OK
+
+
+def cmd_bundle(args) -> int:
+    from . import bundle as bundle_mod
+
+    root = _root(args)
+    defn_mod.check_image_name(args.image)
+    res = bundle_mod.bundle(root, args.image, args.output)
+    if args.json:
+        _print_json(res.as_dict())
+    else:
+        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB -> {res.file}")
+    return EXIT_OK
+
+
+def cmd_unbundle(args) -> int:
+    from . import bundle as bundle_mod
+
+    root = _root(args)
+    res = bundle_mod.unbundle(root, args.file)
+    if args.json:
+        _print_json(res.as_dict())
+    else:
+        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB verified and in place; "
+              f"`imagebuild build {res.image}` needs no network now")
+        for r in res.replaced:
+            print(f"  replaced {r} (the bundle's pins)")
+        for n in res.notices:
+            print(f"  note   {n}")
     return EXIT_OK
 
 

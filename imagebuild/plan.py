@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from . import definition as d
 from . import packages as packages_mod
+from . import source_mounts
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
 from .lock import LOCK_FILE  # the lock's hash is the build id
 
@@ -61,6 +62,7 @@ class PlannedStage:
     image: str
     exists: bool | None = None
     packages: dict = field(default_factory=dict)  # wheels/apt inputs in the key (packages.py)
+    mounts: dict | None = None  # what imagebuild-src gives it (source_mounts.py); None: no sources
 
     def build_args(self) -> dict[str, str]:
         """The --build-arg values to pass (BuildKit fills its own platform args)."""
@@ -82,6 +84,7 @@ class PlannedStage:
             "image": self.image,
             "exists": self.exists,
             "packages": self.packages,
+            "mounts": self.mounts,
         }
 
 
@@ -161,6 +164,7 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
               engine: dict | None = None) -> Plan:
     build_id, build_id_from = build_id_of(defn)
     pkg_locked = packages_mod.lock_for_plan(defn)
+    src_lock = _sources_lock(defn) if any(st.sources for st in defn.stages) else None
     planned: dict[str, PlannedStage] = {}
     out: list[PlannedStage] = []
     for st in defn.stages:
@@ -221,7 +225,8 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             name=st.name, dockerfile=st.dockerfile_display, dockerfile_sha256=df_sha,
             parent_kind=st.parent.kind, parent=st.parent.name, parent_ref=parent_ref,
             args=tuple(args), inputs=inputs, sources=tuple(st.sources), uses_stages=uses,
-            network=st.network, key=key, image=stage_image(defn.name, st.name, key), packages=pkgs)
+            network=st.network, key=key, image=stage_image(defn.name, st.name, key), packages=pkgs,
+            mounts=source_mounts.source_mounts(src_lock, st.name, st.sources).as_dict() if st.sources else None)
         if exists is not None:
             ps = _with_exists(ps, exists(ps.image))
         planned[st.name] = ps
@@ -229,6 +234,17 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
     return Plan(image=defn.name, platform=defn.platform, definition_dir=d.display_path(defn.root, defn.dir),
                 build_id=build_id, build_id_from=build_id_from, stages=tuple(out),
                 unpinned=defn.notices, engine=engine)
+
+
+def _sources_lock(defn: d.Definition) -> dict | None:
+    """The lock (for the sources it mounts), or None when there is none or it cannot be read."""
+    from . import lock as lock_mod
+    from .errors import DefinitionError
+
+    try:
+        return lock_mod.read(defn.dir)
+    except DefinitionError:
+        return None
 
 
 def _with_exists(ps: PlannedStage, value: bool | None) -> PlannedStage:
