@@ -11,6 +11,7 @@ and this older snapshot does not; they are listed, not failures.
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
@@ -30,7 +31,9 @@ NEWER_THAN_SNAPSHOT = {"fmha_sm100", "tml_fa4", "flashkda"}
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
-    return realtrees.extract(realtrees.VLLM, tmp_path_factory.mktemp("real-vllm-fc"))
+    base = tmp_path_factory.mktemp("real-vllm-fc")
+    yield realtrees.extract(realtrees.VLLM, base)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _declared(tree) -> dict[str, str]:

@@ -19,6 +19,7 @@ primitive the build ships) per stage, and through the primitive's own CLI per pa
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -117,8 +118,10 @@ def _key(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def vllm_tree(tmp_path_factory) -> Path:
-    return realtrees.extract(realtrees.VLLM, tmp_path_factory.mktemp("real-vllm"))
+def vllm_tree(tmp_path_factory):
+    base = tmp_path_factory.mktemp("real-vllm")
+    yield realtrees.extract(realtrees.VLLM, base)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_every_patch_of_both_images_has_an_expected_outcome():

@@ -89,6 +89,7 @@ def served(tmp_path_factory):
             "FLASHKDA": f.create("vllm-project/FlashKDA", {"setup.py": "# stand-in\n"}).head(),
         }
         yield {"daemon": d, "vllm": vllm_base, "b12x": b12x_base, "heads": heads}
+    shutil.rmtree(base, ignore_errors=True)  # ~350 MB of trees and repositories: do not keep them around
 
 
 def _project(tmp: Path, served: dict) -> Path:

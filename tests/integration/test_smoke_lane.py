@@ -131,6 +131,8 @@ def test_smoke_lane_builds_the_real_trees_offline(engine_ready, tmp_path, monkey
         stage_s = {s["name"]: round(s.get("seconds") or 0, 1) for s in rec["stages"]}
     finally:
         _remove_images()
+        shutil.rmtree(trees, ignore_errors=True)
+        shutil.rmtree(served, ignore_errors=True)
     summary = {"timings_s": {k: round(v, 1) for k, v in timings.items()}, "stages_s": stage_s,
                "torch_wheel": wheel.name, "lock_wheels": {k: len(v["files"]) for k, v in lock["wheels"].items()}}
     print("SMOKE LANE", json.dumps(summary, indent=2))
