@@ -1,7 +1,7 @@
 # imagebuild: the commands a newcomer and CI run.
 #   make demo    install, set up the test bed, and run the main job on the built-in example
 #   make test    install, set up the test bed (Docker engine + BuildKit + base images), run the suite
-#   make smoke   the smoke lane of glm53-jovian-r12 on the real upstream trees (minutes; not in make test)
+#   make smoke   the smoke lane of glm53-jovian-r12 on the real upstream trees (about 6 minutes)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -34,7 +34,8 @@ unit: install
 
 # The smoke lane of glm53-jovian-r12 (tests/integration/test_smoke_lane.py): the real b12x wheel and
 # the vLLM wheel with the kernels off, built offline here from the real upstream snapshots in
-# ../shared/upstream, installed in a runner and gated. Minutes and ~300 MB of downloads: not in `make test`.
+# ../shared/upstream, installed in a runner and gated. About 6 minutes and ~300 MB of downloads; outside
+# CI `make test` skips it (CI=true runs it).
 smoke: install testbed
 	IMAGEBUILD_SMOKE=1 IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/integration/test_smoke_lane.py
 

@@ -16,8 +16,9 @@ they are. On this x86-64 machine without CUDA or GitHub:
     prefetched tarball, after the patches of patches-eugr that fit the snapshot;
   - the runner installs both, and the gate imports them.
 
-Every stage runs with --network none. Skipped unless IMAGEBUILD_SMOKE=1 (`make smoke`): it downloads
-about 300 MB and takes minutes. It prints its timings.
+Every stage runs with --network none. Runs under `make smoke` (IMAGEBUILD_SMOKE=1) and in CI (CI=true),
+skipped otherwise: about 6 minutes on the 2-core machine (measured 5 min 47 s: prefetch 14 s, build
+and gate 288 s) and about 300 MB of downloads. It prints its timings.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ REAL = ROOT / "docker-images" / "glm53-jovian-r12"
 REUSED = ("Dockerfile.apt", "Dockerfile.torch", "Dockerfile.b12x-wheel", "files/cuda13-wheel-links.sh")
 TORCH_WHEEL_DIRS = (os.environ.get("IMAGEBUILD_SMOKE_WHEELS", ""), "/opt/wheels")
 
-pytestmark = pytest.mark.skipif(os.environ.get("IMAGEBUILD_SMOKE") != "1",
-                                reason="the smoke lane runs from `make smoke` (IMAGEBUILD_SMOKE=1): minutes, ~300 MB")
+pytestmark = pytest.mark.skipif(os.environ.get("IMAGEBUILD_SMOKE") != "1" and os.environ.get("CI") != "true",
+                                reason="the smoke lane runs from `make smoke` (IMAGEBUILD_SMOKE=1) and in CI: "
+                                       "about 6 minutes, ~300 MB")
 
 
 def _torch_wheel() -> Path:
