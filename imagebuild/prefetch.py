@@ -7,12 +7,16 @@ Per image (docs/prefetch.md):
    and every tarball still has the lock's digest, nothing is run at all (no git, no network).
 2. **Resolve** (network only for what is unpinned, or with ``--refresh``): ref names and bare PR
    numbers via ``git ls-remote`` (``refs/pull/N/head``); PR state from the GitHub API when
-   reachable.
+   reachable. A name is pinned as ``<name>@<sha>`` (``--refresh`` moves it).
 3. **Fetch** into the mirror cache (gitcache.py) only the commits that are missing, by raw SHA.
 4. **Compose** (compose.py): base, then each PR merged in order; record the tree hash.
-5. **FetchContent** (fetchcontent.py): every declaration in the composed tree must be pinned.
-6. **Submodules** of sources that want them, fetched by the SHAs their parents record.
-7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<tree12>.tar.gz`` + ``SHA256SUMS``.
+5. **FetchContent** (fetchcontent.py reads, depcheck.py decides): every declaration in the
+   composed tree pinned or excluded with a reason, each override one the tree reads, tags given
+   through variables resolved and compared.
+6. **Submodules** as the declaration asks (or image.yaml lists), fetched by the SHAs their
+   parents record.
+7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<id12>.tar.gz`` + ``SHA256SUMS``, only
+   what changed: a tarball the lock already has for the same content is kept.
 8. **Commit**: versions.env pins written back in place, then the lock (the commit point; a
    failure or interruption before it leaves the previous lock and tarballs as they were), then
    ``SHA256SUMS`` and the removal of tarballs no lock refers to.
@@ -210,23 +214,28 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             or (refresh is not None and (not refresh or p.name in refresh) and (p.prs or p.follows))]
     _pmap(lambda p: _resolve(p, cache, refresh, rep), todo, jobs)
 
-    # 3. fetch, grouped by URL (one fetch per mirror)
-    by_url: dict[str, list[Pin]] = {}
-    for p in pins.values():
-        by_url.setdefault(p.repo, []).append(p)
-    _pmap(lambda item: _fetch(cache, item[0], item[1]), sorted(by_url.items()), jobs)
-
-    # 4. compose
+    # 3. fetch (grouped by URL: one fetch per mirror) and 4. compose, the scanned sources first:
+    # a FetchContent problem is reported before any dependency is downloaded
     composed: dict[str, compose_mod.Composed] = {}
 
     def do_compose(p: Pin) -> None:
         m = cache.mirror(p.repo)
         composed[p.name] = _local(lambda: compose_mod.compose(m, p.name, p.ref, [(n, s) for n, s in p.prs]))
 
-    _pmap(do_compose, pins.values(), jobs)
+    def fetch_and_compose(group: list[Pin]) -> None:
+        by_url: dict[str, list[Pin]] = {}
+        for p in group:
+            by_url.setdefault(p.repo, []).append(p)
+        _pmap(lambda item: _fetch(cache, item[0], item[1]), sorted(by_url.items()), jobs)
+        _pmap(do_compose, group, jobs)
+
+    fetch_and_compose([p for p in pins.values() if p.opts.scan_fetchcontent])
 
     # 5. FetchContent: every declaration pinned or excluded, overrides read by the tree, tags compared
-    scans, check, declared = _check_fetchcontent(defn, pins, composed, cache, rep)
+    scans, check = _check_fetchcontent(defn, pins, composed, cache, rep)
+    fetch_and_compose([p for p in pins.values() if not p.opts.scan_fetchcontent])
+    declared = {q: _compare_tag(pins[pins[q].opts.dependency_of], pins[q], info.decl, cache, rep)
+                for q, info in sorted(check.deps.items()) if info.decl is not None}
 
     # 6. submodules + 7. pack (only what changed: a tarball the lock already has is kept)
     srcdir.mkdir(parents=True, exist_ok=True)
@@ -520,8 +529,8 @@ def _fetch(cache: gitcache.Cache, url: str, pins: list[Pin]) -> None:
 
 
 def _check_fetchcontent(defn, pins: dict[str, Pin], composed, cache, rep: ImageReport):
-    """(scans, depcheck result, {dependency: its declared_as record}); raises DefinitionError (exit 2)
-    for a declaration nothing pins or excludes, and for an override the tree does not read."""
+    """(scans, depcheck result); raises DefinitionError (exit 2) for a declaration nothing pins or
+    excludes, and for an override the tree does not read."""
     scans: dict[str, fetchcontent.Scan] = {}
     for p in pins.values():
         if p.opts.scan_fetchcontent:
@@ -534,12 +543,7 @@ def _check_fetchcontent(defn, pins: dict[str, Pin], composed, cache, rep: ImageR
     for msg in res.notices:
         rep.notices.append(msg)
         log.warning("  note: %s", msg)
-    declared = {}
-    for qname, info in sorted(res.deps.items()):
-        if info.decl is not None:
-            q = pins[qname]
-            declared[qname] = _compare_tag(pins[q.opts.dependency_of], q, info.decl, cache, rep)
-    return scans, res, declared
+    return scans, res
 
 
 def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache, rep: ImageReport) -> dict:
@@ -689,7 +693,8 @@ def _entries(cache, p: Pin, m: gitcache.Mirror, commit: str, subdir: str | None,
                 sm.fetch([sha], what, shallow=True)
             except gitcache.RemoteMissing as exc:
                 raise gitcache.RemoteMissing(
-                    f"{what}: submodule commit {sha} not found on {gitcache.redact(sub_url)}: {exc.message}",
+                    f"{what}: submodule commit {sha} could not be fetched from {gitcache.redact(sub_url)}: "
+                    f"{exc.message.split(': ', 1)[-1]}",
                     hint=f"if the build does not need {path}, list only the submodules it needs in "
                     f"sources.{p.name}.submodules") from None
         rel = path[len(sub_prefix):]

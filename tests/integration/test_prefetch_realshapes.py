@@ -198,6 +198,9 @@ def test_missing_exclusion_names_file_line_branch_and_what_to_add(shapes, tmp_pa
     assert "'ONEDNN_REPO=https://github.com/example/oneDNN.git' and 'ONEDNN_REF=9c5be1cc59e3" in r.err
     assert "env: FETCHCONTENT_SOURCE_DIR_ONEDNN" in r.err and "exclude: {oneDNN:" in r.err
     assert tree_state(root) == before
+    # it said so before downloading any dependency: only the fork was fetched
+    mirrors = [p.name for p in (tmp_path / "c").glob("*.git")]
+    assert len(mirrors) == 1 and "vl" in mirrors[0], mirrors
     # when the keys exist already, it does not suggest adding them
     root2 = project(tmp_path / "b", shapes, sources=SOURCES.replace(EXCLUDE, ""),
                     env_extra=f"ONEDNN_REPO={shapes.url('cutlass')}\nONEDNN_REF={shapes.shas['cutlass_v4.3.0']}\n")
@@ -244,7 +247,7 @@ def test_submodule_settings_against_the_declaration(shapes, tmp_path, done):
                                                                    "submodules: true"))
     r = prefetch(root, tmp_path / "c")
     assert r.code == 1, r.err
-    assert f"FA:csrc/ck: submodule commit {shapes.shas['ck_lost']} not found" in r.err
+    assert f"FA:csrc/ck: submodule commit {shapes.shas['ck_lost']} could not be fetched" in r.err
     assert ("FA: submodules: true (all, recursively) in image.yaml, but 'vl-fa' at cmake/external/fa.cmake:11 asks "
             "for csrc/cutlass" in r.err)
     assert "list only the submodules it needs in sources.FA.submodules" in r.err
