@@ -132,3 +132,20 @@ def test_markers_are_unique_and_never_prefixes_of_each_other():
     for a in markers:
         for b in markers:
             assert a == b or a not in b, (a, b)
+
+
+def test_a_check_sees_what_earlier_patches_would_change(tmp_path):
+    """The plugin stage's patches chain (the MM gate edits the line supports_multimodal adds): `--check`
+    reports them as the build applies them, in order, and writes nothing."""
+    img = ROOT / "docker-images" / "dsv4-flash-vision"
+    chain = [img / "patch_dsv4_supports_multimodal.py", img / "patch_dsv4_mm_gate.py"]
+    src = shape_tree(chain[0], tmp_path / "src")
+    before = tree_state(src)
+    checked = patching.apply_all(chain, src, write=False)
+    assert [r.outcome for r in checked] == [patching.WOULD_APPLY, patching.WOULD_APPLY]
+    assert tree_state(src) == before
+    applied = patching.apply_all(chain, src)
+    assert [r.outcome for r in applied] == [patching.APPLIED, patching.APPLIED]
+    text = (src / "dsv4_vision" / "model.py").read_text()
+    assert 'supports_multimodal = os.environ.get("VLLM_DSV4_MM", "0") == "1"' in text
+    assert "    supports_multimodal = True\n" not in text
