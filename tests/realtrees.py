@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.gitfixtures import git
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT.parent / "shared" / "upstream"
@@ -61,3 +64,14 @@ def extract(snap: Snapshot, dest: Path) -> Path:
             tf.extractall(dest, filter="data")
     assert tree.is_dir(), f"{path} has no top folder {snap.name}/"
     return tree
+
+
+def stand_in_commit(up, snapshot_tree: Path, branch: str) -> str:
+    """STAND-IN commit: the snapshot's tree, committed on ``branch`` of ``up``; returns its SHA."""
+    work = up.work
+    git("rm", "-q", "-r", ".", cwd=work)
+    subprocess.run(["cp", "-a", f"{snapshot_tree}/.", str(work)], check=True)
+    git("add", "-A", ".", cwd=work)
+    sha = up.commit({}, f"STAND-IN: the tree of the public snapshot {snapshot_tree.name}")
+    git("push", "-q", "origin", f"{sha}:refs/heads/{branch}", cwd=work)
+    return sha

@@ -23,30 +23,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests import realtrees
 from tests.conftest import run_cli
-from tests.gitfixtures import GitDaemon, UpstreamFactory, free_port, git
+from tests.gitfixtures import GitDaemon, UpstreamFactory, free_port
 
 ROOT = realtrees.ROOT
 IMAGE = "glm53-jovian-r12"
 VLLM_PRS = (550, 552, 553, 554, 555, 557)
 B12X_PRS = tuple(range(260, 271))
-
-
-def _stand_in_tree(up, snapshot_tree: Path, branch: str) -> str:
-    """STAND-IN commit: the snapshot's tree, committed on ``branch`` of ``up``; returns its SHA."""
-    work = up.work
-    git("rm", "-q", "-r", ".", cwd=work)
-    subprocess.run(["cp", "-a", f"{snapshot_tree}/.", str(work)], check=True)
-    git("add", "-A", ".", cwd=work)
-    sha = up.commit({}, f"STAND-IN: the tree of the public snapshot {snapshot_tree.name}")
-    git("push", "-q", "origin", f"{sha}:refs/heads/{branch}", cwd=work)
-    return sha
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +48,11 @@ def served(tmp_path_factory):
     with GitDaemon(root) as d:
         f = UpstreamFactory(root, d)
         vllm = f.create("local-inference-lab/vllm")
-        vllm_base = _stand_in_tree(vllm, vllm_tree, "dev/jovian-judgement")
+        vllm_base = realtrees.stand_in_commit(vllm, vllm_tree, "dev/jovian-judgement")
         for n in VLLM_PRS:  # STAND-IN PR heads
             vllm.pull_request(n, {f"imagebuild-stand-in/pr{n}.txt": f"stand-in head of PR {n}\n"})
         b12x = f.create("local-inference-lab/b12x")
-        b12x_base = _stand_in_tree(b12x, b12x_tree, "master")
+        b12x_base = realtrees.stand_in_commit(b12x, b12x_tree, "master")
         for n in B12X_PRS:
             b12x.pull_request(n, {f"imagebuild-stand-in/pr{n}.txt": f"stand-in head of PR {n}\n"})
         # STAND-IN dependency repositories: only what the tree asks of them

@@ -36,7 +36,6 @@ import pytest
 from tests import realtrees
 from tests.conftest import run_cli
 from tests.gitfixtures import GitDaemon, UpstreamFactory, free_port
-from tests.integration.test_real_tree_prefetch_plan import _stand_in_tree
 
 ROOT = realtrees.ROOT
 IMAGE = "glm53-smoke"
@@ -104,9 +103,9 @@ def test_smoke_lane_builds_the_real_trees_offline(engine_ready, tmp_path, monkey
     with GitDaemon(served) as d:
         f = UpstreamFactory(served, d)
         vllm = f.create("local-inference-lab/vllm")
-        _stand_in_tree(vllm, vllm_tree, "dev/jovian-judgement")
+        realtrees.stand_in_commit(vllm, vllm_tree, "dev/jovian-judgement")
         b12x = f.create("local-inference-lab/b12x")
-        _stand_in_tree(b12x, b12x_tree, "master")
+        realtrees.stand_in_commit(b12x, b12x_tree, "master")
         monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
         monkeypatch.setenv("GIT_CONFIG_KEY_0", f"url.git://127.0.0.1:{d.port}/.insteadOf")
         monkeypatch.setenv("GIT_CONFIG_VALUE_0", "https://github.com/")
