@@ -133,8 +133,13 @@ def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
     return EditOutcome(edit.file, APPLIED, edit.reason or "anchor replaced"), new
 
 
-def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True) -> PatchOutcome:
-    """Apply one patch's edits to the tree ``src``: all or nothing."""
+def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True,
+                overlay: dict | None = None) -> PatchOutcome:
+    """Apply one patch's edits to the tree ``src``: all or nothing.
+
+    ``overlay`` (file -> text), for a check that writes nothing: files are read from it first, and a
+    patch that would apply leaves its result there, so the next patch sees the tree as the build would.
+    """
     texts: dict[str, str] = {}
     originals: dict[str, str] = {}
     outcomes: list[EditOutcome] = []
@@ -145,6 +150,8 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True) -> Pa
             if not isinstance(edit, Edit):
                 raise PatchError(f"patch {patch}: EDITS must hold Edit(...) objects, got {type(edit).__name__}")
             edit.check(patch)
+            if edit.file not in texts and overlay is not None and edit.file in overlay:
+                texts[edit.file] = originals[edit.file] = overlay[edit.file]
             if edit.file not in texts:
                 path = src / edit.file
                 try:
@@ -157,6 +164,8 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True) -> Pa
     except PatchError as exc:
         return PatchOutcome(patch, FAILED, outcomes, str(exc))
     applied = any(o.outcome == APPLIED for o in outcomes)
+    if applied and not write and overlay is not None:
+        overlay.update(texts)
     if applied and write:
         for name, text in texts.items():
             if text != originals[name]:
@@ -226,15 +235,21 @@ def collect(paths: list) -> list:
 
 
 def apply_all(patches: list, src: Path, *, write: bool = True) -> list:
-    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure."""
+    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure.
+
+    Without ``write`` (a check) nothing is written, but each patch still sees what the earlier ones
+    would have changed (an in-memory overlay): a patch that builds on an earlier one checks as it
+    will apply in the build.
+    """
     results: list[PatchOutcome] = []
+    overlay: dict | None = None if write else {}
     for path in patches:
         try:
             edits = load_edits(Path(path))
         except PatchError as exc:
             results.append(PatchOutcome(Path(path).name, FAILED, [], str(exc)))
             break
-        res = apply_edits(Path(path).name, edits, Path(src), write=write)
+        res = apply_edits(Path(path).name, edits, Path(src), write=write, overlay=overlay)
         results.append(res)
         if res.outcome == FAILED:
             break
