@@ -127,8 +127,9 @@ def runs_dir(root: Path, image: str) -> Path:
 
 
 def new_run_id() -> str:
-    """A run's id: its UTC start time (so ids sort by time) and a random suffix."""
-    return _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+    """A run's id: its UTC start time to the microsecond (so ids sort by start, even for runs a
+    second apart) and a random suffix (so two hosts sharing a state folder never collide)."""
+    return _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(3)
 
 
 def tmp_root(root: Path) -> Path:
@@ -600,6 +601,7 @@ def _record(b: Build, status: str, started: str, **extra) -> dict:
                     "force": b.opts.force, "jobs": b.opts.jobs, "emulate": b.opts.emulate,
                     "progress": b.opts.progress},
         "stage_store": str(b.store.dir),
+        "inputs": {"tarballs": sorted({m.tarball for s in b.plan.stages for m in s.mounts if m.tarball})},
         "warnings": b.warnings,
         "stages": [r.as_dict() for r in b.stages],
         "patches": _merged_patches(b),
@@ -619,6 +621,14 @@ def _merged_patches(b: Build) -> dict:
 
 def _run(b: Build, named: dict) -> dict:
     started = _now()
+    try:
+        return _run_stages(b, named, started)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the child was stopped, the temp folder is gone
+        _record(b, "interrupted", started, release=None, promotion=None)
+        raise
+
+
+def _run_stages(b: Build, named: dict, started: str) -> dict:
     progress = Progress(b.opts.progress)
     jobs = guards.host_jobs(b.opts.jobs)
     total = len(b.stages)

@@ -239,6 +239,31 @@ prefetch environment:
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
     sp.set_defaults(func=cmd_log)
 
+    sp = sub.add_parser("gc", help="free disk: remove what no kept build needs (--dry-run first)",
+                        description="Remove, per image, what no kept build needs: release images and tags of other "
+                        "builds, stage-store stages and blobs, prefetched tarballs no kept lock names, package "
+                        "folders of removed stages, old run records, temporary folders of runs that died, and "
+                        "*.tmp folders a killed prefetch left in the git mirror cache. Kept: the builds IMAGE:local, "
+                        ":previous and :candidate point at, the last N builds (--keep), and every image a container "
+                        "uses; each with its stages, release image, prefetched files and records, so it still "
+                        "rebuilds as a no-op. Anything a running build or prefetch holds is left alone. "
+                        "Retention: docs/build.md, 'Disk'.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
+    sp.add_argument("--keep", type=int, default=3, metavar="N", help="also keep the last N builds (default 3)")
+    sp.add_argument("--dry-run", action="store_true", help="remove nothing; list what would go and the bytes freed")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.gc, version 1)")
+    sp.set_defaults(func=cmd_gc)
+
+    sp = sub.add_parser("df", help="show what each image holds on disk",
+                        description="Per image: release images in the engine, the stage store, prefetched files "
+                        "(deps-src/IMAGE) and run records, with their sizes; then BuildKit's build cache and the git "
+                        "mirror cache. Reads only.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.df, version 1)")
+    sp.set_defaults(func=cmd_df)
+
     sp = sub.add_parser("patch", help="apply or check an image's patch set on a checkout, outside docker",
                         description="Apply IMAGE's patch_*.py files (every stage's, in build order) to the "
                         "source tree DIR with the same primitive the build uses, or with --check only say what "
@@ -600,6 +625,55 @@ def cmd_log(args) -> int:
         print(f"promotion {s['promotion']}")
     for p in run.logs():
         print(f"log       {defn_mod.display_path(root, p)}")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    from . import gc as gc_mod
+
+    root = _root(args)
+    if args.keep < 0:
+        raise UsageError(f"--keep {args.keep}: expected 0 or more")
+    plan = gc_mod.plan_gc(root, args.image, args.keep)
+    if not args.dry_run:
+        gc_mod.apply(plan, root)
+    if args.json:
+        _print_json(plan.as_dict(args.dry_run))
+        return EXIT_OK
+    h = gc_mod.human
+    verb = "would remove" if args.dry_run else "removed"
+    for ip in plan.images:
+        kept = ", ".join(f"{b} ({why})" for b, why in ip.kept_builds.items()) or "none"
+        print(f"{ip.image}: keeping builds {kept}")
+        for it in ip.remove:
+            print(f"  {verb:<12} {it.kind:<12} {it.what}  {h(it.bytes)}  ({it.why})")
+        for sk in ip.skipped:
+            print(f"  left alone   {sk}")
+        print(f"  {ip.image}: {h(ip.freed)} {'to free' if args.dry_run else 'freed'}")
+    for it in plan.shared:
+        print(f"{verb:<12} {it.kind:<12} {it.what}  {h(it.bytes)}  ({it.why})")
+    print(f"total: {h(plan.freed)} {'would be freed' if args.dry_run else 'freed'}")
+    return EXIT_OK
+
+
+def cmd_df(args) -> int:
+    from . import gc as gc_mod
+
+    root = _root(args)
+    doc = gc_mod.disk_usage(root, args.image)
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    h = gc_mod.human
+    print(f"{'IMAGE':<24} {'ENGINE':>12} {'STAGES':>12} {'PREFETCHED':>12} {'RUNS':>10} {'TOTAL':>12}")
+    for r in doc["images"]:
+        print(f"{r['image']:<24} {h(r['engine']['bytes']):>12} {h(r['stage_store']['bytes']):>12} "
+              f"{h(r['prefetched']['bytes']):>12} {h(r['runs']['bytes']):>10} {h(r['total_bytes']):>12}")
+        print(f"{'':<24} {r['engine']['releases']} release(s), {r['engine']['tags']} tag(s); "
+              f"{r['stage_store']['stages']} stage(s) in {r['stage_store']['path']}; {r['runs']['count']} run(s)")
+    if doc["buildkit_cache"]:
+        print(f"BuildKit build cache: {h(doc['buildkit_cache']['bytes'])} (docker builder prune frees it)")
+    print(f"git mirror cache: {h(doc['git_mirrors']['bytes'])} in {doc['git_mirrors']['path']}")
     return EXIT_OK
 
 

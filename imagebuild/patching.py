@@ -98,10 +98,11 @@ class PatchOutcome:
     outcome: str
     edits: list
     message: str = ""
+    sha256: str | None = None  # of the patch script that ran (provenance: which script made the change)
 
     def as_dict(self) -> dict:
         return {"patch": self.patch, "outcome": self.outcome, "message": self.message,
-                "edits": [e.as_dict() for e in self.edits]}
+                "sha256": self.sha256, "edits": [e.as_dict() for e in self.edits]}
 
 
 def _short(text: str, n: int = 60) -> str:
@@ -234,6 +235,15 @@ def collect(paths: list) -> list:
     return out
 
 
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def apply_all(patches: list, src: Path, *, write: bool = True) -> list:
     """Apply ``patches`` (paths) in order to ``src``; stops at the first failure.
 
@@ -244,12 +254,14 @@ def apply_all(patches: list, src: Path, *, write: bool = True) -> list:
     results: list[PatchOutcome] = []
     overlay: dict | None = None if write else {}
     for path in patches:
+        digest = _sha256(Path(path))
         try:
             edits = load_edits(Path(path))
         except PatchError as exc:
-            results.append(PatchOutcome(Path(path).name, FAILED, [], str(exc)))
+            results.append(PatchOutcome(Path(path).name, FAILED, [], str(exc), digest))
             break
         res = apply_edits(Path(path).name, edits, Path(src), write=write, overlay=overlay)
+        res.sha256 = digest
         results.append(res)
         if res.outcome == FAILED:
             break

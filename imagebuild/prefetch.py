@@ -148,11 +148,15 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
     cache = gitcache.Cache(gitcache.default_cache_dir(cache_dir), offline=offline)
     reports = []
     for defn in defns:
-        ir = _prefetch_image(defn, cache, refresh, jobs)
-        if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
-            _, prep = packages.prefetch_packages(root, defn.name, offline=offline)
-            ir.packages = packages.summary(prep)
-            ir.lock, ir.build_id = defn.rel(lock.lock_path(defn.dir)), _build_id(defn)
+        with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
+            ir = _prefetch_image(defn, cache, refresh, jobs)
+            if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
+                _, prep = packages.prefetch_packages(root, defn.name, offline=offline)
+                ir.packages = packages.summary(prep)
+        if ir.lock is not None or packages.has_packages(defn):
+            ir.lock = defn.rel(lock.lock_path(defn.dir))
+            ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
+            log.info("%s: lock %s (build id %s)", defn.name, ir.lock, ir.build_id)
         reports.append(ir)
     st = cache.stats
     return Report(reports, str(cache.root), st.network, st.fetch, st.retries, time.monotonic() - t0)
@@ -201,7 +205,6 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             rep.status = "unchanged"
             rep.sources = fast
             rep.lock = lock_disp
-            rep.build_id = _build_id(defn)
             return rep
         log.info("%s: %s", defn.name, why)
 
@@ -300,12 +303,14 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
     sums = "".join(f"{e['sha256']}  {Path(e['tarball']).name}\n"
                    for e in sorted(sources.values(), key=lambda e: Path(e["tarball"]).name))
-    atomic_write_text(srcdir / SUMS_FILE, sums)
-    _prune(srcdir, {Path(e["tarball"]).name for e in sources.values()})
+
+    def commit() -> None:  # after the lock (the commit point): SHA256SUMS, then the old tarballs go
+        atomic_write_text(srcdir / SUMS_FILE, sums)
+        _prune(srcdir, {Path(e["tarball"]).name for e in sources.values()})
+
+    lock.after_write(defn.dir, commit)
     rep.sources = sources
     rep.lock = lock_disp
-    rep.build_id = _build_id(defn)
-    log.info("%s: wrote %s (build id %s)", defn.name, lock_disp, rep.build_id)
     return rep
 
 

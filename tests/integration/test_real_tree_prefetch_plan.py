@@ -158,4 +158,7 @@ def test_prefetch_plan_and_dry_run_of_the_real_definition(served, github, engine
     assert all(st["network"] in (False, "none") for st in doc["stages"]), doc["stages"]
     text = run_cli("--root", str(root), "build", IMAGE, "--dry-run").out
     print(text)
-    assert text.count("network none") == 5, text
+    assert text.count("; network none)") == 5, text
+    # every docker invocation of the build, shown: each stage with --network none
+    cmds = [ln for ln in text.splitlines() if ln.strip().startswith("docker buildx build")]
+    assert len(cmds) == 5 and all(" --network none " in c for c in cmds), text
