@@ -66,7 +66,11 @@ RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
 LOG_TAIL_LINES = 30
 PROGRESS_CHOICES = ("auto", "plain", "quiet")
 LABEL_PREFIX = "io.imagebuild"
-RELEASE_DOCKERFILE = "ARG PARENT\nFROM ${PARENT}\nCOPY opt/ /opt/\n"
+# The release's files arrive as one deterministic tar, extracted by ADD: unlike COPY (which gives
+# a folder it creates the build's wall-clock time), every entry, folders included, keeps the tar's
+# SOURCE_DATE_EPOCH, so the release layer is the same bytes for the same inputs.
+RELEASE_TAR = "release.tar"
+RELEASE_DOCKERFILE = f"ARG PARENT\nFROM ${{PARENT}}\nADD {RELEASE_TAR} /\n"
 # one compression for every stage (a chain that mixes them reuses blobs and changes digests)
 STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},rewrite-timestamp=true,compression=zstd," \
                "force-compression=false"
@@ -784,6 +788,25 @@ def _source_provenance(b: Build) -> dict:
     return out
 
 
+def release_tar(files: dict[str, bytes], epoch: int) -> bytes:
+    """``/opt/imagebuild/<name>`` for each of ``files``, as a tar whose bytes depend on nothing else:
+    sorted entries, owner root, mode 0755/0644, every mtime ``epoch``."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for d in ("opt", IMAGE_META_DIR.lstrip("/")):
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, epoch
+            tf.addfile(ti)
+        for name in sorted(files):
+            ti = tarfile.TarInfo(f"{IMAGE_META_DIR.lstrip('/')}/{name}")
+            ti.size, ti.mode, ti.mtime = len(files[name]), 0o644, epoch
+            tf.addfile(ti, io.BytesIO(files[name]))
+    return buf.getvalue()
+
+
 def release_ref(image: str, build_id: str) -> str:
     return f"imagebuild/{image}:release-{build_id}"
 
@@ -801,11 +824,11 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
         built = False
     else:
         ctx = tmp / "context"
-        meta = ctx / "opt" / "imagebuild"
-        meta.mkdir(parents=True)
+        files = {"build.json": (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()}
         if lock_bytes is not None:
-            (meta / "lock.json").write_bytes(lock_bytes)
-        (meta / "build.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            files["lock.json"] = lock_bytes
+        ctx.mkdir(parents=True)
+        (ctx / RELEASE_TAR).write_bytes(release_tar(files, b.epoch))
         _fix_mtimes(ctx, b.epoch)
         df = tmp / "Dockerfile.release"
         df.write_text(RELEASE_DOCKERFILE)
