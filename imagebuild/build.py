@@ -774,14 +774,14 @@ def _source_provenance(b: Build) -> dict:
     for n, s in sorted(((b.lock or {}).get("sources") or {}).items()):
         if not isinstance(s, dict) or not s.get("commit"):
             continue
-        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": s.get("prs") or [],
+        prs = plan_mod.pr_pins(s.get("prs"))
+        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": prs,
                  "tree": s.get("tree"), "tarball_sha256": s.get("sha256")}
-        if s.get("prs"):
+        if prs:
             entry["local_only"] = True
-            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (offline from its mirror cache with --offline): "
-                                 f"{s.get('ref')} with PR heads {', '.join(str(p) for p in s.get('prs') or [])} "
-                                 "merged in that order, fixed identity and date (docs/prefetch.md); the result's "
-                                 "tree must equal 'tree'")
+            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (--offline from its mirror cache): "
+                                 f"{s.get('ref')} with PR heads {', '.join(prs)} merged in that order, with a fixed "
+                                 "identity and date (docs/prefetch.md); the result's tree must equal 'tree'")
         else:
             entry["local_only"] = False
         out[n] = entry

@@ -229,7 +229,7 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
             stale = "not in the lock (imagebuild prefetch packs it)"
         elif src is not None:
             want = src.pins()
-            have = _pr_pins(entry.get("prs"))
+            have = pr_pins(entry.get("prs"))
             if entry.get("repo") != want["repo"] or entry.get("ref") != want["ref"] or have != want["prs"]:
                 stale = (f"the lock has {entry.get('ref')!r} {have} from {entry.get('repo')!r}, "
                          f"versions.env says {want['ref']!r} {want['prs']} from {want['repo']!r}")
@@ -242,7 +242,7 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
     return out
 
 
-def _pr_pins(prs) -> list[str]:
+def pr_pins(prs) -> list[str]:
     """The lock's PR list (``[{"number", "sha"}]``) in versions.env's ``N@sha`` form."""
     out = []
     for p in prs or []:
