@@ -7,18 +7,12 @@ output is data, documented exit codes, no traceback unless ``--debug``.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import importlib
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 
 from . import __version__
-from . import definition as defn_mod
-from . import doctor as doctor_mod
-from . import engine as engine_mod
-from . import plan as plan_mod
 from .errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -30,7 +24,37 @@ from .errors import (
     ImagebuildError,
 )
 
-log = logging.getLogger("imagebuild")
+
+class _Lazy:
+    """A module imported on first use: ``--version``, ``list``, ``validate`` and ``plan --no-engine``
+    must start fast (docs/cli.md, "Start-up"), so each command imports only what it uses."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name, __package__), attr)
+
+
+defn_mod = _Lazy(".definition")
+doctor_mod = _Lazy(".doctor")
+engine_mod = _Lazy(".engine")
+plan_mod = _Lazy(".plan")
+json = _Lazy("json")
+traceback = _Lazy("traceback")
+
+
+class _Log:
+    """The "imagebuild" logger, looked up when first used (importing logging costs start-up time)."""
+
+    def __getattr__(self, attr: str):
+        import logging
+
+        return getattr(logging.getLogger("imagebuild"), attr)
+
+
+log = _Log()
+
 
 EPILOG = f"""\
 exit codes:
@@ -51,24 +75,50 @@ docs: docs/cli.md, docs/image-definition.md
 
 
 class _Parser(argparse.ArgumentParser):
+    """Exit 2 with usage on bad flags, as documented; options are never abbreviated (``--fo`` is not
+    ``--force``); the global options work before and after the command."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
     def error(self, message: str):  # exit 2 with usage, as documented
         self.print_usage(sys.stderr)
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _global_options(p: argparse.ArgumentParser, *, after_command: bool = False) -> None:
+    """--root, --debug, -v, -q: on the main parser, and again on every command's parser so that
+    ``imagebuild plan X --debug`` works too. After the command they default to SUPPRESS: a value
+    given before the command is then kept."""
+    unset = {"default": argparse.SUPPRESS} if after_command else {}
+    g = p.add_argument_group("global options (before or after the command)") if after_command else p
+    g.add_argument("--root", metavar="DIR", **(unset or {"default": os.environ.get("IMAGEBUILD_ROOT")}),
+                   help="project root holding docker-images/ (default: $IMAGEBUILD_ROOT, else the nearest "
+                   "folder at or above the current one that has docker-images/)")
+    g.add_argument("--debug", action="store_true", **unset,
+                   help="show tracebacks and debug logs (every command run)")
+    g.add_argument("-v", "--verbose", action="store_true", **unset, help="more progress on stderr")
+    g.add_argument("-q", "--quiet", action="store_true", **unset,
+                   help="only warnings and errors on stderr (not with -v)")
+
+
+class _SubParsers(argparse._SubParsersAction):
+    def add_parser(self, name, **kw):
+        sp = super().add_parser(name, **kw)
+        _global_options(sp, after_command=True)
+        return sp
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="imagebuild",
         description="Reproducible, offline, staged builds of vLLM serving images for DGX Spark (GB10) "
-        "clusters: definitions -> plan -> prefetch -> build -> gate -> sync.",
+        "clusters: definitions -> plan -> prefetch -> build -> gate -> promotion to IMAGE:local.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"imagebuild {__version__}")
-    p.add_argument("--root", metavar="DIR", default=os.environ.get("IMAGEBUILD_ROOT"),
-                   help="project root holding docker-images/ (default: $IMAGEBUILD_ROOT, else the nearest "
-                   "folder at or above the current one that has docker-images/)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (every command run)")
-    p.add_argument("-v", "--verbose", action="store_true", help="more progress on stderr")
-    p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    _global_options(p)
+    p.register("action", "parsers", _SubParsers)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -225,13 +275,16 @@ prefetch environment:
 
 
 def _setup_logging(args) -> None:
+    import logging
+
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else \
         logging.WARNING if args.quiet else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    log.handlers[:] = [handler]
-    log.setLevel(level)
-    log.propagate = False
+    logger = logging.getLogger("imagebuild")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
 
 
 def _print_json(obj) -> None:
@@ -503,9 +556,35 @@ def cmd_rollback(args) -> int:
 # ------------------------------------------------------------------------------------------------ main
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, with a suggestion for an unknown option and -v/-q refused together (exit 2)."""
+    args, extra = parser.parse_known_args(argv)
+    sp = _command_parsers(parser).get(getattr(args, "command", None), parser)
+    if extra:
+        msg = f"unrecognized arguments: {' '.join(extra)}"
+        known = [o for a in sp._actions for o in a.option_strings if o.startswith("--")]
+        for tok in extra:
+            name = tok.split("=", 1)[0]
+            starts = [o for o in known if name.startswith("--") and o.startswith(name)]
+            if starts:
+                msg += f" (options are never abbreviated: did you mean {' or '.join(starts)}?)"
+                break
+        sp.error(msg)
+    if args.verbose and args.quiet:
+        sp.error("-v/--verbose and -q/--quiet cannot be used together")
+    return args
+
+
+def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     _setup_logging(args)
     try:
         return args.func(args)
