@@ -39,8 +39,13 @@ class From:
     @property
     def variable(self) -> str | None:
         """The ARG the image comes from, when it is exactly ``$NAME`` or ``${NAME}``."""
-        m = _VAR_RE.match(self.image)
-        return (m.group(1) or m.group(2)) if m else None
+        return variable(self.image)
+
+
+def variable(text: str) -> str | None:
+    """NAME when ``text`` is exactly ``$NAME`` or ``${NAME}``, else None."""
+    m = _VAR_RE.match(text)
+    return (m.group(1) or m.group(2)) if m else None
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Dockerfile:
     froms: tuple[From, ...]
     copies: tuple[Copy, ...]
     syntax_directive: int | None  # line of a "# syntax=" directive, if any
+    mount_froms: tuple[tuple[str, int], ...] = ()  # (from=, line) of each RUN --mount that has one
 
     def arg_names(self) -> list[str]:
         seen: list[str] = []
@@ -115,6 +121,7 @@ def parse(text: str) -> Dockerfile:
     args: list[Arg] = []
     froms: list[From] = []
     copies: list[Copy] = []
+    mount_froms: list[tuple[str, int]] = []
     for ins in instructions:
         if ins.keyword == "ARG":
             for word in _split(ins.args):
@@ -131,7 +138,10 @@ def parse(text: str) -> Dockerfile:
             rest = [w for w in words if not w.startswith("--")]
             from_stage = next((f.split("=", 1)[1] for f in flags if f.startswith("--from=")), None)
             copies.append(Copy(ins.keyword, tuple(rest[:-1]), from_stage, (), ins.line))
-    return Dockerfile(tuple(instructions), tuple(args), tuple(froms), tuple(copies), syntax_line)
+        elif ins.keyword == "RUN":
+            mount_froms += [(m["from"], ins.line) for m in run_mounts(ins) if "from" in m]
+    return Dockerfile(tuple(instructions), tuple(args), tuple(froms), tuple(copies), syntax_line,
+                      tuple(mount_froms))
 
 
 def run_mounts(ins: Instruction) -> list[dict[str, str]]:

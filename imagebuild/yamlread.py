@@ -26,19 +26,61 @@ class Node:
         return self.value
 
 
+# Bounds (docs/image-definition.md, "YAML"): a definition file is small and plain. Anchors and
+# aliases are refused: nested aliases expand exponentially (9 levels took 2.4 GB and 90 s).
+MAX_BYTES = 1 << 20
+MAX_NODES = 100_000
+MAX_DEPTH = 64
+
+
 class YamlError(ValueError):
     def __init__(self, message: str, line: int | None):
         super().__init__(message)
         self.line = line
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader's composer, refusing anchors and aliases and bounding the node count and depth."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self._nodes = 0
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
+            raise YamlError(f"YAML {what}: anchors and aliases are not supported here (a few nested aliases "
+                            "expand to gigabytes); write the value out", line)
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise YamlError(f"more than {MAX_NODES} YAML nodes: a definition file is small (limit {MAX_NODES})",
+                            line)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise YamlError(f"YAML nested more than {MAX_DEPTH} levels deep (limit {MAX_DEPTH})", line)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def load(text: str) -> Node | None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_BYTES:
+        raise YamlError(f"the file is {size} bytes: larger than {MAX_BYTES} bytes (1 MiB), the limit for a "
+                        "definition file", None)
+    loader = _Loader(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = loader.get_single_node()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
         raise YamlError(f"invalid YAML: {problem}", mark.line + 1 if mark else None) from None
+    finally:
+        loader.dispose()
     if root is None:
         return None
     return _convert(root)
