@@ -104,9 +104,20 @@ class PatchOutcome:
                 "edits": [e.as_dict() for e in self.edits]}
 
 
-def _short(text: str, n: int = 60) -> str:
-    one = text.strip().splitlines()[0] if text.strip() else text
-    return repr(one if len(one) <= n else one[:n] + "...")
+def _short(text: str, n: int = 160) -> str:
+    """``text`` as ``repr`` shows it: whitespace visible (``'\\t'``, ``'\\n'``, trailing blanks), cut at ``n``."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + "..."
+
+
+def _near(anchor: str, text: str) -> str:
+    """Where the anchor's first line occurs with other whitespace, to show the difference."""
+    first = next((ln for ln in anchor.split("\n") if ln.strip()), "")
+    if not first.strip():
+        return ""
+    for n, line in enumerate(text.split("\n"), start=1):
+        if line.strip() == first.strip() and line != first:
+            return f" (line {n} has {line!r}, the anchor's first line is {first!r})"
+    return ""
 
 
 def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
@@ -119,7 +130,8 @@ def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
                                f"upstream already has the change (found {_short(eq)})"), text
     count = text.count(edit.anchor)
     if count != 1:
-        found = "not found" if count == 0 else f"found {count} times (must be exactly once)"
+        found = "not found" + _near(edit.anchor, text) if count == 0 else \
+            f"found {count} times (must be exactly once)"
         raise PatchError(f"patch {patch}: file {edit.file}: anchor {_short(edit.anchor)} {found}; "
                          f"no marker {edit.marker!r} and no recognised upstream equivalent either "
                          "-- upstream moved: update the patch's anchor (imagebuild patch IMAGE --src DIR --check)")
@@ -133,8 +145,13 @@ def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
     return EditOutcome(edit.file, APPLIED, edit.reason or "anchor replaced"), new
 
 
-def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True) -> PatchOutcome:
-    """Apply one patch's edits to the tree ``src``: all or nothing."""
+def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True,
+                overlay: dict | None = None) -> PatchOutcome:
+    """Apply one patch's edits to the tree ``src``: all or nothing.
+
+    ``overlay`` (file -> text) holds what earlier patches of the same run made of a file without
+    writing it (``--check``): this patch reads those texts, and adds its own when it succeeds, so
+    a later patch may anchor on an earlier one's output."""
     texts: dict[str, str] = {}
     originals: dict[str, str] = {}
     outcomes: list[EditOutcome] = []
@@ -145,6 +162,8 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True) -> Pa
             if not isinstance(edit, Edit):
                 raise PatchError(f"patch {patch}: EDITS must hold Edit(...) objects, got {type(edit).__name__}")
             edit.check(patch)
+            if edit.file not in texts and overlay is not None and edit.file in overlay:
+                texts[edit.file] = originals[edit.file] = overlay[edit.file]
             if edit.file not in texts:
                 path = src / edit.file
                 try:
@@ -157,6 +176,8 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True) -> Pa
     except PatchError as exc:
         return PatchOutcome(patch, FAILED, outcomes, str(exc))
     applied = any(o.outcome == APPLIED for o in outcomes)
+    if overlay is not None:
+        overlay.update(texts)
     if applied and write:
         for name, text in texts.items():
             if text != originals[name]:
@@ -226,15 +247,17 @@ def collect(paths: list) -> list:
 
 
 def apply_all(patches: list, src: Path, *, write: bool = True) -> list:
-    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure."""
+    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure. Without ``write``
+    the patches are simulated in order, in memory: each sees what the earlier ones would write."""
     results: list[PatchOutcome] = []
+    overlay: dict | None = None if write else {}
     for path in patches:
         try:
             edits = load_edits(Path(path))
         except PatchError as exc:
             results.append(PatchOutcome(Path(path).name, FAILED, [], str(exc)))
             break
-        res = apply_edits(Path(path).name, edits, Path(src), write=write)
+        res = apply_edits(Path(path).name, edits, Path(src), write=write, overlay=overlay)
         results.append(res)
         if res.outcome == FAILED:
             break
