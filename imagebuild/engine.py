@@ -7,6 +7,7 @@ this module is called during planning that could change the engine's state.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from . import run as run_mod
@@ -41,19 +42,33 @@ def probe() -> EngineInfo:
     except OperationFailed as exc:
         return EngineInfo(False, detail=exc.message)
     text = proc.stdout.decode("utf-8", "replace")
-    try:
-        info = json.loads(text.strip().splitlines()[-1]) if text.strip() else {}
-    except json.JSONDecodeError:
-        info = {}
+    info: dict = {}
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                info = json.loads(line)
+            except json.JSONDecodeError:
+                pass
     if proc.returncode != 0 or not info.get("ServerVersion"):
-        reason = next((ln for ln in text.splitlines() if "Cannot connect" in ln or "error" in ln.lower()),
-                      text.strip()[:200] or "docker info failed")
-        return EngineInfo(False, detail=reason)
+        return EngineInfo(False, detail=unreachable_reason(text, info))
     status = dict(info.get("DriverStatus") or [])
     containerd = info.get("Driver", "").startswith("overlayfs") or "io.containerd" in status.get(
         "driver-type", "")
     return EngineInfo(True, info.get("ServerVersion"), info.get("Driver"), containerd,
                       info.get("Architecture"), info.get("DockerRootDir"))
+
+
+def unreachable_reason(output: str, info: dict | None = None) -> str:
+    """Why ``docker info`` got no engine, in the CLI's own words (never its JSON document)."""
+    errors = [str(e) for e in ((info or {}).get("ServerErrors") or []) if e]
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip() and not ln.lstrip().startswith("{")]
+    reason = (errors or [ln for ln in lines if "connect" in ln.lower() or "error" in ln.lower()] or lines
+              or ["docker info failed without saying why"])[0]
+    reason = reason.removeprefix("ERROR: ").removeprefix("error: ")
+    host = os.environ.get("DOCKER_HOST")
+    if host and host not in reason:
+        reason += f" (DOCKER_HOST={host})"
+    return reason[:300]
 
 
 def existing_tags(repository: str) -> set[str]:
