@@ -52,7 +52,7 @@ def check_engine() -> tuple[list[Check], engine_mod.EngineInfo]:
     if not info.reachable:
         host = os.environ.get("DOCKER_HOST")
         out.append(Check("engine", "fail", f"not reachable: {info.detail}",
-                         f"DOCKER_HOST={host}: start the engine that listens there, or unset DOCKER_HOST" if host
+                         f"start dockerd listening at DOCKER_HOST={host}, or unset DOCKER_HOST" if host
                          else "start dockerd (or set DOCKER_HOST); on a test machine: scripts/testbed.sh"))
         return out, info
     v = _version_tuple(info.server_version or "")

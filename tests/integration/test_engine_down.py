@@ -37,7 +37,7 @@ def test_doctor_says_why(dead_engine):
     assert res.code == 1
     line = next(ln for ln in res.out.splitlines() if ln.startswith("FAIL") and "engine" in ln)
     _readable(line, dead_engine)
-    assert f"DOCKER_HOST={dead_engine}: start the engine that listens there" in res.out
+    assert f"start dockerd listening at DOCKER_HOST={dead_engine}, or unset DOCKER_HOST" in res.out
 
 
 def test_doctor_json_says_why(dead_engine):
