@@ -14,16 +14,17 @@ The format is documented in docs/image-definition.md.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import dockerfile as dockerfile_mod
-from . import envfile, pkgspec, textfile, yamlread
+from . import envfile, lazy, pkgspec, textfile, yamlread
 from .errors import DefinitionError, Problem, UsageError
+from .records import dataclass, field
+
+difflib = lazy.module("difflib")  # error hints only
 
 IMAGES_DIR = "docker-images"
 SHARED_PATCHES_DIR = "patches-eugr"
@@ -31,21 +32,21 @@ VERSIONS_FILE = "versions.env"
 IMAGE_FILE = "image.yaml"
 DEFAULT_GATE_FILE = "gate.yaml"
 
-NAME_RE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
-STAGE_RE = re.compile(r"[a-z][a-z0-9]*(?:[_-][a-z0-9]+)*\Z")
-SHA_RE = re.compile(r"[0-9a-f]{40}\Z")
-HEXISH_RE = re.compile(r"[0-9a-fA-F]{4,64}\Z")
-PR_RE = re.compile(r"(?P<num>[1-9][0-9]*)(?:@(?P<sha>[^\s,]*))?\Z")
+NAME_RE = lazy.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
+STAGE_RE = lazy.compile(r"[a-z][a-z0-9]*(?:[_-][a-z0-9]+)*\Z")
+SHA_RE = lazy.compile(r"[0-9a-f]{40}\Z")
+HEXISH_RE = lazy.compile(r"[0-9a-fA-F]{4,64}\Z")
+PR_RE = lazy.compile(r"(?P<num>[1-9][0-9]*)(?:@(?P<sha>[^\s,]*))?\Z")
 # registry/name[:tag][@sha256:digest]; name components are lower case
-IMAGE_REF_RE = re.compile(
+IMAGE_REF_RE = lazy.compile(
     r"(?P<name>(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
     r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
     r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
     r"(?:@(?P<digest>[A-Za-z0-9]+:[^\s]*))?\Z"
 )
-DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}\Z")
-REPO_URL_RE = re.compile(r"(?:(?:https?|git|ssh|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+)\Z")
-PLATFORM_RE = re.compile(r"linux/(amd64|arm64|arm/v7|arm/v6|ppc64le|s390x|riscv64|386)\Z")
+DIGEST_RE = lazy.compile(r"sha256:[0-9a-f]{64}\Z")
+REPO_URL_RE = lazy.compile(r"(?:(?:https?|git|ssh|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+)\Z")
+PLATFORM_RE = lazy.compile(r"linux/(amd64|arm64|arm/v7|arm/v6|ppc64le|s390x|riscv64|386)\Z")
 
 # Build args the plan provides (not from versions.env).
 ARG_PARENT = "PARENT"
@@ -64,7 +65,7 @@ STAGE_KEYS = ("name", "dockerfile", "from", "files", "patches", "sources", "netw
               "requirements", "apt")
 TOP_KEYS = ("description", "platform", "stages", "gate", "sources", "python", "apt_snapshot")
 SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules")
-ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+ENV_NAME_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def stage_arg(stage_name: str) -> str:

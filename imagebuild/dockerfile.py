@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
 
-_HEREDOC_RE = re.compile(r"<<-?\s*([\"']?)([A-Za-z_][A-Za-z0-9_]*)\1")
-_VAR_RE = re.compile(r"^\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))$")
+from . import lazy
+from .records import dataclass
+
+_HEREDOC_RE = lazy.compile(r"<<-?\s*([\"']?)([A-Za-z_][A-Za-z0-9_]*)\1")
+_VAR_RE = lazy.compile(r"^\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))$")
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,12 @@ def run_mounts(ins: Instruction) -> list[dict[str, str]]:
     return out
 
 
+_SHLEX_SPECIAL = frozenset("\"'\\\x0b\x0c\x1c\x1d\x1e\x1f")
+
+
 def _split(s: str) -> list[str]:
+    if s.isascii() and _SHLEX_SPECIAL.isdisjoint(s):
+        return s.split()  # what shlex gives for a line without quotes or escapes, ~20x faster
     try:
         return shlex.split(s, posix=True)
     except ValueError:

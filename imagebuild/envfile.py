@@ -18,14 +18,15 @@ than one command-line argument may be (Linux: 131072 bytes), since every pin end
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import lazy
 from .errors import DefinitionError, Problem
 from .fsutil import atomic_write_text
+from .records import dataclass, field
 from .textfile import TextError, decode
 
-KEY_RE = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
+KEY_RE = lazy.compile(r"[A-Z_][A-Z0-9_]*\Z")
 # Linux's MAX_ARG_STRLEN (32 pages of 4 KiB): the longest single command-line argument, NUL included.
 # A pin reaches docker as one argument (--build-arg KEY=value), git or a label: longer ones fail with
 # "Argument list too long" in the middle of a build.

@@ -27,24 +27,25 @@ packages and base images").
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-import shlex
-import shutil
 import sys
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import definition as d
+from . import lazy, pkgspec, state
 from . import lock as lock_mod
-from . import pkgspec, state
-from . import run as run_mod
 from .errors import OperationFailed
 from .fsutil import atomic_write_text, canonical_json, sha256_bytes, sha256_file
+from .records import dataclass, field
 
-log = logging.getLogger("imagebuild")
+# `plan` reads this module's digests only: what prefetch uses is imported when it runs
+# (docs/cli.md, "Start-up time")
+log = lazy.logger()
+run_mod = lazy.module(".run", __package__)
+shlex = lazy.module("shlex")
+shutil = lazy.module("shutil")
+tempfile = lazy.module("tempfile")
 
 FORMAT = 1  # raise when the layout of wheels/ or apt/ changes (part of every inputs digest)
 WHEELS_CONTEXT = "imagebuild-wheels"
@@ -59,7 +60,7 @@ APT_TIMEOUT_S = 3600
 
 _ARCH = {"linux/amd64": ("x86_64", "amd64"), "linux/arm64": ("aarch64", "arm64"),
          "linux/ppc64le": ("ppc64le", "ppc64el"), "linux/s390x": ("s390x", "s390x")}
-_WHEEL_RE = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?-(?P<py>[^-]+)"
+_WHEEL_RE = lazy.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?-(?P<py>[^-]+)"
                        r"-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl\Z")
 
 

@@ -27,26 +27,27 @@ A requirements file holds exact pins only (``name==version``, optional ``[extras
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from . import lazy
 from .fsutil import sha256_bytes
+from .records import dataclass
 
 # No index host is written here: without index_url (or with an empty versions.env value) wheels come
 # from pip's configured index (`pip config`, PIP_INDEX_URL, else pip's own default), read at prefetch.
 DEFAULT_GLIBC = "2.17"
 
-PY_VERSION_RE = re.compile(r"3\.(?:[0-9]|[1-9][0-9])\Z")
-GLIBC_RE = re.compile(r"2\.(?:[0-9]|[1-9][0-9])\Z")
-SNAPSHOT_RE = re.compile(r"[0-9]{8}T[0-9]{6}Z\Z")
-URL_RE = re.compile(r"(?:https?|file)://\S+\Z")
+PY_VERSION_RE = lazy.compile(r"3\.(?:[0-9]|[1-9][0-9])\Z")
+GLIBC_RE = lazy.compile(r"2\.(?:[0-9]|[1-9][0-9])\Z")
+SNAPSHOT_RE = lazy.compile(r"[0-9]{8}T[0-9]{6}Z\Z")
+URL_RE = lazy.compile(r"(?:https?|file)://\S+\Z")
 # PEP 508 name, optional extras, ==version (PEP 440 public + optional local label)
-REQ_RE = re.compile(
+REQ_RE = lazy.compile(
     r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)"
     r"(?:\[(?P<extras>[A-Za-z0-9._,\s-]*)\])?"
     r"\s*==\s*(?P<version>[A-Za-z0-9][A-Za-z0-9.!+_-]*)\Z")
-HASH_RE = re.compile(r"--hash[=\s]sha256:(?P<hex>[0-9a-f]{64})\Z")
-APT_RE = re.compile(r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?="
+HASH_RE = lazy.compile(r"--hash[=\s]sha256:(?P<hex>[0-9a-f]{64})\Z")
+APT_RE = lazy.compile(r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?="
                     r"(?P<version>(?:[0-9]+:)?[A-Za-z0-9][A-Za-z0-9.+~-]*)\Z")
 
 PYTHON_KEYS = ("version", "glibc", "index_url", "extra_index_urls")

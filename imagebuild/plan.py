@@ -13,14 +13,13 @@ Changing any of them changes the key of that stage and of every stage built on i
 
 from __future__ import annotations
 
-import platform as _platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from . import definition as d
 from . import packages as packages_mod
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
 from .lock import LOCK_FILE  # the lock's hash is the build id
+from .records import dataclass, field
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 1
@@ -125,9 +124,8 @@ PRIMITIVE_DISPLAY = "<imagebuild>/patching.py"
 def _primitive_sha256() -> str:
     from pathlib import Path
 
-    from . import patching
-
-    return sha256_tree(Path(patching.__file__))
+    # the file imagebuild/patching.py, found without importing it (start-up time)
+    return sha256_tree(Path(__file__).with_name("patching.py"))
 
 
 def stage_image(image: str, stage: str, key: str) -> str:
@@ -144,6 +142,8 @@ def _buildkit_value(name: str, target: str) -> str:
 
 
 def _host_platform() -> str:
+    import platform as _platform  # here: importing it costs every plan ~2 ms (docs/cli.md, "Start-up time")
+
     m = _platform.machine().lower()
     arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(m, m)
     return f"linux/{arch}"
@@ -232,6 +232,6 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
 
 
 def _with_exists(ps: PlannedStage, value: bool | None) -> PlannedStage:
-    from dataclasses import replace
+    from .records import replace
 
     return replace(ps, exists=value)
