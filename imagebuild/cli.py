@@ -445,18 +445,19 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     root = _root(args)
+    # asked first, answered while the definition is read and planned (engine.ImageQuery)
+    query = None if args.no_engine or not defn_mod.NAME_RE.match(args.image) else \
+        engine_mod.ImageQuery(f"imagebuild/{args.image}")
     dfn = defn_mod.load(root, args.image)
-    exists = None
-    engine_info = None
-    if not args.no_engine:
-        info = engine_mod.probe()
-        engine_info = info.as_dict()
-        if info.reachable:
-            tags = engine_mod.existing_tags(f"imagebuild/{dfn.name}")
-            exists = lambda ref: ref in tags  # noqa: E731
-        else:
+    plan = plan_mod.make_plan(dfn)
+    if query is not None:
+        from .records import replace
+
+        info, held = query.result([s.image for s in plan.stages])
+        if not info.reachable:
             log.info("no Docker engine reachable (%s): stage existence unknown", info.detail)
-    plan = plan_mod.make_plan(dfn, exists=exists, engine=engine_info)
+        plan = replace(plan, engine=info.as_dict(), stages=tuple(
+            replace(s, exists=s.image in held if held is not None else None) for s in plan.stages))
     if args.json:
         _print_json(plan.as_dict())
         return EXIT_OK
