@@ -1,12 +1,13 @@
 # imagebuild: the commands a newcomer and CI run.
 #   make demo    install, set up the test bed, and run the main job on the built-in example
 #   make test    install, set up the test bed (Docker engine + BuildKit + base images), run the suite
+#   make smoke   the smoke lane of glm53-jovian-r12 on the real upstream trees (about 6 minutes)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install testbed test unit lint bench demo clean
+.PHONY: install testbed test unit lint bench demo smoke clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +35,13 @@ test: install testbed
 # Fast tests that need no engine.
 unit: install
 	$(BIN)/pytest tests/unit
+
+# The smoke lane of glm53-jovian-r12 (tests/integration/test_smoke_lane.py): the real b12x wheel and
+# the vLLM wheel with the kernels off, built offline here from the real upstream snapshots in
+# ../shared/upstream, installed in a runner and gated. About 6 minutes and ~300 MB of downloads; outside
+# CI `make test` skips it (CI=true runs it).
+smoke: install testbed
+	IMAGEBUILD_SMOKE=1 IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/integration/test_smoke_lane.py
 
 lint: install
 	$(BIN)/ruff check imagebuild tests benchmarks

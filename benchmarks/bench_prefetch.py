@@ -1,6 +1,8 @@
 """prefetch: (1) a re-run when nothing changed, a definition with a dozen git sources, against a
 plain ``git fetch`` loop over the same dozen mirrors; (2) packing throughput of the
-deterministic tarball writer against ``tar --sort=name ... | gzip -n`` on the same tree.
+deterministic tarball writer against ``tar --sort=name ... | gzip -n`` on the same tree;
+(3) ``imagebuild bundle`` and ``unbundle`` of a 150 MB prefetched source set against plain ``tar -c``
+and ``tar -x`` of the same files.
 
 Upstreams are real repositories served by a real ``git daemon`` on 127.0.0.1 (tests/gitfixtures).
 """
@@ -116,9 +118,64 @@ class _Pack:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class _Bundle:
+    """A prefetched image whose lock names 10 source tarballs of 15 MB each (incompressible, as
+    tar.gz files are)."""
+
+    N, SIZE = 10, 15 * 1000 * 1000
+
+    def setup(self) -> None:
+        import hashlib
+        import json
+
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-bundle-"))
+        self.root = self.tmp / "project"
+        shutil.copytree(ROOT / "tests" / "fixtures" / "project", self.root, symlinks=True)
+        src = self.root / "deps-src" / "staged" / "src"
+        src.mkdir(parents=True)
+        sources, sums = {}, []
+        for i in range(self.N):
+            name = f"dep{i}-{i:012d}.tar.gz"
+            data = os.urandom(self.SIZE)
+            (src / name).write_bytes(data)
+            sha = hashlib.sha256(data).hexdigest()
+            sources[f"DEP{i}"] = {"tarball": f"deps-src/staged/src/{name}", "sha256": sha}
+            sums.append(f"{sha}  {name}\n")
+        (src / "SHA256SUMS").write_text("".join(sorted(sums, key=lambda ln: ln.split()[1])))
+        (self.root / "docker-images" / "staged" / "lock.json").write_text(json.dumps(
+            {"schema": "imagebuild.lock", "version": 1, "image": "staged", "sources": sources}))
+        self.ours_file, self.plain_file = self.tmp / "ours.tar", self.tmp / "plain.tar"
+        self.bundle()
+        self.plain_bundle()
+
+    def bundle(self) -> None:
+        sh(sys.executable, "-m", "imagebuild", "--root", str(self.root), "bundle", "staged", "-o", str(self.ours_file))
+
+    def plain_bundle(self) -> None:
+        sh("tar", "-C", str(self.root), "-cf", str(self.plain_file), "docker-images/staged/lock.json",
+           "docker-images/staged/versions.env", "deps-src/staged")
+
+    def fresh_targets(self) -> None:
+        for t in ("node-ours", "node-plain"):
+            shutil.rmtree(self.tmp / t, ignore_errors=True)
+        shutil.copytree(ROOT / "tests" / "fixtures" / "project", self.tmp / "node-ours", symlinks=True)
+        (self.tmp / "node-plain").mkdir()
+
+    def unbundle(self) -> None:
+        sh(sys.executable, "-m", "imagebuild", "--root", str(self.tmp / "node-ours"), "unbundle", str(self.ours_file))
+
+    def plain_unbundle(self) -> None:
+        sh("tar", "-C", str(self.tmp / "node-plain"), "-xf", str(self.plain_file))
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def benchmarks():
     rerun = _Rerun()
     pack = _Pack()
+    bundle = _Bundle()
+    unbundle = _Bundle()
     return [
         Benchmark(f"prefetch re-run, nothing changed ({N_SOURCES} sources, 4 forks with 2 PRs)", rerun.ours,
                   rerun.baseline, repeat=5, setup=rerun.setup, teardown=rerun.teardown,
@@ -127,4 +184,12 @@ def benchmarks():
                   setup=pack.setup, teardown=pack.teardown,
                   note="baseline: tar --sort=name --mtime --owner=0 --group=0 --numeric-owner | gzip -n "
                   "on the same tree checked out"),
+        Benchmark("bundle a 150 MB prefetched source set (10 tarballs)", bundle.bundle, bundle.plain_bundle,
+                  repeat=5, setup=bundle.setup, teardown=bundle.teardown,
+                  note="ours: checks every file against the lock while writing, deterministic tar + manifest; "
+                  "baseline: tar -cf of the same files"),
+        Benchmark("unbundle a 150 MB bundle (verify, then put in place)", unbundle.unbundle, unbundle.plain_unbundle,
+                  repeat=5, setup=unbundle.setup, teardown=unbundle.teardown, per_run_setup=unbundle.fresh_targets,
+                  note="ours: every member against manifest, SHA256SUMS and lock before anything is written; "
+                  "baseline: tar -xf (no check)"),
     ]

@@ -1,76 +1,77 @@
-"""plan -> staged BuildKit builds, offline, cached by key, with provenance and safe promotion.
+"""plan -> staged BuildKit builds, offline, reproducible, cached by key, with safe promotion.
 
 ``build(root, image, options)`` runs one image's plan (docs/build.md):
 
 1. **Checks before anything runs**: definition + plan, the ``--from``/``--until`` range, every
-   prefetched input the stages to build need (sha256 against the lock), then the guards
-   (platform, build lock, serving containers, disk; ``guards.py``). A refusal here means docker
-   never started.
-2. **Stages in order.** A stage whose image (``imagebuild/<image>:<stage>-<key16>``, from the
-   plan) exists is skipped; ``--no-cache`` rebuilds the requested range. Each stage is built by
-   BuildKit through python-on-whales' ``docker.buildx.build``: ``FROM`` its parent via the
-   ``PARENT`` build arg, ``--network none`` unless the stage declares ``network: true``, a build
-   context holding exactly the stage's declared inputs (plus the patch primitive for stages with
-   patches), and the prefetched inputs as named build contexts (``imagebuild-src``,
-   ``imagebuild-wheels``, ``imagebuild-apt``; contracts §3) so they are bind-mounted, never
-   copied into a layer. The log of each stage goes to
-   ``.imagebuild/builds/<image>/<build-id>/logs/<stage>.log`` (streamed to stderr when it is a
-   terminal, or with ``-v``); a failure names the stage and shows the log's tail and path.
-3. **Release image**: the final stage plus provenance (OCI labels, build id, stage keys, the
-   lock at ``/opt/imagebuild/lock.json``, ``/opt/imagebuild/build.json``), tagged
+   prefetched input the stages to build need (sha256 against the lock, lock against
+   versions.env), then the guards (platform, one build of the image per engine, serving
+   containers, disk; ``guards.py``). A refusal here means docker never started.
+2. **Stages in order.** A stage whose key is in the stage store (``stagestore.py``: an OCI
+   layout per image, a ref per key) is skipped; ``--no-cache`` rebuilds the requested range.
+   Every stage is exported into that layout with ``rewrite-timestamp`` (so the same key gives
+   the same bytes) and the next stage builds ``FROM`` it through the named context
+   ``imagebuild-parent``; earlier stages a Dockerfile names (``${STAGE_<NAME>}``) arrive the same
+   way. ``--network none`` unless the stage declares ``network: true``; the build context holds
+   exactly the stage's declared inputs; prefetched inputs come as named contexts
+   (``imagebuild-src``, ``imagebuild-wheels``, ``imagebuild-apt``), bind-mounted, never copied.
+3. **Release image**: the final stage plus provenance (labels, ``/opt/imagebuild/lock.json`` and
+   ``build.json``), loaded into the engine as ``imagebuild/<image>:release-<build id>`` and tagged
    ``<image>:b-<build id>`` and ``<image>:candidate`` (promote.py).
-4. **Gate and promotion**: when the gate is installed and the definition has a gate spec, the
-   candidate is gated and promoted to ``:local`` only on a passing receipt for exactly its
-   identity. Otherwise the build stops at ``:candidate``.
+4. **Gate and promotion**: unless a passing receipt exists for this identity and the
+   definition's current gate spec, the candidate is gated; ``:local`` moves only on such a
+   receipt, and never when it already holds that identity (``:previous`` stays).
 
-Reproducibility: ``SOURCE_DATE_EPOCH`` comes from the lock (newest pinned source commit) or is
-fixed at 315532800 (1980-01-01, the earliest time a zip/wheel can hold). Stage images are
-exported without provenance attestations; the stages chosen by ``--reproducible`` (default: the
-final stage) are exported as OCI with ``rewrite-timestamp=true`` and ``docker load``-ed, so
-rebuilding such a stage with ``--no-cache`` gives the same image digest. The release step is
-COPY-only from a context with fixed mtimes, so it is digest-stable without the OCI round trip.
+Each run has its own folder, ``<state>/builds/<image>/<run id>/`` (record.json, logs/), listed
+by ``imagebuild log``. Every child process runs through ``run.py``: Ctrl-C, SIGTERM and SIGHUP
+stop the running ``docker buildx build`` and remove the run's temporary files.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import io
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
-import tarfile
 import tempfile
+import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import definition as defn_mod
 from . import engine as engine_mod
-from . import guards, patching, state
+from . import guards, patching, source_mounts, state
 from . import lock as lock_mod
 from . import plan as plan_mod
 from . import promote as promote_mod
 from . import run as run_mod
 from .errors import DefinitionError, GateFailed, OperationFailed, Problem, UsageError
-from .fsutil import atomic_write_json, canonical_json, sha256_bytes, sha256_file
+from .fsutil import atomic_write_json, sha256_file
+from .stagestore import StageStore
 
 log = logging.getLogger("imagebuild")
 
 RECORD_SCHEMA = "imagebuild.build"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 DRY_RUN_SCHEMA = "imagebuild.build-plan"
-DEFAULT_SOURCE_DATE_EPOCH = 315532800  # 1980-01-01T00:00:00Z: zip (wheels) cannot hold older times
+DEFAULT_SOURCE_DATE_EPOCH = plan_mod.DEFAULT_SOURCE_DATE_EPOCH
 IMAGE_META_DIR = "/opt/imagebuild"
 PATCH_RECORD = f"{IMAGE_META_DIR}/patches.json"
 PRIMITIVE_NAME = plan_mod.PRIMITIVE_CONTEXT
 NAMED_SRC, NAMED_WHEELS, NAMED_APT = "imagebuild-src", "imagebuild-wheels", "imagebuild-apt"
+RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
 LOG_TAIL_LINES = 30
-REPRODUCIBLE_CHOICES = ("final", "all", "none")
+PROGRESS_CHOICES = ("auto", "plain", "quiet")
 LABEL_PREFIX = "io.imagebuild"
 RELEASE_DOCKERFILE = "ARG PARENT\nFROM ${PARENT}\nCOPY opt/ /opt/\n"
+# one compression for every stage (a chain that mixes them reuses blobs and changes digests)
+STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},rewrite-timestamp=true,compression=zstd," \
+               "force-compression=false"
+HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"
+DEFAULT_HEARTBEAT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,8 @@ class Options:
     dry_run: bool = False
     jobs: int | None = None
     emulate: bool = False
-    reproducible: str = "final"
     gate: bool = True  # run the gate (when installed and the definition has a spec)
-    stream: bool | None = None  # None: stream when stderr is a terminal
+    progress: str = "auto"  # auto | plain | quiet (docs/build.md)
 
 
 @dataclass
@@ -95,30 +95,22 @@ class StageRun:
     action: str  # build | skip (exists) | reuse (before --from) | not-requested (after --until)
     reason: str
     network: str
-    reproducible: bool
     args: dict = field(default_factory=dict)
     contexts: dict = field(default_factory=dict)
     seconds: float | None = None
     log: str | None = None
     status: str = "pending"  # pending | built | skipped | failed
-    image_id: str | None = None
+    manifest: str | None = None  # the stage's OCI manifest digest in the stage store
     patches: dict | None = None
 
     def as_dict(self) -> dict:
         return {"name": self.name, "key": self.key, "image": self.image, "action": self.action,
                 "reason": self.reason, "status": self.status, "network": self.network,
-                "reproducible": self.reproducible, "args": self.args, "named_contexts": self.contexts,
-                "seconds": self.seconds, "log": self.log, "image_id": self.image_id, "patches": self.patches}
+                "args": self.args, "named_contexts": self.contexts, "seconds": self.seconds,
+                "log": self.log, "manifest": self.manifest, "patches": self.patches}
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def source_date_epoch(lock: dict | None) -> int:
-    """Newest commit time among the pinned sources, else the fixed default."""
-    times = [s.get("source_date_epoch") for s in ((lock or {}).get("sources") or {}).values()
-             if isinstance(s, dict) and isinstance(s.get("source_date_epoch"), int)]
-    return max(times) if times else DEFAULT_SOURCE_DATE_EPOCH
 
 
 def _iso(epoch: int) -> str:
@@ -129,12 +121,19 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def build_dir(root: Path, image: str, build_id: str) -> Path:
-    return state.state_dir(root) / "builds" / image / build_id
+def runs_dir(root: Path, image: str) -> Path:
+    """Where the records of an image's runs live: one folder per run."""
+    return state.state_dir(root) / "builds" / image
 
 
-def lock_file(root: Path, image: str) -> Path:
-    return state.state_dir(root) / "locks" / f"{image}.lock"
+def new_run_id() -> str:
+    """A run's id: its UTC start time to the microsecond (so ids sort by start, even for runs a
+    second apart) and a random suffix (so two hosts sharing a state folder never collide)."""
+    return _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(3)
+
+
+def tmp_root(root: Path) -> Path:
+    return state.state_dir(root) / "tmp"
 
 
 def _select(plan: plan_mod.Plan, opts: Options) -> tuple[int, int]:
@@ -151,56 +150,41 @@ def _select(plan: plan_mod.Plan, opts: Options) -> tuple[int, int]:
     return first, last
 
 
-def _source_closure(lock: dict, names: Iterable[str]) -> list[str]:
-    """The sources a stage lists plus, recursively, the FetchContent deps recorded for them."""
-    srcs = lock.get("sources") or {}
-    out: list[str] = []
-    todo = list(names)
-    while todo:
-        n = todo.pop(0)
-        if n in out:
-            continue
-        out.append(n)
-        todo += sorted(k for k, v in srcs.items() if isinstance(v, dict) and v.get("dependency_of") == n)
-    return out
-
-
 @dataclass(frozen=True)
 class VerifiedFile:
     name: str  # file name in the named context
     path: Path
 
 
-def verify_sources(root: Path, defn: defn_mod.Definition, lock: dict | None, stage_sources: tuple[str, ...],
-                   stage: str) -> list[VerifiedFile]:
-    """Check every tarball a stage mounts against the lock's sha256; raise before docker starts."""
-    if not stage_sources:
+def verify_sources(root: Path, defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> list[VerifiedFile]:
+    """Check every tarball mounted into a stage (its sources and their FetchContent dependencies)
+    against the lock, and the lock against versions.env; raise before docker starts."""
+    if not stage.mounts:
         return []
     lock_disp = defn_mod.display_path(root, lock_mod.lock_path(defn.dir))
-    if lock is None:
-        raise OperationFailed(f"stage {stage!r} mounts git sources ({', '.join(stage_sources)}) but "
-                              f"{lock_disp} does not exist", hint=f"imagebuild prefetch {defn.name}")
     out = []
-    for name in _source_closure(lock, stage_sources):
-        entry = (lock.get("sources") or {}).get(name)
-        if not isinstance(entry, dict) or not entry.get("tarball") or not entry.get("sha256"):
-            raise OperationFailed(f"{lock_disp}: sources.{name}: missing (or without tarball/sha256); "
-                                  f"stage {stage!r} needs it", hint=f"imagebuild prefetch {defn.name}")
-        rel = PurePosixPath(entry["tarball"])
+    for m in stage.mounts:
+        if m.stale:
+            raise OperationFailed(f"stage {stage.name!r} mounts source {m.name}, but {lock_disp} is stale: {m.stale}",
+                                  hint=f"imagebuild prefetch {defn.name}")
+        if not m.tarball or not m.sha256:
+            raise OperationFailed(f"{lock_disp}: sources.{m.name}: no tarball/sha256; stage {stage.name!r} needs it",
+                                  hint=f"imagebuild prefetch {defn.name}")
+        rel = PurePosixPath(m.tarball)
         if rel.is_absolute() or ".." in rel.parts:
-            raise OperationFailed(f"{lock_disp}: sources.{name}.tarball {entry['tarball']!r} must be a path "
-                                  "inside the project", hint=f"imagebuild prefetch {defn.name}")
+            raise OperationFailed(f"{lock_disp}: sources.{m.name}.tarball {m.tarball!r} must be a path inside "
+                                  "the project", hint=f"imagebuild prefetch {defn.name}")
         path = root / rel
         if not path.is_file():
-            raise OperationFailed(f"{entry['tarball']}: prefetched tarball of {name} not found (stage {stage!r})",
+            raise OperationFailed(f"{m.tarball}: prefetched tarball of {m.name} not found (stage {stage.name!r})",
                                   hint=f"imagebuild prefetch {defn.name}")
         got = sha256_file(path)
-        if got != entry["sha256"]:
+        if got != m.sha256:
             raise OperationFailed(
-                f"{entry['tarball']}: sha256 {got} does not match the lock ({lock_disp}: sources.{name}.sha256 "
-                f"= {entry['sha256']}); refusing to build stage {stage!r} from a changed tarball",
+                f"{m.tarball}: sha256 {got} does not match the lock ({lock_disp}: sources.{m.name}.sha256 "
+                f"= {m.sha256}); refusing to build stage {stage.name!r} from a changed tarball",
                 hint=f"the file was modified or corrupted: re-create it with `imagebuild prefetch {defn.name}`")
-        out.append(VerifiedFile(f"{name}.tar.gz", path))
+        out.append(VerifiedFile(f"{m.name}.tar.gz", path))
     return out
 
 
@@ -294,74 +278,132 @@ def _parallel_args(stage: plan_mod.PlannedStage, jobs: guards.Jobs, explicit_job
     return out
 
 
-def _git_revision(root: Path, defn: defn_mod.Definition) -> str | None:
-    """The last commit that touched the definition (its folder or the shared patch set): stable
-    across commits that do not change the image, so they do not change its digest."""
-    if not (root / ".git").exists() or run_mod.which("git") is None:
-        return None
-    paths = [defn_mod.display_path(root, defn.dir), defn_mod.SHARED_PATCHES_DIR]
-    proc = run_mod.run(["git", "-C", str(root), "log", "-1", "--format=%H", "--", *paths], check=False, timeout=10)
-    rev = proc.stdout.decode().strip()
-    return rev if proc.returncode == 0 and len(rev) == 40 else None
+# --------------------------------------------------------------------------------------------- progress
 
 
-def _git_source_url(root: Path) -> str | None:
-    if not (root / ".git").exists() or run_mod.which("git") is None:
-        return None
-    proc = run_mod.run(["git", "-C", str(root), "remote", "get-url", "origin"], check=False, timeout=10)
-    url = proc.stdout.decode().strip()
-    if proc.returncode != 0 or not url:
-        return None
-    # never put credentials (https://user:token@host/...) into a label
-    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        scheme, rest = url.split("://", 1)
-        url = f"{scheme}://{rest.split('@', 1)[1]}"
-    return url
+class Progress:
+    """What a run shows on stderr while BuildKit works (``--progress``, docs/build.md).
+
+    - ``plain``: every log line of every stage, prefixed with the stage's name, whatever stderr is;
+    - ``auto``: like plain when stderr is a terminal (or with ``-v``), otherwise a heartbeat;
+    - ``quiet``: only the heartbeat.
+
+    The heartbeat (every ``$IMAGEBUILD_HEARTBEAT_S`` seconds, default 60) names the stage, the
+    time it has run and its log, so a three-hour compile never looks hung in CI.
+    """
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in PROGRESS_CHOICES:
+            raise UsageError(f"--progress {mode!r}: expected one of {', '.join(PROGRESS_CHOICES)}")
+        self.mode = mode
+        self.stream = mode == "plain" or (mode == "auto" and (sys.stderr.isatty() or log.isEnabledFor(logging.DEBUG)))
+        try:
+            self.every = float(os.environ.get(HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_S)
+        except ValueError:
+            raise UsageError(f"{HEARTBEAT_ENV}={os.environ.get(HEARTBEAT_ENV)!r} is not a number",
+                             hint="seconds between heartbeat lines, e.g. 60") from None
+        self._stage: str | None = None
+        self._log: str | None = None
+        self._t0 = 0.0
+        self._lines = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def info(self, msg: str, *args) -> None:
+        if self.mode != "quiet":
+            log.info(msg, *args)
+
+    def start(self, stage: str, log_path: str) -> None:
+        self._stage, self._log, self._t0, self._lines = stage, log_path, time.monotonic(), 0
+        if self.stream or self.every <= 0:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+
+    def line(self, text: str) -> None:
+        self._lines += 1
+        if self.stream:
+            sys.stderr.write(f"{self._stage} | {text}" if text.endswith("\n") else f"{self._stage} | {text}\n")
+            sys.stderr.flush()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            el = int(time.monotonic() - self._t0)
+            sys.stderr.write(f"... {self._stage}: still building ({el // 3600}:{el // 60 % 60:02d}:{el % 60:02d}, "
+                             f"{self._lines} log lines), log: {self._log}\n")
+            sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------------------------- docker
 
 
-def _docker():
-    # imported lazily: python-on-whales' import costs ~0.3 s, and a no-op build never needs it
-    from python_on_whales import docker
-
-    return docker
-
-
-def _buildx(*, context: Path, dockerfile: Path, tag: str, build_args: dict, contexts: dict, labels: dict,
-            network: str | None, platform: str, no_cache: bool, oci_dest: Path | None, log_path: Path,
-            stream: bool) -> None:
-    """One BuildKit build through python-on-whales, its output streamed to the log file."""
-    from python_on_whales.exceptions import DockerException
-
-    kw = dict(context_path=str(context), file=str(dockerfile), tags=[tag], build_args=build_args,
-              build_contexts=contexts, labels=labels, network=network, platforms=[platform],
-              cache=not no_cache, progress="plain", provenance=False, sbom=False, stream_logs=True)
-    if oci_dest is not None:
-        kw["output"] = {"type": "oci", "dest": str(oci_dest), "rewrite-timestamp": "true"}
+def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: dict, labels: dict,
+                network: str | None, platform: str, no_cache: bool, output: str | None, tag: str | None,
+                metadata: Path | None) -> list[str]:
+    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``)."""
+    argv = ["docker", "buildx", "build", "--progress=plain", "--provenance=false", "--sbom=false",
+            "--platform", platform, "--file", str(dockerfile)]
+    if network:
+        argv += ["--network", network]
+    if no_cache:
+        argv.append("--no-cache")
+    if metadata is not None:
+        argv += ["--metadata-file", str(metadata)]
+    for k, v in build_args.items():
+        argv += ["--build-arg", f"{k}={v}"]
+    for k, v in contexts.items():
+        argv += ["--build-context", f"{k}={v}"]
+    for k, v in labels.items():
+        argv += ["--label", f"{k}={v}"]
+    if output is None:
+        argv.append("--load")
     else:
-        kw["load"] = True
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as logf:
-        try:
-            for line in _docker().buildx.build(**kw):
-                logf.write(line)
-                logf.flush()
-                if stream:
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
-        except DockerException as exc:
-            logf.write(f"\nimagebuild: docker buildx build exited {exc.return_code}\n")
-            raise _StageFailed(exc.return_code) from None
-    if oci_dest is not None:
-        run_mod.run(["docker", "load", "-i", str(oci_dest)], timeout=3600,
-                    hint="the OCI export of the stage could not be loaded into the engine")
+        argv += ["--output", output]
+    if tag:
+        argv += ["--tag", tag]
+    argv.append(str(context))
+    return argv
 
 
 class _StageFailed(Exception):
     def __init__(self, code: int):
         self.code = code
+
+
+def _buildx(argv: list[str], *, log_path: Path, progress: Progress, label: str, epoch: int) -> dict:
+    """Run one ``docker buildx build``; its output goes to ``log_path`` (and to ``progress``).
+    Returns the metadata file's content when the command wrote one."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    meta = Path(argv[argv.index("--metadata-file") + 1]) if "--metadata-file" in argv else None
+    progress.start(label, str(log_path))
+    try:
+        with open(log_path, "w", encoding="utf-8") as logf:
+            def on_line(text: str) -> None:
+                logf.write(text)
+                logf.flush()
+                progress.line(text)
+
+            # SOURCE_DATE_EPOCH in the environment too: buildx passes it on as the build arg
+            rc = run_mod.stream(argv, on_line, env={"SOURCE_DATE_EPOCH": str(epoch)},
+                                hint="docker buildx is needed (scripts/testbed.sh installs it)")
+            if rc != 0:
+                logf.write(f"\nimagebuild: docker buildx build exited {rc}\n")
+                raise _StageFailed(rc)
+    finally:
+        progress.stop()
+    if meta is None:
+        return {}
+    try:
+        return json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
 
 
 def _inspect(ref: str) -> dict:
@@ -378,26 +420,6 @@ def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     return "\n".join(lines[-n:])
 
 
-def read_patch_record(image_ref: str) -> dict | None:
-    """``/opt/imagebuild/patches.json`` from an image (None when it has none)."""
-    proc = run_mod.run(["docker", "create", "--network", "none", image_ref, "true"], check=False, timeout=60)
-    cid = proc.stdout.decode().strip().splitlines()[-1] if proc.returncode == 0 else None
-    if not cid:
-        return None
-    try:
-        cp = run_mod.run(["docker", "cp", f"{cid}:{PATCH_RECORD}", "-"], check=False, timeout=60)
-        if cp.returncode != 0:
-            return None
-        with tarfile.open(fileobj=io.BytesIO(cp.stdout)) as tf:
-            member = tf.getmembers()[0]
-            f = tf.extractfile(member)
-            return json.loads(f.read().decode()) if f else None
-    except (ValueError, IndexError, tarfile.TarError):
-        return None
-    finally:
-        run_mod.run(["docker", "rm", "-f", cid], check=False, timeout=60)
-
-
 # --------------------------------------------------------------------------------------------- the build
 
 
@@ -408,60 +430,75 @@ class Build:
     plan: plan_mod.Plan
     opts: Options
     lock: dict | None
-    epoch: int
+    store: StageStore
     stages: list[StageRun]
     first: int
     last: int
-    tags: set | None = None  # the engine's imagebuild/<image>:* tags when the build started
+    run_id: str
+    engine_id: str | None = None
     warnings: list[str] = field(default_factory=list)
-    record: dict = field(default_factory=dict)
 
     @property
     def dir(self) -> Path:
-        return build_dir(self.root, self.defn.name, self.plan.build_id)
+        return runs_dir(self.root, self.defn.name) / self.run_id
+
+    @property
+    def epoch(self) -> int:
+        """The release's SOURCE_DATE_EPOCH: the final stage's."""
+        return self.plan.stages[-1].source_date_epoch
+
+    def manifest(self, stage: str) -> str:
+        r = next(s for s in self.stages if s.name == stage)
+        if not r.manifest:
+            raise OperationFailed(f"stage {stage!r} has no image in the stage store ({self.store.dir})",
+                                  hint=f"imagebuild build {self.defn.name}")
+        return r.manifest
 
 
 def prepare(root: Path, image: str, opts: Options) -> Build:
     """Everything that can be checked without starting docker builds (guards excepted)."""
-    if opts.reproducible not in REPRODUCIBLE_CHOICES:
-        raise UsageError(f"--reproducible {opts.reproducible!r}: expected one of {', '.join(REPRODUCIBLE_CHOICES)}")
     if opts.jobs is not None and opts.jobs < 1:
         raise UsageError(f"--jobs {opts.jobs}: expected a positive number")
+    if opts.progress not in PROGRESS_CHOICES:
+        raise UsageError(f"--progress {opts.progress!r}: expected one of {', '.join(PROGRESS_CHOICES)}")
     defn = defn_mod.load(root, image)
     lock = lock_mod.read(defn.dir, defn_mod.display_path(root, lock_mod.lock_path(defn.dir)))
     info = engine_mod.probe()
     if not info.reachable and not opts.dry_run:
         raise OperationFailed(f"no Docker engine reachable: {info.detail}",
                               hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
-    tags = engine_mod.existing_tags(f"imagebuild/{defn.name}") if info.reachable else None
-    plan = plan_mod.make_plan(defn, exists=(lambda r: r in tags) if tags is not None else None,
-                              engine=info.as_dict())
+    store = StageStore.for_image(root, defn.name)
+    plan = plan_mod.make_plan(defn, exists=lambda key: store.lookup(key) is not None, engine=info.as_dict(),
+                              lock=lock)
     if plan.unpinned and lock is None:
         log.info("note: %d unpinned item(s) (imagebuild prefetch pins them)", len(plan.unpinned))
     first, last = _select(plan, opts)
-    epoch = source_date_epoch(lock)
-    n = len(plan.stages)
     runs: list[StageRun] = []
     for i, s in enumerate(plan.stages):
-        repro = opts.reproducible == "all" or (opts.reproducible == "final" and i == n - 1)
+        ref = store.lookup(s.key)
         if i < first:
             action, reason = "reuse", f"before --from {opts.from_stage}"
-            if s.exists is False:
-                raise UsageError(f"--from {opts.from_stage}: the earlier stage {s.name!r} has no image "
-                                 f"({s.image})", hint=f"build it first: imagebuild build {image} --until {s.name}")
+            if ref is None:
+                raise UsageError(f"--from {opts.from_stage}: the earlier stage {s.name!r} is not built "
+                                 f"(no {s.image} in the stage store)",
+                                 hint=f"build it first: imagebuild build {image} --until {s.name}")
         elif i > last:
             action, reason = "not-requested", f"after --until {opts.until_stage}"
         elif opts.no_cache:
             action, reason = "build", "--no-cache"
-        elif s.exists:
-            action, reason = "skip", "image with this key exists"
+        elif ref is not None:
+            action, reason = "skip", "stage with this key is built"
         else:
-            action, reason = "build", "no image with this key" if s.exists is False else "engine unknown"
-        runs.append(StageRun(s.name, s.key, s.image, action, reason, "default" if s.network else "none", repro))
-    return Build(root, defn, plan, opts, lock, epoch, runs, first, last, tags)
+            action, reason = "build", "no stage with this key"
+        r = StageRun(s.name, s.key, s.image, action, reason, "default" if s.network else "none")
+        if action in ("skip", "reuse") and ref is not None:
+            r.manifest = ref.manifest
+            r.patches = ref.patches
+        runs.append(r)
+    return Build(root, defn, plan, opts, lock, store, runs, first, last, new_run_id(), info.id)
 
 
-def _check_inputs(b: Build) -> dict[str, dict[str, Path]]:
+def _check_inputs(b: Build) -> dict[str, dict]:
     """Verify every prefetched input of the stages to build; returns the named-context sources."""
     out = {}
     for r in b.stages:
@@ -469,7 +506,7 @@ def _check_inputs(b: Build) -> dict[str, dict[str, Path]]:
             continue
         st = b.plan.stage(r.name)
         out[r.name] = {
-            "src": verify_sources(b.root, b.defn, b.lock, st.sources, st.name),
+            "src": verify_sources(b.root, b.defn, st),
             "wheels": verify_package_dir(b.root, b.defn, b.lock, "wheels", st.name),
             "apt": verify_package_dir(b.root, b.defn, b.lock, "apt", st.name),
         }
@@ -488,44 +525,55 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     warn = guards.check_serving(force=b.opts.force)
     if warn:
         b.warnings.append(warn)
-    paths = [state.state_dir(b.root)]
-    if info.get("root_dir") and Path(info["root_dir"]).exists():
-        paths.append(Path(info["root_dir"]))
-    if any(r.action == "build" for r in b.stages):
-        warn = guards.check_disk(paths, force=b.opts.force)
+    to_build = [r.name for r in b.stages if r.action == "build"]
+    if to_build:
+        paths = [state.state_dir(b.root)]
+        if info.get("root_dir") and Path(info["root_dir"]).exists():
+            paths.append(Path(info["root_dir"]))
+        warn = guards.check_disk(paths, force=b.opts.force,
+                                 export_gib=guards.export_space_gib(b.store, to_build))
         if warn:
             b.warnings.append(warn)
 
 
-def dry_run(root: Path, image: str, opts: Options) -> dict:
-    b = prepare(root, image, opts)
-    _check_inputs(b)
-    _guards(b, lock=None)
-    for w in b.warnings:
-        log.warning("warning: %s", w)
-    jobs = guards.host_jobs(opts.jobs)
-    stages = []
-    for r in b.stages:
-        st = b.plan.stage(r.name)
-        d = r.as_dict()
-        d["args"] = {**st.build_args(), "SOURCE_DATE_EPOCH": str(b.epoch),
-                     **_parallel_args(st, jobs, opts.jobs is not None)}
-        d["sources"] = list(st.sources)
-        stages.append({k: d[k] for k in ("name", "key", "image", "action", "reason", "network", "reproducible",
-                                         "args", "sources")})
-    return {"schema": DRY_RUN_SCHEMA, "version": 1, "image": b.defn.name, "platform": b.plan.platform,
-            "build_id": b.plan.build_id, "source_date_epoch": b.epoch, "warnings": b.warnings,
-            "release": b.last == len(b.stages) - 1, "stages": stages}
+def _stage_contexts(b: Build, st: plan_mod.PlannedStage, *, dry: bool = False) -> dict[str, str]:
+    """The named contexts through which a stage reads earlier stages (its parent, ``STAGE_*``)."""
+    def ctx(stage: str) -> str:
+        if dry:
+            r = next(s for s in b.stages if s.name == stage)
+            return b.store.context(r.manifest) if r.manifest else f"oci-layout://{b.store.dir}@<{stage}>"
+        return b.store.context(b.manifest(stage))
+
+    out = {}
+    if st.parent_kind == "stage":
+        out[plan_mod.PARENT_CONTEXT] = ctx(st.parent)
+    for name, stage in st.stage_contexts.items():
+        out[name] = ctx(stage)
+    return out
+
+
+def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, meta: Path | None,
+                jobs: guards.Jobs, dry: bool = False) -> list[str]:
+    contexts = {**named, **_stage_contexts(b, st, dry=dry)}
+    args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
+            **_parallel_args(st, jobs, b.opts.jobs is not None)}
+    labels = {f"{LABEL_PREFIX}.image": b.defn.name, f"{LABEL_PREFIX}.stage": st.name,
+              f"{LABEL_PREFIX}.stage-key": st.key}
+    return buildx_argv(context=ctx, dockerfile=b.root / st.dockerfile, build_args=args, contexts=contexts,
+                       labels=labels, network=None if st.network else "none", platform=b.plan.platform,
+                       no_cache=b.opts.no_cache, output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
+                       tag=None, metadata=meta)
 
 
 def build(root: Path, image: str, opts: Options) -> dict:
-    """Run the build; returns the build record (also written under the state folder)."""
+    """Run the build; returns the build record (also written under the run's folder)."""
     root = Path(root).resolve()
     b = prepare(root, image, opts)
     named = _check_inputs(b)  # before the lock and before docker: a tampered input stops here
-    blk = guards.BuildLock(lock_file(root, b.defn.name), b.defn.name)
+    blk = guards.BuildLock(guards.build_lock_path(b.engine_id, b.defn.name), b.defn.name)
     try:
         _guards(b, lock=blk)
+        _remove_stale_tmp(b)
         for w in b.warnings:
             log.warning("warning: %s", w)
         return _run(b, named)
@@ -533,15 +581,27 @@ def build(root: Path, image: str, opts: Options) -> dict:
         blk.release()
 
 
+def _remove_stale_tmp(b: Build) -> None:
+    """Temporary folders of this image's earlier runs: with the image's lock held, no other run
+    of it is alive, so whatever they left (a kill -9, a power cut) goes now."""
+    top = tmp_root(b.root)
+    for p in sorted(top.glob(f"build-{b.defn.name}-*")) if top.is_dir() else ():
+        log.info("removing %s (left by an earlier run that did not end cleanly)", p)
+        shutil.rmtree(p, ignore_errors=True)
+
+
 def _record(b: Build, status: str, started: str, **extra) -> dict:
     rec = {
-        "schema": RECORD_SCHEMA, "version": RECORD_VERSION, "image": b.defn.name, "build_id": b.plan.build_id,
-        "build_id_from": b.plan.build_id_from, "platform": b.plan.platform, "status": status,
+        "schema": RECORD_SCHEMA, "version": RECORD_VERSION, "image": b.defn.name, "run_id": b.run_id,
+        "build_id": b.plan.build_id, "build_id_from": b.plan.build_id_from, "platform": b.plan.platform,
+        "status": status,
         "started": started, "finished": _now(),  # a record of a run: it holds times, explicitly
         "source_date_epoch": b.epoch,
         "options": {"from": b.opts.from_stage, "until": b.opts.until_stage, "no_cache": b.opts.no_cache,
                     "force": b.opts.force, "jobs": b.opts.jobs, "emulate": b.opts.emulate,
-                    "reproducible": b.opts.reproducible},
+                    "progress": b.opts.progress},
+        "stage_store": str(b.store.dir),
+        "inputs": {"tarballs": sorted({m.tarball for s in b.plan.stages for m in s.mounts if m.tarball})},
         "warnings": b.warnings,
         "stages": [r.as_dict() for r in b.stages],
         "patches": _merged_patches(b),
@@ -559,22 +619,24 @@ def _merged_patches(b: Build) -> dict:
     return out
 
 
-def _previous_record(b: Build) -> dict:
-    try:
-        return json.loads((b.dir / "record.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _run(b: Build, named: dict) -> dict:
     started = _now()
-    stream = b.opts.stream if b.opts.stream is not None else (sys.stderr.isatty() or log.isEnabledFor(logging.DEBUG))
+    try:
+        return _run_stages(b, named, started)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the child was stopped, the temp folder is gone
+        _record(b, "interrupted", started, release=None, promotion=None)
+        raise
+
+
+def _run_stages(b: Build, named: dict, started: str) -> dict:
+    progress = Progress(b.opts.progress)
     jobs = guards.host_jobs(b.opts.jobs)
-    prev = {s["name"]: s for s in _previous_record(b).get("stages", []) if isinstance(s, dict)}
     total = len(b.stages)
-    tmp_root = state.state_dir(b.root) / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="build-", dir=tmp_root) as tmp_s:
+    top = tmp_root(b.root)
+    top.mkdir(parents=True, exist_ok=True)
+    b.dir.mkdir(parents=True, exist_ok=True)
+    _record(b, "running", started, release=None, promotion=None)
+    with tempfile.TemporaryDirectory(prefix=f"build-{b.defn.name}-", dir=top) as tmp_s:
         tmp = Path(tmp_s)
         empty = tmp / "empty"
         empty.mkdir()
@@ -583,53 +645,56 @@ def _run(b: Build, named: dict) -> dict:
             head = f"[{i}/{total}] {r.name}"
             if r.action != "build":
                 r.status = "skipped"
-                log.info("%s: %s (%s) %s", head, r.action, r.reason, r.image)
-            else:
-                _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, stream, head, started)
-            if any(inp.kind == "patch" for inp in st.inputs) and r.action != "not-requested":
-                old = prev.get(r.name) or {}
-                if r.status == "skipped" and old.get("key") == r.key and old.get("patches") is not None:
-                    r.patches = old["patches"]
-                else:
-                    r.patches = read_patch_record(r.image) or {"schema": patching.RECORD_SCHEMA,
-                                                               "version": patching.RECORD_VERSION, "patches": {},
-                                                               "note": f"no {PATCH_RECORD} in the image"}
+                progress.info("%s: %s (%s) %s", head, r.action, r.reason, r.image)
+                continue
+            _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
         if b.last != total - 1:
             rec = _record(b, "ok", started, release=None, promotion=None)
-            log.info("stopped after stage %s (--until): no release image", b.opts.until_stage)
+            progress.info("stopped after stage %s (--until): no release image", b.opts.until_stage)
             return rec
-        release = _release(b, tmp / "release", stream, started)
+        release = _release(b, tmp / "release", progress, started)
     promotion = _gate_and_promote(b, release, started)
     return _record(b, "ok", started, release=release, promotion=promotion)
 
 
 def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
-                 jobs: guards.Jobs, stream: bool, head: str, started: str) -> None:
+                 jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
     ctx = tmp / "context"
-    make_context(b.root, st, ctx, b.epoch)
+    make_context(b.root, st, ctx, st.source_date_epoch)
     src_dir = tmp / NAMED_SRC
     src_dir.mkdir()
     for vf in inputs["src"]:
         _link_or_copy(vf.path, src_dir / vf.name)
-    contexts = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
-                NAMED_APT: str(inputs["apt"] or empty)}
-    args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(b.epoch), **_parallel_args(st, jobs, b.opts.jobs is not None)}
-    labels = {f"{LABEL_PREFIX}.image": b.defn.name, f"{LABEL_PREFIX}.stage": st.name,
-              f"{LABEL_PREFIX}.stage-key": st.key}
-    r.args = {k: v for k, v in args.items()}
-    r.contexts = {NAMED_SRC: sorted(vf.name for vf in inputs["src"]),
+    # the generated unpack script + manifest (extract every source, set every override; source_mounts.py)
+    for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
+        (src_dir / fname).write_bytes(data)
+    named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
+             NAMED_APT: str(inputs["apt"] or empty)}
+    meta = tmp / "metadata.json"
+    argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs)
+    r.args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
+              **_parallel_args(st, jobs, b.opts.jobs is not None)}
+    r.contexts = {NAMED_SRC: sorted(p.name for p in src_dir.iterdir()),
                   NAMED_WHEELS: defn_mod.display_path(b.root, inputs["wheels"]) if inputs["wheels"] else None,
-                  NAMED_APT: defn_mod.display_path(b.root, inputs["apt"]) if inputs["apt"] else None}
+                  NAMED_APT: defn_mod.display_path(b.root, inputs["apt"]) if inputs["apt"] else None,
+                  **{k: v.split("@", 1)[1] for k, v in _stage_contexts(b, st).items()}}
     log_path = b.dir / "logs" / f"{st.name}.log"
-    r.log = defn_mod.display_path(b.root, log_path) if b.root in log_path.parents else str(log_path)
-    log.info("%s: building (%s, network %s)%s", head, r.reason, r.network,
-             ", reproducible export" if r.reproducible else "")
+    r.log = defn_mod.display_path(b.root, log_path)
+    progress.info("%s: building (%s, network %s), log: %s", head, r.reason, r.network, r.log)
     t0 = time.monotonic()
-    dockerfile = b.root / st.dockerfile
+    b.store.dir.mkdir(parents=True, exist_ok=True)
     try:
-        _buildx(context=ctx, dockerfile=dockerfile, tag=st.image, build_args=args, contexts=contexts, labels=labels,
-                network=None if st.network else "none", platform=b.plan.platform, no_cache=b.opts.no_cache,
-                oci_dest=(tmp / "oci.tar") if r.reproducible else None, log_path=log_path, stream=stream)
+        md = _buildx(argv, log_path=log_path, progress=progress, label=st.name, epoch=st.source_date_epoch)
+        manifest = md.get("containerimage.digest")
+        if not isinstance(manifest, str) or not b.store.complete(manifest):
+            raise OperationFailed(f"stage {st.name!r}: BuildKit reported success but its image is not complete in "
+                                  f"{b.store.dir} (manifest {manifest!r}); not treating it as built",
+                                  hint=f"see {log_path}; is the engine's BuildKit new enough? (imagebuild doctor)")
+        patches = None
+        if any(inp.kind == "patch" for inp in st.inputs):
+            patches = _read_patch_record(b, st, manifest, tmp, progress) or {
+                "schema": patching.RECORD_SCHEMA, "version": patching.RECORD_VERSION, "patches": {},
+                "note": f"no {PATCH_RECORD} in the stage"}
     except _StageFailed as exc:
         r.seconds = round(time.monotonic() - t0, 3)
         r.status = "failed"
@@ -638,18 +703,36 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
             f"stage {st.name!r} of {b.defn.name} failed (docker buildx build exit {exc.code}); last lines of its "
             f"log:\n" + "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
             hint=f"full log: {log_path}; :local and :candidate were not touched") from None
-    finally:
-        (tmp / "oci.tar").unlink(missing_ok=True)
+    b.store.commit(st.key, st.name, manifest, patches=patches)
+    r.manifest, r.patches = manifest, patches
     r.seconds = round(time.monotonic() - t0, 3)
     r.status = "built"
-    r.image_id = promote_mod.image_id(st.image)
-    log.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
+    progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
+
+
+def _read_patch_record(b: Build, st: plan_mod.PlannedStage, manifest: str, tmp: Path,
+                       progress: Progress) -> dict | None:
+    """``/opt/imagebuild/patches.json`` of a built stage, copied out by a one-line BuildKit build."""
+    d = tmp / "patch-record"
+    (d / "ctx").mkdir(parents=True)
+    df = d / "Dockerfile"
+    df.write_text(f"FROM {RECORD_SOURCE_CONTEXT} AS stage\nFROM scratch\nCOPY --from=stage {PATCH_RECORD} /\n")
+    argv = buildx_argv(context=d / "ctx", dockerfile=df, build_args={}, contexts={
+        RECORD_SOURCE_CONTEXT: b.store.context(manifest)}, labels={}, network="none", platform=b.plan.platform,
+        no_cache=False, output=f"type=local,dest={d / 'out'}", tag=None, metadata=None)
+    quiet = Progress("quiet")
+    quiet.every = 0
+    try:
+        _buildx(argv, log_path=d / "log", progress=quiet, label=st.name, epoch=st.source_date_epoch)
+        return json.loads((d / "out" / "patches.json").read_text(encoding="utf-8"))
+    except (_StageFailed, OSError, ValueError):
+        return None
 
 
 def _provenance(b: Build) -> tuple[dict, dict]:
     """(labels, build.json) of the release image: deterministic for the same inputs."""
     keys = {s.name: s.key for s in b.plan.stages}
-    lock_sha = sha256_file(lock_mod.lock_path(b.defn.dir)) if b.lock is not None else None
+    prov = b.plan.provenance
     sources = {n: s.get("commit") for n, s in sorted(((b.lock or {}).get("sources") or {}).items())
                if isinstance(s, dict) and s.get("commit")}
     labels = {
@@ -658,39 +741,63 @@ def _provenance(b: Build) -> tuple[dict, dict]:
         "org.opencontainers.image.title": b.defn.name,
         f"{LABEL_PREFIX}.image": b.defn.name,
         f"{LABEL_PREFIX}.build-id": b.plan.build_id,
-        f"{LABEL_PREFIX}.build-id-from": b.plan.build_id_from,
         f"{LABEL_PREFIX}.stage-keys": json.dumps(keys, sort_keys=True, separators=(",", ":")),
         f"{LABEL_PREFIX}.sources": json.dumps(sources, sort_keys=True, separators=(",", ":")),
         f"{LABEL_PREFIX}.platform": b.plan.platform,
     }
     if b.defn.description:
         labels["org.opencontainers.image.description"] = b.defn.description
-    rev = _git_revision(b.root, b.defn)
-    if rev:
-        labels["org.opencontainers.image.revision"] = rev
-    url = _git_source_url(b.root)
-    if url:
-        labels["org.opencontainers.image.source"] = url
-    if lock_sha:
-        labels[f"{LABEL_PREFIX}.lock-sha256"] = lock_sha
-    doc = {"schema": "imagebuild.image", "version": 1, "image": b.defn.name, "build_id": b.plan.build_id,
-           "build_id_from": b.plan.build_id_from, "platform": b.plan.platform, "source_date_epoch": b.epoch,
+    if prov is not None:
+        labels[f"{LABEL_PREFIX}.definition-sha256"] = prov.definition_sha256
+        if prov.revision:
+            labels["org.opencontainers.image.revision"] = prov.revision
+        if prov.source_url:
+            labels["org.opencontainers.image.source"] = prov.source_url
+    if b.plan.lock_sha256:
+        labels[f"{LABEL_PREFIX}.lock-sha256"] = b.plan.lock_sha256
+    doc = {"schema": "imagebuild.image", "version": 2, "image": b.defn.name, "build_id": b.plan.build_id,
+           "platform": b.plan.platform, "source_date_epoch": b.epoch,
+           "provenance": prov.as_dict() if prov else None,
            "stages": [{"name": s.name, "key": s.key, "image": s.image} for s in b.plan.stages],
-           "sources": sources, "lock_sha256": lock_sha, "patches": _merged_patches(b)}
+           "sources": _source_provenance(b), "lock_sha256": b.plan.lock_sha256, "patches": _merged_patches(b)}
     return labels, doc
 
 
-def _release(b: Build, tmp: Path, stream: bool, started: str) -> dict:
+def _source_provenance(b: Build) -> dict:
+    """Each locked source's commit; a composed commit (base + PRs, made by prefetch) is marked
+    local-only, with how to recreate it from the lock."""
+    out = {}
+    for n, s in sorted(((b.lock or {}).get("sources") or {}).items()):
+        if not isinstance(s, dict) or not s.get("commit"):
+            continue
+        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": s.get("prs") or [],
+                 "tree": s.get("tree"), "tarball_sha256": s.get("sha256")}
+        if s.get("prs"):
+            entry["local_only"] = True
+            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (offline from its mirror cache with --offline): "
+                                 f"{s.get('ref')} with PR heads {', '.join(str(p) for p in s.get('prs') or [])} "
+                                 "merged in that order, fixed identity and date (docs/prefetch.md); the result's "
+                                 "tree must equal 'tree'")
+        else:
+            entry["local_only"] = False
+        out[n] = entry
+    return out
+
+
+def release_ref(image: str, build_id: str) -> str:
+    return f"imagebuild/{image}:release-{build_id}"
+
+
+def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
     final = b.plan.stages[-1]
     labels, doc = _provenance(b)
     lock_bytes = lock_mod.lock_path(b.defn.dir).read_bytes() if b.lock is not None else None
-    rkey = "sha256:" + sha256_bytes(canonical_json({"imagebuild-release": 1, "final": final.key, "labels": labels,
-                                                    "doc": doc, "lock": sha256_bytes(lock_bytes or b"")}))
-    ref = f"imagebuild/{b.defn.name}:release-{rkey.removeprefix('sha256:')[:plan_mod.STAGE_TAG_KEY_LEN]}"
+    ref = release_ref(b.defn.name, b.plan.build_id)
     final_run = b.stages[-1]
     rebuild = b.opts.no_cache and final_run.action == "build"
-    if ref in (b.tags or ()) and not rebuild:
-        log.info("release: %s exists", ref)
+    have = engine_mod.existing_tags(ref.split(":", 1)[0])
+    if ref in have and not rebuild:
+        progress.info("release: %s exists", ref)
         built = False
     else:
         ctx = tmp / "context"
@@ -703,11 +810,14 @@ def _release(b: Build, tmp: Path, stream: bool, started: str) -> dict:
         df = tmp / "Dockerfile.release"
         df.write_text(RELEASE_DOCKERFILE)
         log_path = b.dir / "logs" / "release.log"
+        argv = buildx_argv(context=ctx, dockerfile=df, build_args={"PARENT": plan_mod.PARENT_CONTEXT,
+                                                                   "SOURCE_DATE_EPOCH": str(b.epoch)},
+                           contexts={plan_mod.PARENT_CONTEXT: b.store.context(b.manifest(final.name))},
+                           labels=labels, network="none", platform=b.plan.platform, no_cache=rebuild,
+                           output=None, tag=ref, metadata=None)
+        progress.info("release: loading %s into the engine", ref)
         try:
-            _buildx(context=ctx, dockerfile=df, tag=ref, build_args={"PARENT": final.image,
-                                                                     "SOURCE_DATE_EPOCH": str(b.epoch)},
-                    contexts={}, labels=labels, network="none", platform=b.plan.platform, no_cache=rebuild,
-                    oci_dest=None, log_path=log_path, stream=stream)
+            _buildx(argv, log_path=log_path, progress=progress, label="release", epoch=b.epoch)
         except _StageFailed as exc:
             _record(b, "failed", started, failed_stage="release", release=None, promotion=None)
             raise OperationFailed(f"the release step of {b.defn.name} failed (exit {exc.code}):\n" +
@@ -722,11 +832,10 @@ def _release(b: Build, tmp: Path, stream: bool, started: str) -> dict:
     have = {t.removeprefix("docker.io/library/") for t in data.get("RepoTags") or []}
     for t in wanted:
         if t not in have:  # one inspect on a no-op build, not one per tag
-            promote_mod.tag(ref, t)
-    tags = wanted
+            promote_mod.tag(data.get("Id") or ref, t)
     ident = identity_mod.from_inspect(data)
-    log.info("candidate: %s (identity %s)", ", ".join(tags), ident.digest)
-    return {"ref": ref, "key": rkey, "built": built, "tags": tags, "image_id": ident.local_id,
+    progress.info("candidate: %s (identity %s)", ", ".join(wanted), ident.digest)
+    return {"ref": ref, "built": built, "tags": wanted, "image_id": ident.local_id,
             "identity": ident.digest, "labels": labels}
 
 
@@ -740,22 +849,57 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
     if b.defn.gate is None:
         log.info("%s has no gate spec: stopped at %s:candidate (:local unchanged)", name, name)
         return {"status": "skipped", "reason": "the definition has no gate spec: stopped at :candidate"}
-    from . import receipts
+    from . import gatespec, receipts
 
+    spec_digest = gatespec.digest(b.defn.gate)
     cand = promote_mod.ref(name, promote_mod.CANDIDATE)
+    gated = False
     try:
-        if receipts.find_passing(b.root, release["identity"]):
-            log.info("gate: %s already has a passing receipt for identity %s", cand, release["identity"])
+        if receipts.find_passing(b.root, release["identity"], spec_digest):
+            log.info("gate: identity %s already passed this gate spec (%s): not gating again",
+                     release["identity"], spec_digest[:19])
         else:
             from . import gate as gate_mod  # imports pytest: only when a gate runs
 
-            gate_mod.run_gate(b.root, name, cand)
+            gate_mod.run_gate(b.root, name, release["image_id"] or cand)
+            gated = True
     except GateFailed as exc:
         _record(b, "gate-failed", started, release=release,
                 promotion={"status": "gate-failed", "reason": exc.message})
         raise
-    p = promote_mod.promote(b.root, name, cand)
-    return {"status": "promoted", **p.as_dict()}
+    p = promote_mod.promote(b.root, name, release["image_id"] or cand, spec_digest=spec_digest)
+    return {"status": "promoted" if p.moved else "unchanged", "gated": gated, **p.as_dict()}
+
+
+def dry_run(root: Path, image: str, opts: Options) -> dict:
+    """What ``build`` would do, with every docker command it would run (nothing is built)."""
+    b = prepare(root, image, opts)
+    _check_inputs(b)
+    _guards(b, lock=None)
+    for w in b.warnings:
+        log.warning("warning: %s", w)
+    jobs = guards.host_jobs(opts.jobs)
+    stages = []
+    tmp = tmp_root(b.root) / "<run>"
+    for r in b.stages:
+        st = b.plan.stage(r.name)
+        d = r.as_dict()
+        d["args"] = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
+                     **_parallel_args(st, jobs, opts.jobs is not None)}
+        d["sources"] = [m.name for m in st.mounts]
+        if r.action == "build":
+            named = {NAMED_SRC: str(tmp / r.name / NAMED_SRC), NAMED_WHEELS: str(tmp / "empty"),
+                     NAMED_APT: str(tmp / "empty")}
+            d["command"] = _stage_argv(b, st, ctx=tmp / r.name / "context", named=named,
+                                       meta=tmp / r.name / "metadata.json", jobs=jobs, dry=True)
+        else:
+            d["command"] = None
+        stages.append({k: d[k] for k in ("name", "key", "image", "action", "reason", "network", "args",
+                                         "sources", "command")})
+    return {"schema": DRY_RUN_SCHEMA, "version": 2, "image": b.defn.name, "platform": b.plan.platform,
+            "build_id": b.plan.build_id, "source_date_epoch": b.epoch, "warnings": b.warnings,
+            "stage_store": str(b.store.dir),
+            "release": b.last == len(b.stages) - 1, "stages": stages}
 
 
 # --------------------------------------------------------------------------------------------- patch command

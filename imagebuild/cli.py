@@ -22,6 +22,7 @@ from .errors import (
     EXIT_REFUSED,
     DefinitionError,
     ImagebuildError,
+    UsageError,
 )
 
 
@@ -114,7 +115,8 @@ def _global_options(p: argparse.ArgumentParser, *, after_command: bool = False) 
                    "folder at or above the current one that has docker-images/)")
     g.add_argument("--debug", action="store_true", **unset,
                    help="show tracebacks and debug logs (every command run)")
-    g.add_argument("-v", "--verbose", action="store_true", **unset, help="more progress on stderr")
+    g.add_argument("-v", "--verbose", action="store_true", **unset,
+                   help="more on stderr: every command run (+ docker ...) and, for build, each stage's log lines")
     g.add_argument("-q", "--quiet", action="store_true", **unset,
                    help="only warnings and errors on stderr (not with -v)")
 
@@ -234,7 +236,8 @@ prefetch environment:
     sp.add_argument("images", nargs="*", metavar="IMAGE",
                     help="image definitions to prefetch (default: every image with git sources)")
     sp.add_argument("--refresh", nargs="*", metavar="NAME", default=None,
-                    help="re-resolve pinned PR heads (of the named sources, default all) and report which moved")
+                    help="re-resolve pinned PR heads and followed branches (NAME_REF=<branch>@<sha>) of the named "
+                    "sources (default all) and report which moved")
     sp.add_argument("--offline", action="store_true",
                     help="use the mirror cache only; fail naming the first missing object")
     sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="parallel git operations (default 4)")
@@ -242,6 +245,29 @@ prefetch environment:
                     "$XDG_CACHE_HOME/imagebuild/git)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
     sp.set_defaults(func=cmd_prefetch)
+
+    sp = sub.add_parser("bundle", help="pack an image's lock and every prefetched file into one verified file "
+                        "for a node without GitHub access",
+                        description="Write one file holding IMAGE's lock.json and versions.env, every source "
+                        "tarball, wheel and deb the lock names (each checked against the lock while it is "
+                        "written), a SHA256SUMS and a manifest. Carry it to the build node and run `imagebuild "
+                        "unbundle FILE` there. Details: docs/prefetch.md (\"Carry it to an air-gapped node\").",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("-o", "--output", required=True, metavar="FILE", help="the bundle to write (a tar)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")
+    sp.set_defaults(func=cmd_bundle)
+
+    sp = sub.add_parser("unbundle", help="verify a bundle against its lock, then put its files in place",
+                        description="Read FILE (made by `imagebuild bundle`) into a temporary folder, verify every "
+                        "member against its manifest and SHA256SUMS and every file against the bundled lock, "
+                        "and only then move the prefetched files, versions.env and lock.json into this project. "
+                        "A bad bundle changes nothing (exit 1). After it, `imagebuild build IMAGE` needs no "
+                        "network.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("file", metavar="FILE", help="the bundle")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")
+    sp.set_defaults(func=cmd_unbundle)
 
     sp = sub.add_parser("gate", help="run an image's gate checks inside it and write a receipt",
                         description="Run the gate spec's checks inside a container of the image (entrypoint "
@@ -292,13 +318,52 @@ prefetch environment:
                     "nothing")
     sp.add_argument("--jobs", type=int, metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
-    sp.add_argument("--reproducible", choices=("final", "all", "none"), default="final",
-                    help="stages exported as OCI with rewrite-timestamp (digest-stable; costs a full export of the "
-                    "image per stage). default: final")
+    sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
+                    help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
+                    "terminal, otherwise a heartbeat line at least once a minute (stage, elapsed time, log); "
+                    "quiet: only the heartbeat")
     sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
     sp.add_argument("--json", action="store_true", help="print the build record (schema imagebuild.build, "
                     "version 1; with --dry-run: imagebuild.build-plan)")
     sp.set_defaults(func=cmd_build)
+
+    sp = sub.add_parser("log", help="list build runs, or show one run's record and logs",
+                        description="Without RUN: the recorded build runs (of IMAGE, or of every image), newest "
+                        "first, with their status and build id. With RUN (a run id, a unique prefix of one, or "
+                        "'latest'): that run's stages and log paths; with --stage, that stage's full log. Every "
+                        "run keeps its own folder under .imagebuild/builds/IMAGE/RUN/ (record.json, logs/).",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("run", metavar="RUN", nargs="?", help="run id, a unique prefix of one, or 'latest'")
+    sp.add_argument("--stage", metavar="STAGE", help="print this stage's log (needs IMAGE; 'release' for the release "
+                    "step)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
+    sp.set_defaults(func=cmd_log)
+
+    sp = sub.add_parser("gc", help="free disk: remove what no kept build needs (--dry-run first)",
+                        description="Remove, per image, what no kept build needs: release images and tags of other "
+                        "builds, stage-store stages and blobs, prefetched tarballs no kept lock names, package "
+                        "folders of removed stages, old run records, temporary folders of runs that died, and "
+                        "*.tmp folders a killed prefetch left in the git mirror cache. Kept: the builds IMAGE:local, "
+                        ":previous and :candidate point at, the last N builds (--keep), and every image a container "
+                        "uses; each with its stages, release image, prefetched files and records, so it still "
+                        "rebuilds as a no-op. Anything a running build or prefetch holds is left alone. "
+                        "Retention: docs/build.md, 'Disk'.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
+    sp.add_argument("--keep", type=int, default=3, metavar="N", help="also keep the last N builds (default 3)")
+    sp.add_argument("--dry-run", action="store_true", help="remove nothing; list what would go and the bytes freed")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.gc, version 1)")
+    sp.set_defaults(func=cmd_gc)
+
+    sp = sub.add_parser("df", help="show what each image holds on disk",
+                        description="Per image: release images in the engine, the stage store, prefetched files "
+                        "(deps-src/IMAGE) and run records, with their sizes; then BuildKit's build cache and the git "
+                        "mirror cache. Reads only.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.df, version 1)")
+    sp.set_defaults(func=cmd_df)
 
     sp = sub.add_parser("patch", help="apply or check an image's patch set on a checkout, outside docker",
                         description="Apply IMAGE's patch_*.py files (every stage's, in build order) to the "
@@ -362,8 +427,8 @@ class _WhenImported:
 def _configure_logging(args) -> None:
     import logging
 
-    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else \
-        logging.WARNING if args.quiet else logging.INFO
+    # -v: also every command run ("+ docker ...") and the build logs as they come; --debug: and tracebacks
+    level = logging.DEBUG if (args.debug or args.verbose) else logging.WARNING if args.quiet else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("imagebuild")
@@ -444,20 +509,20 @@ def cmd_validate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    root = _root(args)
-    # asked first, answered while the definition is read and planned (engine.ImageQuery)
-    query = None if args.no_engine or not defn_mod.NAME_RE.match(args.image) else \
-        engine_mod.ImageQuery(f"imagebuild/{args.image}")
-    dfn = defn_mod.load(root, args.image)
-    plan = plan_mod.make_plan(dfn)
-    if query is not None:
-        from .records import replace
+    from .stagestore import StageStore
 
-        info, held = query.result([s.image for s in plan.stages])
+    root = _root(args)
+    # the engine is asked first and answers while the definition is read (engine.EngineQuery)
+    query = None if args.no_engine else engine_mod.EngineQuery()
+    dfn = defn_mod.load(root, args.image)
+    store = StageStore.for_image(root, dfn.name)  # built stages: read from the stage store, no engine needed
+    engine_info = None
+    if query is not None:
+        info = query.result()
+        engine_info = info.as_dict()
         if not info.reachable:
-            log.info("no Docker engine reachable (%s): stage existence unknown", info.detail)
-        plan = replace(plan, engine=info.as_dict(), stages=tuple(
-            replace(s, exists=s.image in held if held is not None else None) for s in plan.stages))
+            log.info("no Docker engine reachable (%s)", info.detail)
+    plan = plan_mod.make_plan(dfn, exists=lambda key: store.lookup(key) is not None, engine=engine_info)
     if args.json:
         _print_json(plan.as_dict())
         return EXIT_OK
@@ -477,8 +542,10 @@ def _print_plan(plan: plan_mod.Plan) -> None:
     print(f"image     {plan.image}")
     print(f"platform  {plan.platform}")
     print(f"build id  {plan.build_id}  (from {plan.build_id_from})")
+    if plan.provenance is not None:
+        print(f"revision  {plan.provenance.revision or '(not in git)'}  definition {plan.provenance.definition_sha256[:23]}")
     for i, s in enumerate(plan.stages, start=1):
-        exists = {True: "exists", False: "to build", None: "unknown (no engine)"}[s.exists]
+        exists = {True: "built", False: "to build", None: "unknown"}[s.exists]
         print(f"\n{i}. {s.name}  [{exists}]")
         print(f"   image       {s.image}")
         print(f"   key         {s.key}")
@@ -492,6 +559,20 @@ def _print_plan(plan: plan_mod.Plan) -> None:
             print(f"   input       {inp.path} -> {inp.context_path}  sha256:{inp.sha256[:16]}  ({inp.kind})")
         for src in s.sources:
             print(f"   source      {src}")
+        if s.src_mounts is not None:
+            for m in s.src_mounts["mounts"]:
+                dep = f", dependency of {m['dependency_of']}" if m["dependency_of"] else ""
+                print(f"   mounts      {m['name']} {m['tarball']}  sha256:{m['sha256'][:16]} -> {m['dir']}{dep}")
+                for o in m["overrides"]:
+                    print(f"   override    {o['name']}={o['value']}  ({'environment' if o['via'] == 'env' else '-D'})")
+            for x in s.src_mounts["excluded"]:
+                print(f"   excluded    {x['name']} ({x['declared_by']} at {x['where']}): {x['reason']}")
+            for n in s.src_mounts["missing"]:
+                print(f"   mounts      {n}: NOT PREFETCHED (imagebuild prefetch {plan.image})")
+        for m in s.mounts:
+            if m.stale and m.sha256:
+                print(f"   STALE       {m.name}: {m.stale} (imagebuild prefetch {plan.image})")
+        print(f"   epoch       SOURCE_DATE_EPOCH={s.source_date_epoch}")
         for kind, pk in sorted(s.packages.items()):
             state = "locked " + pk["locked"][:16] if pk["locked"] else "NOT PREFETCHED for these inputs"
             print(f"   {kind:<11} inputs {pk['inputs'][:16]}  {state}")
@@ -518,6 +599,36 @@ def cmd_prefetch(args) -> int:
         _print_json(report.as_dict())
     else:
         print(prefetch_mod.render(report))
+    return EXIT_OK
+
+
+def cmd_bundle(args) -> int:
+    from . import bundle as bundle_mod
+
+    root = _root(args)
+    defn_mod.check_image_name(args.image)
+    res = bundle_mod.bundle(root, args.image, args.output)
+    if args.json:
+        _print_json(res.as_dict())
+    else:
+        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB -> {res.file}")
+    return EXIT_OK
+
+
+def cmd_unbundle(args) -> int:
+    from . import bundle as bundle_mod
+
+    root = _root(args)
+    res = bundle_mod.unbundle(root, args.file)
+    if args.json:
+        _print_json(res.as_dict())
+    else:
+        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB verified and in place; "
+              f"`imagebuild build {res.image}` needs no network now")
+        for r in res.replaced:
+            print(f"  replaced {r} (the bundle's pins)")
+        for n in res.notices:
+            print(f"  note   {n}")
     return EXIT_OK
 
 
@@ -571,7 +682,7 @@ def cmd_build(args) -> int:
     root = _root(args)
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
-                             reproducible=args.reproducible, gate=not args.no_gate)
+                             gate=not args.no_gate, progress=args.progress)
     if args.dry_run:
         doc = build_mod.dry_run(root, args.image, opts)
         if args.json:
@@ -579,9 +690,13 @@ def cmd_build(args) -> int:
         else:
             print(f"image     {doc['image']}  ({doc['platform']}, build id {doc['build_id']}, "
                   f"SOURCE_DATE_EPOCH {doc['source_date_epoch']})")
+            import shlex
+
+            print(f"stages    {doc['stage_store']} (OCI layout, every stage exported with rewrite-timestamp)")
             for i, s in enumerate(doc["stages"], start=1):
-                print(f"{i}. {s['name']:<16} {s['action']:<14} {s['image']}  ({s['reason']}; network {s['network']}"
-                      f"{'; reproducible export' if s['reproducible'] else ''})")
+                print(f"{i}. {s['name']:<16} {s['action']:<14} {s['image']}  ({s['reason']}; network {s['network']})")
+                if s["command"]:
+                    print("   " + shlex.join(s["command"]))
             print("then: release image, :b-<build id>, :candidate" if doc["release"] else
                   "then: stop (--until), no release image")
         return EXIT_OK
@@ -596,7 +711,109 @@ def cmd_build(args) -> int:
             print(f"candidate        {', '.join(rec['release']['tags'])}  identity {rec['release']['identity']}")
         if rec.get("promotion"):
             p = rec["promotion"]
-            print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else ""))
+            print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else "") +
+                  (" (:local already held this identity)" if p["status"] == "unchanged" else ""))
+        print(f"run              {rec['run_id']} (imagebuild log {rec['image']} {rec['run_id']})")
+    return EXIT_OK
+
+
+def cmd_log(args) -> int:
+    from . import runs as runs_mod
+
+    root = _root(args)
+    if args.image:
+        defn_mod.check_image_name(args.image)
+    if args.run is None and args.stage is None:
+        runs = runs_mod.list_runs(root, args.image)
+        if args.json:
+            _print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
+            return EXIT_OK
+        if not runs:
+            print("no build runs recorded" + (f" for {args.image}" if args.image else ""))
+            return EXIT_OK
+        for r in runs:
+            s = r.summary()
+            print(f"{r.image:<20} {r.run_id:<24} {s['status']:<12} build {s['build_id'] or '-'}"
+                  + (f"  failed at {s['failed_stage']}" if s["failed_stage"] else "")
+                  + (f"  {s['promotion']}" if s["promotion"] else ""))
+        return EXIT_OK
+    if not args.image:
+        raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
+    run = runs_mod.find_run(root, args.image, args.run)
+    if args.stage:
+        path = run.dir / "logs" / f"{args.stage}.log"
+        if not path.is_file():
+            have = ", ".join(p.stem for p in run.logs()) or "none"
+            raise UsageError(f"run {run.run_id} of {args.image} has no log for stage {args.stage!r}",
+                             hint=f"logs of that run: {have}")
+        sys.stdout.write(path.read_text(encoding="utf-8", errors="replace"))
+        return EXIT_OK
+    if args.json:
+        _print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
+                     "logs": [defn_mod.display_path(root, p) for p in run.logs()]})
+        return EXIT_OK
+    s = run.summary()
+    print(f"run       {run.run_id}  ({args.image}, {s['status']})")
+    print(f"build id  {s['build_id'] or '-'}")
+    print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}")
+    for st in run.record.get("stages") or []:
+        took = f"{st['seconds']:.1f} s" if st.get("seconds") is not None else ""
+        print(f"  {st['name']:<16} {st.get('status', '-'):<8} {took:>9}  {st.get('log') or ''}")
+    if s["identity"]:
+        print(f"identity  {s['identity']}")
+    if s["promotion"]:
+        print(f"promotion {s['promotion']}")
+    for p in run.logs():
+        print(f"log       {defn_mod.display_path(root, p)}")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    from . import gc as gc_mod
+
+    root = _root(args)
+    if args.keep < 0:
+        raise UsageError(f"--keep {args.keep}: expected 0 or more")
+    plan = gc_mod.plan_gc(root, args.image, args.keep)
+    if not args.dry_run:
+        gc_mod.apply(plan, root)
+    if args.json:
+        _print_json(plan.as_dict(args.dry_run))
+        return EXIT_OK
+    h = gc_mod.human
+    verb = "would remove" if args.dry_run else "removed"
+    for ip in plan.images:
+        kept = ", ".join(f"{b} ({why})" for b, why in ip.kept_builds.items()) or "none"
+        print(f"{ip.image}: keeping builds {kept}")
+        for it in ip.remove:
+            print(f"  {verb:<12} {it.kind:<12} {it.what}  {h(it.bytes)}  ({it.why})")
+        for sk in ip.skipped:
+            print(f"  left alone   {sk}")
+        print(f"  {ip.image}: {h(ip.freed)} {'to free' if args.dry_run else 'freed'}")
+    for it in plan.shared:
+        print(f"{verb:<12} {it.kind:<12} {it.what}  {h(it.bytes)}  ({it.why})")
+    print(f"total: {h(plan.freed)} {'would be freed' if args.dry_run else 'freed'}")
+    return EXIT_OK
+
+
+def cmd_df(args) -> int:
+    from . import gc as gc_mod
+
+    root = _root(args)
+    doc = gc_mod.disk_usage(root, args.image)
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    h = gc_mod.human
+    print(f"{'IMAGE':<24} {'ENGINE':>12} {'STAGES':>12} {'PREFETCHED':>12} {'RUNS':>10} {'TOTAL':>12}")
+    for r in doc["images"]:
+        print(f"{r['image']:<24} {h(r['engine']['bytes']):>12} {h(r['stage_store']['bytes']):>12} "
+              f"{h(r['prefetched']['bytes']):>12} {h(r['runs']['bytes']):>10} {h(r['total_bytes']):>12}")
+        print(f"{'':<24} {r['engine']['releases']} release(s), {r['engine']['tags']} tag(s); "
+              f"{r['stage_store']['stages']} stage(s) in {r['stage_store']['path']}; {r['runs']['count']} run(s)")
+    if doc["buildkit_cache"]:
+        print(f"BuildKit build cache: {h(doc['buildkit_cache']['bytes'])} (docker builder prune frees it)")
+    print(f"git mirror cache: {h(doc['git_mirrors']['bytes'])} in {doc['git_mirrors']['path']}")
     return EXIT_OK
 
 
@@ -628,8 +845,8 @@ def _print_patches(doc) -> None:
 def cmd_rollback(args) -> int:
     from . import promote as promote_mod
 
-    _root(args)
-    doc = promote_mod.rollback(args.image)
+    root = _root(args)
+    doc = promote_mod.rollback(args.image, root)
     if args.json:
         _print_json(doc)
     else:
@@ -668,11 +885,27 @@ def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argu
     return {}
 
 
+def _signals_as_interrupt() -> None:
+    """SIGTERM and SIGHUP behave like Ctrl-C: every ``finally`` runs (child processes stopped,
+    temporary files removed, locks released) and the exit code is 130."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):  # not the main thread (tests call main() in-process from threads)
+            pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_command_in(argv))
     args = _parse(parser, argv)
     _setup_logging(args)
+    _signals_as_interrupt()
     try:
         return args.func(args)
     except ImagebuildError as exc:

@@ -26,14 +26,21 @@ class Composed:
 
 
 class MergeConflict(OperationFailed):
-    def __init__(self, source: str, number: int, sha: str, paths: list[str]):
+    def __init__(self, source: str, number: int, sha: str, paths: list[str],
+                 culprits: list[tuple[int, list[str]]] | None = None):
         self.source, self.number, self.paths = source, number, paths
+        self.culprits = culprits or []  # earlier PRs that changed the conflicting paths: (number, paths)
         shown = ", ".join(paths[:20]) + (f" (+{len(paths) - 20} more)" if len(paths) > 20 else "")
-        super().__init__(
-            f"{source}: pull request {number} ({sha[:12]}) conflicts with the commits merged before it: "
-            f"{shown}",
-            hint=f"drop or reorder PR {number} in {source}_PRS, or pin a PR head that was rebased onto the "
-            "others")
+        if self.culprits:
+            withs = "; ".join(f"{n} ({', '.join(ps[:5])}{' ...' if len(ps) > 5 else ''})"
+                              for n, ps in self.culprits)
+            what = f"conflicts with the earlier {'PR' if len(self.culprits) == 1 else 'PRs'} {withs}"
+            hint = (f"drop or reorder PR {number} or PR {', '.join(str(n) for n, _ in self.culprits)} in "
+                    f"{source}_PRS, or pin a PR head that was rebased onto the others")
+        else:
+            what = f"conflicts with the base {source}_REF (no earlier PR changed these paths)"
+            hint = f"pin a head of PR {number} that was rebased onto {source}_REF, or drop it from {source}_PRS"
+        super().__init__(f"{source}: pull request {number} ({sha[:12]}) {what}: {shown}", hint=hint)
 
 
 def commit_time(m: Mirror, sha: str) -> int:
@@ -57,12 +64,12 @@ def compose(m: Mirror, source: str, ref: str, prs: list[tuple[int, str]]) -> Com
         check_git_version(m.out("version"))
     current = ref
     epoch = commit_time(m, ref)
-    for number, sha in prs:
+    for i, (number, sha) in enumerate(prs):
         r = m.git("merge-tree", "--write-tree", "--name-only", "--no-messages", current, sha, check=False)
         out = r.stdout.decode("utf-8", "replace").splitlines()
         if r.returncode == 1:
             paths = sorted(dict.fromkeys(p for p in out[1:] if p.strip()))
-            raise MergeConflict(source, number, sha, paths)
+            raise MergeConflict(source, number, sha, paths, _culprits(m, ref, prs[:i], paths))
         if r.returncode != 0 or not out:
             raise OperationFailed(f"{source}: merging pull request {number} ({sha[:12]}) failed: "
                                   + (out[-1] if out else f"git merge-tree exit {r.returncode}"))
@@ -76,6 +83,21 @@ def compose(m: Mirror, source: str, ref: str, prs: list[tuple[int, str]]) -> Com
         m.git("update-ref", f"{COMPOSED}{current}", current)
     tree = m.out("rev-parse", f"{current}^{{tree}}")
     return Composed(current, tree, epoch)
+
+
+def _culprits(m: Mirror, ref: str, earlier: list[tuple[int, str]], paths: list[str]) -> list[tuple[int, list[str]]]:
+    """The earlier PRs whose own changes (from their merge base with the base ref) touch ``paths``."""
+    out = []
+    want = set(paths)
+    for number, sha in earlier:
+        base = m.git("merge-base", ref, sha, check=False).stdout.decode().strip()
+        if not base:
+            continue
+        changed = set(m.out("diff", "--name-only", "--no-renames", base, sha).splitlines())
+        hit = sorted(want & changed)
+        if hit:
+            out.append((number, hit))
+    return out
 
 
 def subtree(m: Mirror, source: str, commit: str, subdir: str | None) -> str:

@@ -21,8 +21,15 @@ from pathlib import Path, PurePosixPath
 
 from . import dockerfile as dockerfile_mod
 from . import envfile, lazy, pkgspec, textfile, yamlread
+from . import source_options as source_options_mod
 from .errors import DefinitionError, Problem, UsageError
 from .records import dataclass, field
+from .source_options import (  # noqa: F401  (re-exported: prefetch and tests import them from here)
+    ENV_NAME_RE,
+    SOURCE_KEYS,
+    SourceOptions,
+    default_source_options,
+)
 
 difflib = lazy.module("difflib")  # error hints only
 
@@ -36,6 +43,7 @@ NAME_RE = lazy.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
 STAGE_RE = lazy.compile(r"[a-z][a-z0-9]*(?:[_-][a-z0-9]+)*\Z")
 SHA_RE = lazy.compile(r"[0-9a-f]{40}\Z")
 HEXISH_RE = lazy.compile(r"[0-9a-fA-F]{4,64}\Z")
+REF_NAME_RE = lazy.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*\Z")
 PR_RE = lazy.compile(r"(?P<num>[1-9][0-9]*)(?:@(?P<sha>[^\s,]*))?\Z")
 # registry/name[:tag][@sha256:digest]; name components are lower case
 IMAGE_REF_RE = lazy.compile(
@@ -50,7 +58,7 @@ PLATFORM_RE = lazy.compile(r"linux/(amd64|arm64|arm/v7|arm/v6|ppc64le|s390x|risc
 
 # Build args the plan provides (not from versions.env).
 ARG_PARENT = "PARENT"
-ARG_BUILD_ID = "IMAGEBUILD_BUILD_ID"
+ARG_BUILD_ID = "IMAGEBUILD_BUILD_ID"  # refused: the build id derives from the stage keys
 ARG_IMAGE = "IMAGEBUILD_IMAGE"
 ARG_STAGE = "IMAGEBUILD_STAGE"
 STAGE_ARG_PREFIX = "STAGE_"
@@ -64,8 +72,6 @@ BUILDKIT_ARGS = frozenset(
 STAGE_KEYS = ("name", "dockerfile", "from", "files", "patches", "sources", "network", "description",
               "requirements", "apt")
 TOP_KEYS = ("description", "platform", "stages", "gate", "sources", "python", "apt_snapshot")
-SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules")
-ENV_NAME_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def stage_arg(stage_name: str) -> str:
@@ -96,8 +102,9 @@ class PullRequest:
 class GitSource:
     name: str  # e.g. VLLM (the versions.env prefix)
     repo: str
-    ref: str
+    ref: str  # the commit (40 hex) once pinned, else the branch or tag name to resolve
     prs: tuple[PullRequest, ...]
+    follows: str | None = None  # NAME_REF=<branch or tag>@<sha>: the name the pin follows (--refresh moves it)
 
     @property
     def ref_pinned(self) -> bool:
@@ -110,24 +117,6 @@ class GitSource:
     def pins(self) -> dict:
         return {"repo": self.repo, "ref": self.ref,
                 "prs": [f"{p.number}@{p.sha}" if p.sha else str(p.number) for p in self.prs]}
-
-
-@dataclass(frozen=True)
-class SourceOptions:
-    """How prefetch treats one git source (image.yaml ``sources:``; docs/image-definition.md)."""
-
-    name: str
-    scan_fetchcontent: bool  # read FetchContent_Declare calls in the composed tree
-    dependency_of: str | None  # the source whose FetchContent declaration this one satisfies
-    declares: str  # the FetchContent name it satisfies (default: NAME lower-case)
-    env: str | None  # the override variable the build points at it
-    subdir: str | None  # only this folder of the tree is packed
-    submodules: bool  # pack the submodules (recursively) too
-    line: int | None = None  # where image.yaml declares it (None: defaults)
-
-
-def default_source_options(name: str) -> SourceOptions:
-    return SourceOptions(name, True, None, name.lower(), None, None, False)
 
 
 @dataclass(frozen=True)
@@ -297,7 +286,7 @@ def load(root: Path, name: str) -> Definition:
     sources = _git_sources(env, c)
     platform, description, gate, stage_nodes = _top_level(spec, yfile, d, c)
     python, apt_snapshot, _ = pkgspec.top_level(spec.value, yfile, env, c.err)
-    source_options = _source_options(spec, yfile, env, sources, c)
+    source_options = source_options_mod.source_options(spec, yfile, env, sources, c.err)
 
     stages: list[Stage] = []
     images: dict[str, ImageRef] = {}
@@ -469,7 +458,20 @@ def _git_sources(env: envfile.EnvFile, c: _Collector) -> dict[str, GitSource]:
                   "user@host:path", line=env.line_of(rk), key=rk)
             ok = False
         ref = env.get(fk)
-        if ref is None:
+        follows, ref_ok = None, True
+        if ref and "@" in ref:  # <branch or tag>@<sha>: a pin that remembers what it follows
+            follows, _, ref = ref.rpartition("@")
+            if not REF_NAME_RE.match(follows) or ".." in follows:
+                c.err(f, f"invalid ref name {follows!r} before '@' (expected a branch or tag name)",
+                      line=env.line_of(fk), key=fk, hint=f"write {fk}=<branch or tag>@<40-hex sha>, or only one")
+                ok = ref_ok = False
+            elif not SHA_RE.match(ref):
+                c.err(f, f"{follows}@{ref}: {ref!r} is not a full 40-hex commit sha", line=env.line_of(fk), key=fk,
+                      hint=f"write {fk}={follows} and let prefetch pin it as {follows}@<sha>")
+                ok = ref_ok = False
+        if not ref_ok:
+            pass
+        elif ref is None:
             c.err(f, f"git source {name} has {rk} but no {fk}", line=env.line_of(rk), key=fk,
                   hint=f"add {fk}=<full 40-hex commit sha>")
             ok = False
@@ -486,7 +488,7 @@ def _git_sources(env: envfile.EnvFile, c: _Collector) -> dict[str, GitSource]:
                           hint="abbreviated shas are ambiguous; `git rev-parse <sha>` in a clone gives the "
                           "full one")
                 ok = False
-            elif re.match(r"[A-Za-z0-9][A-Za-z0-9._/+-]*\Z", ref):
+            elif REF_NAME_RE.match(ref):
                 c.note(f, f"ref {ref!r} is a name, not a commit: unpinned (imagebuild prefetch resolves it)",
                        line=env.line_of(fk), key=fk)
             else:
@@ -520,98 +522,8 @@ def _git_sources(env: envfile.EnvFile, c: _Collector) -> dict[str, GitSource]:
                            line=env.line_of(pk), key=pk)
                 prs.append(PullRequest(num, sha))
         if ok and ref is not None:
-            sources[name] = GitSource(name, repo, ref, tuple(prs))
+            sources[name] = GitSource(name, repo, ref, tuple(prs), follows)
     return sources
-
-
-def _source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, sources: dict[str, GitSource],
-                    c: _Collector) -> dict[str, SourceOptions]:
-    """image.yaml ``sources:``: per git source, how prefetch finds, fetches and packs it."""
-    out = {name: default_source_options(name) for name in sources}
-    node = spec.value.get("sources")
-    if node is None:
-        return out
-    if not isinstance(node.value, dict):
-        c.err(yfile, "expected a mapping of git source names (versions.env NAME_REPO) to options",
-              line=node.line, key="sources")
-        return out
-    for name, opts in node.value.items():
-        where = f"sources.{name}"
-        line = (node.key_lines or {}).get(name, opts.line)
-        if name not in sources:
-            if env.get(f"{name}_REPO") is None:
-                close = difflib.get_close_matches(name, list(sources), n=1)
-                c.err(yfile, f"unknown git source {name!r}: versions.env has no {name}_REPO", line=line,
-                      key=where, hint=f"did you mean {close[0]!r}?" if close else
-                      f"known sources: {', '.join(sorted(sources)) or 'none'}")
-            continue
-        if opts.value is None:
-            continue
-        if not isinstance(opts.value, dict):
-            c.err(yfile, "expected a mapping of options", line=opts.line, key=where,
-                  hint=f"allowed: {', '.join(SOURCE_KEYS)}")
-            continue
-        _unknown_keys(opts, SOURCE_KEYS, yfile, where, c)
-        m = opts.value
-        vals: dict = {}
-        for key in ("scan_fetchcontent", "submodules"):
-            if key in m:
-                if not isinstance(m[key].value, bool):
-                    c.err(yfile, "expected true or false", line=m[key].line, key=f"{where}.{key}")
-                else:
-                    vals[key] = m[key].value
-        for key in ("dependency_of", "declares", "env", "subdir"):
-            if key in m:
-                v = m[key].value
-                if not isinstance(v, str) or not v.strip():
-                    c.err(yfile, "expected a non-empty string", line=m[key].line, key=f"{where}.{key}")
-                    continue
-                vals[key] = v
-        kl = lambda k, m=m: m[k].line  # noqa: E731
-        dep = vals.get("dependency_of")
-        if dep is not None and dep not in sources:
-            c.err(yfile, f"dependency_of {dep!r} is not a git source (versions.env has no {dep}_REPO)",
-                  line=kl("dependency_of"), key=f"{where}.dependency_of")
-            vals.pop("dependency_of")
-        elif dep == name:
-            c.err(yfile, "a source cannot be a dependency of itself", line=kl("dependency_of"),
-                  key=f"{where}.dependency_of")
-            vals.pop("dependency_of")
-        if "env" in vals and not ENV_NAME_RE.match(vals["env"]):
-            c.err(yfile, f"invalid variable name {vals['env']!r}", line=kl("env"), key=f"{where}.env",
-                  hint="e.g. VLLM_CUTLASS_SRC_DIR or FETCHCONTENT_SOURCE_DIR_CUTLASS")
-            vals.pop("env")
-        if "subdir" in vals:
-            sp = PurePosixPath(vals["subdir"])
-            if sp.is_absolute() or ".." in sp.parts or "\\" in vals["subdir"] or str(sp) == ".":
-                c.err(yfile, f"subdir {vals['subdir']!r} must be a relative path inside the repository "
-                      "(no absolute path, no '..')", line=kl("subdir"), key=f"{where}.subdir")
-                vals.pop("subdir")
-            else:
-                vals["subdir"] = sp.as_posix()
-        declares = vals.get("declares", name.lower())
-        env_var = vals.get("env")
-        if env_var is None and vals.get("dependency_of"):
-            env_var = "FETCHCONTENT_SOURCE_DIR_" + re.sub(r"[^A-Z0-9_]", "_", declares.upper())
-        out[name] = SourceOptions(
-            name=name,
-            scan_fetchcontent=vals.get("scan_fetchcontent", not vals.get("dependency_of")),
-            dependency_of=vals.get("dependency_of"), declares=declares, env=env_var,
-            subdir=vals.get("subdir"), submodules=vals.get("submodules", False), line=line)
-    # no cycles through dependency_of
-    in_cycle: set[str] = set()
-    for name in out:
-        seen, cur = [name], out[name].dependency_of
-        while cur is not None and cur in out:
-            if cur in seen:
-                if cur not in in_cycle:
-                    in_cycle.update(seen)
-                    c.err(yfile, f"dependency_of forms a cycle: {' -> '.join(seen + [cur])}",
-                          line=out[name].line, key=f"sources.{name}.dependency_of")
-                break
-            seen.append(cur)
-            cur = out[cur].dependency_of
-    return out
 
 
 def parse_image_ref(key: str, value: str) -> tuple[ImageRef | None, str | None]:
@@ -907,7 +819,7 @@ def _check_dockerfile(name, parsed, df_disp, env, earlier, inputs, args_out, c, 
     if not parsed.froms:
         c.err(df_disp, "no FROM instruction", hint="start the stage with: ARG PARENT / FROM ${PARENT}")
         return False
-    plan_args = {ARG_PARENT, ARG_BUILD_ID, ARG_IMAGE, ARG_STAGE} | {stage_arg(s) for s in earlier}
+    plan_args = {ARG_PARENT, ARG_IMAGE, ARG_STAGE} | {stage_arg(s) for s in earlier}
     declared = parsed.defaults()
     global_args = {a.name for a in parsed.args if a.global_scope}
     aliases: set[str] = set()
@@ -955,7 +867,12 @@ def _check_dockerfile(name, parsed, df_disp, env, earlier, inputs, args_out, c, 
 
     for argname in parsed.arg_names():
         line = next(a.line for a in parsed.args if a.name == argname)
-        if env.get(argname) is not None:
+        if argname == ARG_BUILD_ID:
+            c.err(df_disp, f"ARG {argname}: a stage cannot receive the build id", line=line, key=argname,
+                  hint="the build id is derived from every stage's key, so no stage can depend on it; the "
+                  "release image carries it (label io.imagebuild.build-id, /opt/imagebuild/build.json)")
+            ok = False
+        elif env.get(argname) is not None:
             if argname in plan_args:
                 c.err(env.display, f"{argname} is provided by imagebuild and cannot be set in versions.env",
                       line=env.line_of(argname), key=argname)

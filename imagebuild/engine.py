@@ -27,11 +27,13 @@ class EngineInfo:
     architecture: str | None = None
     root_dir: str | None = None
     detail: str | None = None
+    id: str | None = None  # the engine's own ID (docker info .ID): names it across clones and state folders
 
     def as_dict(self) -> dict:
         return {"reachable": self.reachable, "server_version": self.server_version,
                 "storage_driver": self.storage_driver, "containerd_store": self.containerd_store,
-                "architecture": self.architecture, "root_dir": self.root_dir, "detail": self.detail}
+                "architecture": self.architecture, "root_dir": self.root_dir, "detail": self.detail,
+                "id": self.id}
 
 
 def probe() -> EngineInfo:
@@ -57,7 +59,7 @@ def probe() -> EngineInfo:
     containerd = info.get("Driver", "").startswith("overlayfs") or "io.containerd" in status.get(
         "driver-type", "")
     return EngineInfo(True, info.get("ServerVersion"), info.get("Driver"), containerd,
-                      info.get("Architecture"), info.get("DockerRootDir"))
+                      info.get("Architecture"), info.get("DockerRootDir"), id=info.get("ID") or info.get("Name"))
 
 
 def unreachable_reason(output: str, info: dict | None = None) -> str:
@@ -103,70 +105,48 @@ def local_socket() -> str | None:
     return None if current and current != "default" else "/var/run/docker.sock"
 
 
-class ImageQuery:
-    """Is the engine there, its version, and which of some image references it holds: ``plan``'s
-    questions.
+class EngineQuery:
+    """Is the engine there, and its version: what ``plan`` asks (built stages come from the stage
+    store, not the engine).
 
-    On a local Unix socket they go to the engine's API, without a docker CLI process (~20-70 ms
-    each): the version is asked as soon as the query is made and read back later, while the plan is
-    computed; the images are then inspected all at once (``GET /images/REF/json``, one connection
-    each). Anywhere else (tcp://, ssh://, a docker context) it asks the docker CLI, as ``probe``
-    and ``existing_tags`` do. Read only."""
+    On a local Unix socket the question goes to the engine's API as soon as the query is made,
+    without a docker CLI process (``docker info`` alone takes ~70 ms), and the answer is read by
+    ``result()``, after the definition was read meanwhile. Anywhere else (tcp://, ssh://, a docker
+    context) ``result()`` runs ``probe``. Read only."""
 
-    def __init__(self, repository: str):
-        self.repository = repository
+    def __init__(self):
         self.path = local_socket()
-        self._version = None
+        self._sock = None
         self._error: OSError | None = None
-        if self.path is not None:
-            try:
-                self._version = self._send("/version")
-            except OSError as exc:
-                self._error = exc
-
-    def _send(self, target: str):
+        if self.path is None:
+            return
         import _socket  # the C module: socket.py would add selectors, enum flags, ... (~2 ms)
 
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             sock.settimeout(PROBE_TIMEOUT_S)
             sock.connect(self.path)
-            sock.sendall(f"GET {target} HTTP/1.0\r\nHost: docker\r\n\r\n".encode())
-        except OSError:
+            sock.sendall(b"GET /version HTTP/1.0\r\nHost: docker\r\n\r\n")
+            self._sock = sock
+        except OSError as exc:
             sock.close()
-            raise
-        return sock
+            self._error = exc
 
-    def result(self, refs) -> tuple[EngineInfo, set[str] | None]:
-        """(engine info, those of ``refs`` the engine holds; None when it is unreachable)."""
+    def result(self) -> EngineInfo:
         if self.path is None:
-            info = probe()
-            return info, set(refs) & existing_tags(self.repository) if info.reachable else None
+            return probe()
         if self._error is not None:
-            return EngineInfo(False, detail=self._unreachable(self._error)), None
-        from urllib.parse import quote
-
-        socks = []
+            return EngineInfo(False, detail=self._unreachable(self._error))
         try:
-            socks = [(ref, self._send(f"/images/{quote(ref, safe='/:@')}/json")) for ref in dict.fromkeys(refs)]
-            status, version = _read_json(self._version)
-            if status != 200:
+            status, version = _read_json(self._sock)
+            if status != 200 or not isinstance(version, dict):
                 raise ValueError(f"HTTP {status} for /version")
-            held = set()
-            for ref, sock in socks:
-                status, _ = _read_json(sock)
-                if status == 200:
-                    held.add(ref)
-                elif status != 404:
-                    raise ValueError(f"HTTP {status} for the image {ref}")
         except (OSError, ValueError) as exc:
-            return EngineInfo(False, detail=f"the engine at unix://{self.path} did not answer: {exc}"), None
+            return EngineInfo(False, detail=f"the engine at unix://{self.path} did not answer: {exc}")
         finally:
-            self._version.close()
-            for _, sock in socks:
-                sock.close()
+            self._sock.close()
         arch = str(version.get("Arch") or "")
-        return EngineInfo(True, version.get("Version"), architecture=_UNAME_ARCH.get(arch, arch) or None), held
+        return EngineInfo(True, version.get("Version"), architecture=_UNAME_ARCH.get(arch, arch) or None)
 
     def _unreachable(self, exc: OSError) -> str:
         if isinstance(exc, PermissionError):

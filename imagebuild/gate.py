@@ -89,14 +89,15 @@ class Target:
     ref: str
     spec_path: Path
     spec_display: str
+    authority: str = receipts.AUTHORITY_AD_HOC  # "definition": the definition's own spec ran
 
 
 def resolve(root: Path | None, target: str, *, ref: str | None = None, spec: str | Path | None = None) -> Target:
     """``IMAGE`` (a definition: its gate spec, ref ``IMAGE:candidate`` unless --ref) or ``REF`` + --spec."""
     if root is not None and defn_mod.NAME_RE.match(target) and \
             (root / defn_mod.IMAGES_DIR / target / defn_mod.IMAGE_FILE).is_file():
+        dfn = defn_mod.load(root, target)
         if spec is None:
-            dfn = defn_mod.load(root, target)
             if dfn.gate is None:
                 raise UsageError(f"image {target!r} has no gate spec",
                                  hint=f"create {defn_mod.IMAGES_DIR}/{target}/{defn_mod.DEFAULT_GATE_FILE} "
@@ -104,7 +105,10 @@ def resolve(root: Path | None, target: str, *, ref: str | None = None, spec: str
             spec_path = dfn.gate
         else:
             spec_path = Path(spec).resolve()
-        return Target(root, target, ref or default_ref(target), spec_path, _display(root, spec_path, spec))
+        # only the definition's own spec file proves its gate; any other --spec is an ad-hoc run
+        own = dfn.gate is not None and spec_path.resolve() == Path(dfn.gate).resolve()
+        return Target(root, target, ref or default_ref(target), spec_path, _display(root, spec_path, spec),
+                      receipts.AUTHORITY_DEFINITION if own else receipts.AUTHORITY_AD_HOC)
     if spec is None:
         where = f"under {root / defn_mod.IMAGES_DIR}" if root else "(no project root found)"
         raise UsageError(f"{target!r} is not an image definition {where}",
@@ -374,15 +378,16 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
     if reason is None and failed:
         reason = f"{len(failed)} check(s) failed: " + ", ".join(c["id"] for c in failed)
     gpu_skipped = any(c["requires_gpu"] and c["outcome"] == "skipped" for c in checks)
-    log_file = receipts.log_path(target.root, ident.digest)
+    spec_digest = "sha256:" + sha256_file(spec.path)
+    log_file = receipts.log_path(target.root, ident.digest, spec_digest)
     doc = {
         "schema": receipts.SCHEMA, "version": receipts.VERSION,
         "result": "failed" if reason else "passed",
         "reason": reason,
+        "authority": target.authority,
         "identity": {"digest": ident.digest, **ident.document()},
         "image": {"ref": target.ref, "definition": target.image, "local_id": ident.local_id},
-        "spec": {"file": target.spec_display, "sha256": "sha256:" + sha256_file(spec.path),
-                 "python": spec.python},
+        "spec": {"file": target.spec_display, "sha256": spec_digest, "python": spec.python},
         "require_gpu": require_gpu,
         "gpu_checks_skipped": gpu_skipped,
         "summary": summary,
@@ -446,7 +451,7 @@ def render_table(receipt: receipts.Receipt, root: Path | None = None) -> str:
     head = ("RESULT", "CHECK", "KIND", "DETAIL")
     w = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
     lines = [f"gate {d['image']['ref']}  identity {d['identity']['digest']}",
-             f"spec {d['spec']['file']}  host {d['host']['hostname']} ({d['host']['arch']}, "
+             f"spec {d['spec']['file']} ({d['spec']['sha256'][:19]}, {d['authority']})  host {d['host']['hostname']} ({d['host']['arch']}, "
              f"{'GPU: ' + d['host']['gpu_model'] if d['host']['gpu_model'] else 'no GPU'})", ""]
     lines += [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}" for r in [head, *rows]]
     s = d["summary"]
@@ -456,5 +461,8 @@ def render_table(receipt: receipts.Receipt, root: Path | None = None) -> str:
     if d["gpu_checks_skipped"]:
         lines.append("GPU checks skipped: no GPU on this host (run with a GPU, or --require-gpu to make that a "
                      "failure)")
+    if d["authority"] == receipts.AUTHORITY_AD_HOC:
+        lines.append("ad-hoc spec: this receipt never authorizes a promotion (only the definition's own gate "
+                     "spec does)")
     lines.append(f"receipt {_shown(receipt.path)}")
     return "\n".join(lines)

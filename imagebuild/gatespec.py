@@ -88,6 +88,13 @@ class _Problems:
         self.items.append(Problem(self.file, message, line=line, key=key, hint=hint))
 
 
+def digest(path: Path) -> str:
+    """The digest a receipt is keyed by: the spec file's exact bytes."""
+    from .fsutil import sha256_file
+
+    return "sha256:" + sha256_file(Path(path))
+
+
 def load(path: Path, *, display: str | None = None) -> GateSpec:
     """Parse and validate the spec at ``path``; raise ``DefinitionError`` listing every problem."""
     path = Path(path)

@@ -47,6 +47,9 @@ _PERMANENT = (
     "access denied", "authentication failed", "could not read username", "invalid refspec",
     "remote error: upload-pack: not our ref", "the requested url returned error: 404",
     "the requested url returned error: 403", "unadvertised object",
+    # the server's repository (or the pack it sends) is broken: retrying gets the same bytes
+    "possible repository corruption", "is corrupt", "corrupt loose object", "bad pack header",
+    "pack has bad object", "packfile is invalid", "bad object",
 )
 
 _GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "LANGUAGE": "C", "GIT_ASKPASS": "",
@@ -116,11 +119,32 @@ def is_permanent(output: str) -> bool:
 
 
 def _last_error_line(output: str) -> str:
+    """Git's own error, with its cause: the last ``fatal:``/``error:`` line and the lines git
+    prints after it (``errno=Connection refused`` follows ``unable to connect``), plus what the
+    remote itself said (``remote: fatal: ... is corrupt``)."""
     lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.lower().startswith(("fatal:", "error:")):
-            return ln
-    return lines[-1] if lines else "(no output)"
+    if not lines:
+        return "(no output)"
+    local = [i for i, ln in enumerate(lines) if not ln.startswith("remote:")]
+    idx = next((i for i in reversed(local) if lines[i].lower().startswith(("fatal:", "error:"))), None)
+    if idx is None:
+        text = lines[local[-1]] if local else lines[-1]
+    else:
+        # the first of a run of fatal lines is git's own cause ("fatal: early EOF" comes before
+        # "fatal: unpack-objects failed"); keep the run and the plain lines after it
+        start = idx
+        while start - 1 in local and lines[start - 1].lower().startswith(("fatal:", "error:")) and start > idx - 3:
+            start -= 1
+        tail = [lines[i] for i in range(start, min(len(lines), idx + 4)) if i in local]
+        text = tail[0]
+        for ln in tail[1:]:
+            text += (" " if text.endswith(":") else "; ") + ln
+    remote = [ln[len("remote:"):].strip() for ln in lines if ln.startswith("remote:")]
+    remote = [r for r in remote if r.lower().startswith(("fatal:", "error:", "aborting"))]
+    if remote:
+        said = list(dict.fromkeys(remote))[-2:]
+        text += " (the remote said: " + "; ".join(said) + ")"
+    return text
 
 
 class Stats:

@@ -305,21 +305,67 @@ def min_free_gib() -> float:
         raise OperationFailed(f"IMAGEBUILD_MIN_FREE_GB={v!r} is not a number", hint="e.g. 10") from None
 
 
-def check_disk(paths: list[Path], *, force: bool) -> str | None:
-    need = min_free_gib()
+# The reproducible export writes each new layer twice (BuildKit's own blob, then the one with
+# clamped timestamps) before the next stage unpacks it: temporary space of about this many times
+# the stage's compressed size, on top of IMAGEBUILD_MIN_FREE_GB.
+EXPORT_SPACE_FACTOR = 2.0
+
+
+def export_space_gib(store, stages: list[str]) -> float:
+    """Temporary space the reproducible export of ``stages`` needs, estimated from the size of
+    the last build of each stage in the stage store (0 for a stage never built)."""
+    last: dict[str, int] = {}
+    for ref in store.refs():
+        if ref.stage in stages:
+            m = store.read_json_blob(ref.manifest) or {}
+            parent_layers = 0
+            size = sum(int(la.get("size") or 0) for la in m.get("layers") or [])
+            # only the stage's own layers are new; the parent's are in the store already
+            last[ref.stage] = max(last.get(ref.stage, 0), size - parent_layers)
+    return EXPORT_SPACE_FACTOR * sum(last.values()) / (1 << 30)
+
+
+def check_disk(paths: list[Path], *, force: bool, export_gib: float = 0.0) -> str | None:
+    """Refuse when a path has less free space than IMAGEBUILD_MIN_FREE_GB plus the reproducible
+    export's temporary space (``export_gib``)."""
+    need = min_free_gib() + export_gib
     low = [(str(p), free_gib(p)) for p in paths if p is not None]
     low = [(p, f) for p, f in low if f < need]
     if not low:
         return None
     what = ", ".join(f"{p}: {f:.1f} GiB free" for p, f in low)
+    need_s = f"{need:.1f} GiB" + (f" ({min_free_gib():g} + {export_gib:.1f} for the reproducible export)"
+                                  if export_gib else "")
     if force:
-        return f"low disk space (--force): {what}; need {need:g} GiB"
-    raise GuardRefused(f"not enough free disk space before the build: {what} (need {need:g} GiB)",
-                       hint="free space (docker builder prune, docker image prune), lower "
+        return f"low disk space (--force): {what}; need {need_s}"
+    raise GuardRefused(f"not enough free disk space before the build: {what} (need {need_s})",
+                       hint="free space (imagebuild gc, then docker builder prune), lower "
                        "IMAGEBUILD_MIN_FREE_GB, or pass --force")
 
 
 # ------------------------------------------------------------------------------------------ build lock
+
+
+LOCK_DIR_ENV = "IMAGEBUILD_LOCK_DIR"
+
+
+def build_lock_path(engine_id: str | None, image: str) -> Path:
+    """One lock per (engine, image), in a host-wide folder: two clones or two state folders that
+    share one engine get the same lock. ``$IMAGEBUILD_LOCK_DIR`` (default
+    ``<tmp>/imagebuild-locks``) holds one folder per engine."""
+    import re
+    import tempfile
+
+    top = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "imagebuild-locks")
+    eng = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id or "unknown-engine")[:80]
+    d = top / eng
+    d.mkdir(parents=True, exist_ok=True)
+    for p in (top, d):
+        try:
+            os.chmod(p, 0o1777)  # shared by every user of the engine, like /tmp
+        except OSError:
+            pass
+    return d / f"{image}.lock"
 
 
 class BuildLock:

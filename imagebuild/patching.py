@@ -98,10 +98,11 @@ class PatchOutcome:
     outcome: str
     edits: list
     message: str = ""
+    sha256: str | None = None  # of the patch script that ran (provenance: which script made the change)
 
     def as_dict(self) -> dict:
         return {"patch": self.patch, "outcome": self.outcome, "message": self.message,
-                "edits": [e.as_dict() for e in self.edits]}
+                "sha256": self.sha256, "edits": [e.as_dict() for e in self.edits]}
 
 
 def _short(text: str, n: int = 160) -> str:
@@ -149,9 +150,9 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True,
                 overlay: dict | None = None) -> PatchOutcome:
     """Apply one patch's edits to the tree ``src``: all or nothing.
 
-    ``overlay`` (file -> text) holds what earlier patches of the same run made of a file without
-    writing it (``--check``): this patch reads those texts, and adds its own when it succeeds, so
-    a later patch may anchor on an earlier one's output."""
+    ``overlay`` (file -> text), for a check that writes nothing: files are read from it first, and a
+    patch that would apply leaves its result there, so the next patch sees the tree as the build would.
+    """
     texts: dict[str, str] = {}
     originals: dict[str, str] = {}
     outcomes: list[EditOutcome] = []
@@ -176,7 +177,7 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True,
     except PatchError as exc:
         return PatchOutcome(patch, FAILED, outcomes, str(exc))
     applied = any(o.outcome == APPLIED for o in outcomes)
-    if overlay is not None:
+    if applied and not write and overlay is not None:
         overlay.update(texts)
     if applied and write:
         for name, text in texts.items():
@@ -246,18 +247,33 @@ def collect(paths: list) -> list:
     return out
 
 
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def apply_all(patches: list, src: Path, *, write: bool = True) -> list:
-    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure. Without ``write``
-    the patches are simulated in order, in memory: each sees what the earlier ones would write."""
+    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure.
+
+    Without ``write`` (a check) nothing is written, but each patch still sees what the earlier ones
+    would have changed (an in-memory overlay): a patch that builds on an earlier one checks as it
+    will apply in the build.
+    """
     results: list[PatchOutcome] = []
     overlay: dict | None = None if write else {}
     for path in patches:
+        digest = _sha256(Path(path))
         try:
             edits = load_edits(Path(path))
         except PatchError as exc:
-            results.append(PatchOutcome(Path(path).name, FAILED, [], str(exc)))
+            results.append(PatchOutcome(Path(path).name, FAILED, [], str(exc), digest))
             break
         res = apply_edits(Path(path).name, edits, Path(src), write=write, overlay=overlay)
+        res.sha256 = digest
         results.append(res)
         if res.outcome == FAILED:
             break

@@ -7,12 +7,16 @@ Per image (docs/prefetch.md):
    and every tarball still has the lock's digest, nothing is run at all (no git, no network).
 2. **Resolve** (network only for what is unpinned, or with ``--refresh``): ref names and bare PR
    numbers via ``git ls-remote`` (``refs/pull/N/head``); PR state from the GitHub API when
-   reachable.
+   reachable. A name is pinned as ``<name>@<sha>`` (``--refresh`` moves it).
 3. **Fetch** into the mirror cache (gitcache.py) only the commits that are missing, by raw SHA.
 4. **Compose** (compose.py): base, then each PR merged in order; record the tree hash.
-5. **FetchContent** (fetchcontent.py): every declaration in the composed tree must be pinned.
-6. **Submodules** of sources that want them, fetched by the SHAs their parents record.
-7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<tree12>.tar.gz`` + ``SHA256SUMS``.
+5. **FetchContent** (fetchcontent.py reads, depcheck.py decides): every declaration in the
+   composed tree pinned or excluded with a reason, each override one the tree reads, tags given
+   through variables resolved and compared.
+6. **Submodules** as the declaration asks (or image.yaml lists), fetched by the SHAs their
+   parents record.
+7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<id12>.tar.gz`` + ``SHA256SUMS``, only
+   what changed: a tarball the lock already has for the same content is kept.
 8. **Commit**: versions.env pins written back in place, then the lock (the commit point; a
    failure or interruption before it leaves the previous lock and tarballs as they were), then
    ``SHA256SUMS`` and the removal of tarballs no lock refers to.
@@ -33,9 +37,9 @@ from pathlib import Path
 
 from . import compose as compose_mod
 from . import definition as d
-from . import fetchcontent, gitcache, lock, packages, state, tarball
-from .errors import CommandFailed, DefinitionError, OperationFailed, Problem, UsageError
-from .fsutil import atomic_write_text, sha256_file
+from . import depcheck, fetchcontent, gitcache, lock, packages, state, tarball
+from .errors import CommandFailed, DefinitionError, OperationFailed, UsageError
+from .fsutil import atomic_write_text, canonical_json, sha256_bytes, sha256_file
 
 log = logging.getLogger("imagebuild")
 
@@ -60,6 +64,11 @@ class Pin:
     opts: d.SourceOptions
     ref_key: str
     prs_key: str
+    follows: str | None = None  # the branch or tag the pin follows (NAME_REF=<name>@<sha>)
+
+    def ref_value(self) -> str:
+        """NAME_REF as versions.env holds it: ``<name>@<sha>`` when it follows a name."""
+        return f"{self.follows}@{self.ref}" if self.follows else self.ref
 
     def shas(self) -> list[str]:
         return [self.ref] + [sha for _, sha in self.prs]
@@ -84,7 +93,7 @@ class ImageReport:
     build_id: str | None = None
     sources: dict = field(default_factory=dict)
     pinned: list[dict] = field(default_factory=list)  # versions.env keys written back
-    moved: list[dict] = field(default_factory=list)  # --refresh: PR heads that moved
+    moved: list[dict] = field(default_factory=list)  # --refresh: PR heads and followed branches that moved
     pr_states: list[dict] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
     packages: dict | None = None  # base images, wheels, apt (packages.summary)
@@ -139,11 +148,15 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
     cache = gitcache.Cache(gitcache.default_cache_dir(cache_dir), offline=offline)
     reports = []
     for defn in defns:
-        ir = _prefetch_image(defn, cache, refresh, jobs)
-        if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
-            _, prep = packages.prefetch_packages(root, defn.name, offline=offline)
-            ir.packages = packages.summary(prep)
-            ir.lock, ir.build_id = defn.rel(lock.lock_path(defn.dir)), _build_id(defn)
+        with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
+            ir = _prefetch_image(defn, cache, refresh, jobs)
+            if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
+                _, prep = packages.prefetch_packages(root, defn.name, offline=offline)
+                ir.packages = packages.summary(prep)
+        if ir.lock is not None or packages.has_packages(defn):
+            ir.lock = defn.rel(lock.lock_path(defn.dir))
+            ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
+            log.info("%s: lock %s (build id %s)", defn.name, ir.lock, ir.build_id)
         reports.append(ir)
     st = cache.stats
     return Report(reports, str(cache.root), st.network, st.fetch, st.retries, time.monotonic() - t0)
@@ -167,7 +180,7 @@ def _pins(defn: d.Definition) -> dict[str, Pin]:
     for name, src in sorted(defn.sources.items()):
         opts = defn.source_options.get(name) or d.default_source_options(name)
         out[name] = Pin(name, src.repo, src.ref, [[p.number, p.sha] for p in src.prs], opts,
-                        f"{name}_REF", f"{name}_PRS")
+                        f"{name}_REF", f"{name}_PRS", src.follows)
     return out
 
 
@@ -185,15 +198,15 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         return rep
 
     if not refreshing and old_lock is not None:
-        fast = _fast_path(defn, pins, old_lock)
+        fast, why = _fast_path(defn, pins, old_lock)
         if fast is not None:
             log.info("%s: %d sources unchanged (lock and tarballs verified; nothing fetched)",
                      defn.name, len(pins))
             rep.status = "unchanged"
             rep.sources = fast
             rep.lock = lock_disp
-            rep.build_id = _build_id(defn)
             return rep
+        log.info("%s: %s", defn.name, why)
 
     _clean_stale_tmp(srcdir)
     log.info("%s: %d git sources", defn.name, len(pins))
@@ -201,51 +214,70 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     # 2. resolve
     todo = [p for p in pins.values()
             if not SHA_RE.match(p.ref) or any(s is None for _, s in p.prs)
-            or (refresh is not None and (not refresh or p.name in refresh) and p.prs)]
+            or (refresh is not None and (not refresh or p.name in refresh) and (p.prs or p.follows))]
     _pmap(lambda p: _resolve(p, cache, refresh, rep), todo, jobs)
 
-    # 3. fetch, grouped by URL (one fetch per mirror)
-    by_url: dict[str, list[Pin]] = {}
-    for p in pins.values():
-        by_url.setdefault(p.repo, []).append(p)
-    _pmap(lambda item: _fetch(cache, item[0], item[1]), sorted(by_url.items()), jobs)
-
-    # 4. compose
+    # 3. fetch (grouped by URL: one fetch per mirror) and 4. compose, the scanned sources first:
+    # a FetchContent problem is reported before any dependency is downloaded
     composed: dict[str, compose_mod.Composed] = {}
 
     def do_compose(p: Pin) -> None:
         m = cache.mirror(p.repo)
         composed[p.name] = _local(lambda: compose_mod.compose(m, p.name, p.ref, [(n, s) for n, s in p.prs]))
 
-    _pmap(do_compose, pins.values(), jobs)
+    def fetch_and_compose(group: list[Pin]) -> None:
+        by_url: dict[str, list[Pin]] = {}
+        for p in group:
+            by_url.setdefault(p.repo, []).append(p)
+        _pmap(lambda item: _fetch(cache, item[0], item[1]), sorted(by_url.items()), jobs)
+        _pmap(do_compose, group, jobs)
 
-    # 5. FetchContent
-    scans = _check_fetchcontent(defn, pins, composed, cache, rep)
+    fetch_and_compose([p for p in pins.values() if p.opts.scan_fetchcontent])
 
-    # 6. submodules + 7. pack
+    # 5. FetchContent: every declaration pinned or excluded, overrides read by the tree, tags compared
+    scans, check = _check_fetchcontent(defn, pins, composed, cache, rep)
+    fetch_and_compose([p for p in pins.values() if not p.opts.scan_fetchcontent])
+    declared = {q: _compare_tag(pins[pins[q].opts.dependency_of], pins[q], info.decl, cache, rep)
+                for q, info in sorted(check.deps.items()) if info.decl is not None}
+
+    # 6. submodules + 7. pack (only what changed: a tarball the lock already has is kept)
     srcdir.mkdir(parents=True, exist_ok=True)
+    old_sources = (old_lock or {}).get("sources") if isinstance((old_lock or {}).get("sources"), dict) else {}
 
     def do_pack(p: Pin) -> dict:
         m = cache.mirror(p.repo)
         c = composed[p.name]
         tree = _local(lambda: compose_mod.subtree(m, p.name, c.commit, p.opts.subdir))
-        entries = _entries(cache, p, m, c.commit, p.opts.subdir, p.opts.submodules, p.repo, "")
-        fname = f"{p.name.lower()}-{tree[:12]}.tar.gz"
+        info = check.deps.get(p.name)
+        subs = info.submodules if info else depcheck.submodules_for(p.opts, None)[0]
+        entries, packed_subs = _entries(cache, p, m, c.commit, p.opts.subdir, subs, p.repo, "")
+        pid = packed_id(tree, packed_subs, c.epoch)
+        fname = f"{p.name.lower()}-{pid[:12]}.tar.gz"
         dest = srcdir / fname
-        log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
-        digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
-        parent_scan = scans.get(p.opts.dependency_of) if p.opts.dependency_of else None
-        decl = parent_scan.get(p.opts.declares.lower()) if parent_scan else None
+        digest = _reusable(defn, p, old_sources.get(p.name), dest, pid, rep)
+        if digest is None:
+            log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
+            digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
+        decl = info.decl if info else None
+        scanned = p.name in scans
         return {
-            "repo": p.repo, "ref": p.ref, "prs": [{"number": n, "sha": s} for n, s in p.prs],
+            "repo": p.repo, "ref": p.ref, "follows": p.follows,
+            "prs": [{"number": n, "sha": s} for n, s in p.prs],
             "commit": c.commit, "tree": tree, "source_date_epoch": c.epoch,
+            "packed_id": pid, "tarball_format": tarball.FORMAT,
             "tarball": d.display_path(defn.root, dest), "sha256": digest,
             "dependency_of": p.opts.dependency_of,
-            "declared_as": _declared_as(decl) if decl else None,
-            "env": p.opts.env, "subdir": p.opts.subdir, "submodules": p.opts.submodules,
-            "fetchcontent": ([_decl_entry(x, pins, p.name) for x in sorted(scans[p.name].values(),
-                                                                             key=lambda x: x.name.lower())]
-                             if p.name in scans else None),
+            "declared_as": declared.get(p.name) if decl else None,
+            "env": info.override["name"] if info and info.override else None,
+            "override": info.override if info else None,
+            "subdir": p.opts.subdir,
+            "submodules": packed_subs,
+            "submodules_wanted": subs.as_dict(),
+            "options": p.opts.setting(),
+            "fetchcontent": ([_decl_entry(x, pins, p) for x in sorted(scans[p.name].declarations.values(),
+                                                                        key=lambda x: x.name.lower())]
+                             if scanned else None),
+            "excluded": check.excluded.get(p.name) if scanned else None,
         }
 
     entries = _pmap(do_pack, pins.values(), jobs)
@@ -255,9 +287,10 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     updates = {}
     for p in pins.values():
         src = defn.sources[p.name]
-        if src.ref != p.ref:
-            updates[p.ref_key] = p.ref
-            rep.pinned.append({"key": p.ref_key, "from": src.ref, "to": p.ref})
+        old_ref = f"{src.follows}@{src.ref}" if src.follows else src.ref
+        if old_ref != p.ref_value():
+            updates[p.ref_key] = p.ref_value()
+            rep.pinned.append({"key": p.ref_key, "from": old_ref, "to": p.ref_value()})
         old = src.pins()["prs"]
         new = [f"{n}@{s}" for n, s in p.prs]
         if old != new:
@@ -270,18 +303,48 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
     sums = "".join(f"{e['sha256']}  {Path(e['tarball']).name}\n"
                    for e in sorted(sources.values(), key=lambda e: Path(e["tarball"]).name))
-    atomic_write_text(srcdir / SUMS_FILE, sums)
-    _prune(srcdir, {Path(e["tarball"]).name for e in sources.values()})
+
+    def commit() -> None:  # after the lock (the commit point): SHA256SUMS, then the old tarballs go
+        atomic_write_text(srcdir / SUMS_FILE, sums)
+        _prune(srcdir, {Path(e["tarball"]).name for e in sources.values()})
+
+    lock.after_write(defn.dir, commit)
     rep.sources = sources
     rep.lock = lock_disp
-    rep.build_id = _build_id(defn)
-    log.info("%s: wrote %s (build id %s)", defn.name, lock_disp, rep.build_id)
     return rep
 
 
+def packed_id(tree: str, submodules: list[dict], epoch: int) -> str:
+    """The digest of everything that decides a tarball's bytes: the format, the packed tree, the
+    submodule commits packed with it and the mtime. It names the tarball, so the name changes
+    whenever the bytes would (not only when the top-level tree does)."""
+    doc = {"format": tarball.FORMAT, "tree": tree, "epoch": epoch,
+           "submodules": [[s["path"], s["commit"]] for s in submodules]}
+    return sha256_bytes(canonical_json(doc))
+
+
+def _reusable(defn: d.Definition, p: Pin, old: dict | None, dest: Path, pid: str, rep: ImageReport) -> str | None:
+    """The sha256 of the tarball already at ``dest`` when the lock has it for exactly this content
+    (nothing to repack); None when it must be packed. A damaged one is said, not silently redone."""
+    if not isinstance(old, dict) or old.get("packed_id") != pid or not dest.is_file():
+        return None
+    if old.get("tarball") != d.display_path(defn.root, dest):
+        return None
+    got = sha256_file(dest)
+    if got == old.get("sha256"):
+        log.info("  %s: %s unchanged (kept)", p.name, defn.rel(dest))
+        return got
+    msg = (f"{p.name}: {defn.rel(dest)} does not match the lock (sha256 {got}, the lock says {old.get('sha256')}): "
+           "corrupted or changed since the last prefetch; repacking it")
+    rep.notices.append(msg)
+    log.warning("  warning: %s", msg)
+    return None
+
+
 def _build_id(defn: d.Definition) -> str:
-    from .plan import build_id_of
-    return build_id_of(defn)[0]
+    from .plan import make_plan
+
+    return make_plan(d.load(defn.root, defn.name)).build_id
 
 
 def _local(fn):
@@ -295,37 +358,37 @@ def _local(fn):
 # ------------------------------------------------------------------------------------------------ fast path
 
 
-def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> dict | None:
-    """The lock's sources when they still describe the definition and the tarballs are intact."""
+def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dict | None, str]:
+    """(the lock's sources, "") when they still describe the definition and the tarballs are
+    intact; else (None, why not)."""
     srcs = old.get("sources")
     if not isinstance(srcs, dict) or set(srcs) != set(pins):
-        return None
+        return None, "the lock's sources differ from the definition's"
     for p in pins.values():
         e = srcs[p.name]
         if not isinstance(e, dict):
-            return None
+            return None, f"{p.name}: no lock entry"
         if not SHA_RE.match(p.ref) or any(s is None for _, s in p.prs):
-            return None
-        want = {"repo": p.repo, "ref": p.ref, "prs": [{"number": n, "sha": s} for n, s in p.prs],
-                "dependency_of": p.opts.dependency_of, "env": p.opts.env, "subdir": p.opts.subdir,
-                "submodules": p.opts.submodules}
-        if any(e.get(k) != v for k, v in want.items()):
-            return None
-        if (e.get("fetchcontent") is not None) != p.opts.scan_fetchcontent:
-            return None
-        decl = e.get("declared_as")
-        if decl is not None and str(decl.get("name", "")).lower() != p.opts.declares.lower():
-            return None
+            return None, f"{p.name}: not pinned yet"
+        want = {"repo": p.repo, "ref": p.ref, "follows": p.follows,
+                "prs": [{"number": n, "sha": s} for n, s in p.prs], "options": p.opts.setting()}
+        changed = [k for k, v in want.items() if e.get(k) != v]
+        if changed:
+            return None, f"{p.name}: {', '.join(changed)} changed since the lock was written"
+        if e.get("tarball_format") != tarball.FORMAT:
+            return None, f"{p.name}: the lock's tarball is of another format"
         tb = e.get("tarball")
         if not isinstance(tb, str):
-            return None
+            return None, f"{p.name}: no tarball in the lock"
         path = defn.root / tb
-        if not path.is_file() or sha256_file(path) != e.get("sha256"):
-            return None
+        if not path.is_file():
+            return None, f"{p.name}: {tb} is missing"
+        if sha256_file(path) != e.get("sha256"):
+            return None, f"{p.name}: {tb} does not match the lock's sha256"
     sums = state.deps_dir(defn.root, defn.name) / "src" / SUMS_FILE
     if not sums.is_file():
-        return None
-    return srcs
+        return None, f"{defn.rel(sums)} is missing"
+    return srcs, ""
 
 
 # ------------------------------------------------------------------------------------------------ resolve
@@ -334,30 +397,40 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> dict | No
 def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: ImageReport) -> None:
     m = cache.mirror(p.repo)
     patterns = []
-    ref_is_name = not SHA_RE.match(p.ref)
-    if ref_is_name:
-        patterns += [f"refs/heads/{p.ref}", f"refs/tags/{p.ref}", f"refs/tags/{p.ref}^{{}}"]
     refreshing = refresh is not None and (not refresh or p.name in refresh)
+    ref_is_name = not SHA_RE.match(p.ref)
+    # the branch or tag to look up: an unpinned name, or (with --refresh) the name a pin follows
+    name = p.ref if ref_is_name else (p.follows if refreshing else None)
+    if name:
+        patterns += [f"refs/heads/{name}", f"refs/tags/{name}", f"refs/tags/{name}^{{}}"]
     want_prs = [n for n, s in p.prs if s is None or refreshing]
     patterns += [f"refs/pull/{n}/head" for n in want_prs]
     if not patterns:
         return
     log.info("  %s: resolving %s on %s", p.name,
-             ", ".join(([p.ref] if ref_is_name else []) + [f"PR {n}" for n in want_prs]), gitcache.redact(p.repo))
+             ", ".join(([name] if name else []) + [f"PR {n}" for n in want_prs]), gitcache.redact(p.repo))
     if cache.offline:
         raise gitcache.OfflineMissing(
             f"{p.name}: --offline, but {p.ref_key if ref_is_name else p.prs_key} is not pinned to a commit "
             f"({p.ref if ref_is_name else ', '.join(str(n) for n in want_prs)})",
             hint="run prefetch once with the network to pin it")
     refs = m.ls_remote(patterns, p.name)
-    if ref_is_name:
-        sha = (refs.get(f"refs/tags/{p.ref}^{{}}") or refs.get(f"refs/tags/{p.ref}")
-               or refs.get(f"refs/heads/{p.ref}"))
-        if not sha:
+    if name:
+        sha = (refs.get(f"refs/tags/{name}^{{}}") or refs.get(f"refs/tags/{name}")
+               or refs.get(f"refs/heads/{name}"))
+        if not sha and ref_is_name:
             raise gitcache.RemoteMissing(f"{p.name}: {p.ref_key}={p.ref}: no branch or tag of that name on "
                                          f"{gitcache.redact(p.repo)}",
                                          hint=f"set {p.ref_key} to a full 40-hex commit sha")
-        p.ref = sha
+        if not sha:
+            msg = f"{p.name}: {name} is gone upstream; keeping the pinned {p.ref[:12]}"
+            rep.notices.append(msg)
+            log.warning("  warning: %s", msg)
+        else:
+            if not ref_is_name and sha != p.ref:
+                rep.moved.append({"source": p.name, "ref": name, "from": p.ref, "to": sha})
+                log.info("  %s: %s moved %s -> %s", p.name, name, p.ref[:12], sha[:12])
+            p.ref, p.follows = sha, name
     states = _github_states(p.repo, want_prs)
     for item in p.prs:
         n, old = item
@@ -461,61 +534,57 @@ def _fetch(cache: gitcache.Cache, url: str, pins: list[Pin]) -> None:
 # ------------------------------------------------------------------------------------------------ FetchContent
 
 
-def _check_fetchcontent(defn, pins: dict[str, Pin], composed, cache, rep: ImageReport) -> dict:
-    scans: dict[str, dict[str, fetchcontent.Declaration]] = {}
-    problems: list[Problem] = []
+def _check_fetchcontent(defn, pins: dict[str, Pin], composed, cache, rep: ImageReport):
+    """(scans, depcheck result); raises DefinitionError (exit 2) for a declaration nothing pins or
+    excludes, and for an override the tree does not read."""
+    scans: dict[str, fetchcontent.Scan] = {}
     for p in pins.values():
-        if not p.opts.scan_fetchcontent:
-            continue
-        m = cache.mirror(p.repo)
-        decls = _local(lambda m=m, p=p: fetchcontent.scan(m, composed[p.name].commit))
-        scans[p.name] = decls
-        deps = {q.opts.declares.lower(): q for q in pins.values() if q.opts.dependency_of == p.name}
-        for key, decl in sorted(decls.items()):
-            q = deps.get(key)
-            if q is None:
-                upper = re.sub(r"[^A-Z0-9_]", "_", decl.name.upper())
-                what = (f"GIT_REPOSITORY {decl.repository}" if decl.repository else
-                        f"URL {decl.url}" if decl.url else f"SOURCE_DIR {decl.source_dir}")
-                problems.append(Problem(
-                    defn.env.display,
-                    f"{p.name} declares the FetchContent dependency {decl.name!r} at {decl.where} "
-                    f"({what}" + (f", GIT_TAG {decl.tag}" if decl.tag else "") +
-                    f") in commit {composed[p.name].commit[:12]}, but nothing pins it: the build would "
-                    "fetch it from the network",
-                    key=f"{upper}_REPO",
-                    hint=f"add {upper}_REPO=<url> and {upper}_REF=<40-hex sha> to versions.env, and "
-                    f"'sources: {{{upper}: {{dependency_of: {p.name}, declares: {decl.name}}}}}' to image.yaml"))
-                continue
-            _compare_tag(p, q, decl, cache, rep)
-        for key, q in sorted(deps.items()):
-            if key not in decls:
-                msg = (f"{q.name}: image.yaml says it is a dependency of {p.name} declared as {q.opts.declares!r}, "
-                       f"but {p.name} at {composed[p.name].commit[:12]} declares no such FetchContent dependency")
-                rep.notices.append(msg)
-                log.warning("  warning: %s", msg)
-    if problems:
-        raise DefinitionError(problems, image=defn.name)
-    return scans
+        if p.opts.scan_fetchcontent:
+            m = cache.mirror(p.repo)
+            scans[p.name] = _local(lambda m=m, p=p: fetchcontent.scan(m, composed[p.name].commit))
+    res = depcheck.check(pins, scans, {n: composed[n].commit for n in scans}, env_file=defn.env.display,
+                         yaml_file=defn.rel(defn.dir / d.IMAGE_FILE), env_keys=set(defn.env.entries))
+    if res.problems:
+        raise DefinitionError(res.problems, image=defn.name)
+    for msg in res.notices:
+        rep.notices.append(msg)
+        log.warning("  note: %s", msg)
+    return scans, res
 
 
-def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache, rep: ImageReport) -> None:
-    tag = decl.tag
-    if not tag or "${" in tag:
-        return
+def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache, rep: ImageReport) -> dict:
+    """The dependency's ``declared_as`` record: the declaration, the tag it gives (resolved through
+    variables), the commit that names, and whether the pin matches it (None: cannot tell)."""
+    rec = {"name": decl.name, "file": decl.file, "line": decl.line, "repository": decl.repository_value,
+           "tag": decl.tag, "tag_value": decl.tag_value,
+           "tag_from": decl.tag_resolved.origin if decl.tag_resolved else None,
+           "submodule_paths": decl.submodule_paths, "commit": None, "matches": None}
+    tag = decl.tag_value
+    if not tag:
+        return rec
     if re.fullmatch(r"[0-9a-f]{7,40}", tag):
-        if dep.ref.startswith(tag):
-            return
-        declared = tag
+        rec["commit"] = tag if len(tag) == 40 else None
+        rec["matches"] = dep.ref.startswith(tag)
+    elif dep.follows == tag:
+        rec["matches"] = True  # pinned from this very tag name
+        rec["commit"] = dep.ref
     else:
-        declared = _tag_commit(cache.mirror(dep.repo), tag, dep.name, cache.offline)
-        if declared is None or declared == dep.ref:
-            return
-        declared = f"{tag} ({declared[:12]})"
-    msg = (f"{dep.name}: pinned {dep.ref[:12]} differs from {declared} that {parent.name} declares for "
-           f"{decl.name!r} at {decl.where} (an override: make sure it is deliberate)")
-    rep.notices.append(msg)
-    log.warning("  note: %s", msg)
+        sha = _tag_commit(cache.mirror(dep.repo), tag, dep.name, cache.offline)
+        rec["commit"] = sha
+        rec["matches"] = None if sha is None else sha == dep.ref
+    if rec["matches"] is False:
+        declared = tag if rec["commit"] in (None, tag) else f"{tag} ({rec['commit'][:12]})"
+        via = f" (GIT_TAG {decl.tag}, set at {', '.join(decl.tag_resolved.origin)})" if decl.tag_resolved else ""
+        pinned = f"{dep.follows} ({dep.ref[:12]})" if dep.follows else dep.ref[:12]
+        alt = next((a for a in decl.alternatives if a.tag_value and (dep.ref.startswith(a.tag_value)
+                                                                     or a.tag_value == dep.follows)), None)
+        msg = (f"{dep.name}: pinned {pinned} differs from {declared} that {parent.name} declares for "
+               f"{decl.name!r} at {decl.where}{via}")
+        msg += (f"; it matches the other declaration at {alt.where}" if alt else
+                " (an override: make sure it is deliberate)")
+        rep.notices.append(msg)
+        log.warning("  note: %s", msg)
+    return rec
 
 
 _TAGS_FILE = "imagebuild-tags.json"
@@ -545,15 +614,11 @@ def _tag_commit(m: gitcache.Mirror, tag: str, source: str, offline: bool) -> str
     return sha
 
 
-def _declared_as(decl: fetchcontent.Declaration) -> dict:
-    return {"name": decl.name, "file": decl.file, "line": decl.line, "repository": decl.repository,
-            "tag": decl.tag}
-
-
-def _decl_entry(decl: fetchcontent.Declaration, pins: dict[str, Pin], parent: str) -> dict:
+def _decl_entry(decl: fetchcontent.Declaration, pins: dict[str, Pin], parent: Pin) -> dict:
     by = [q.name for q in pins.values()
-          if q.opts.dependency_of == parent and q.opts.declares.lower() == decl.name.lower()]
-    return {**decl.as_dict(), "pinned_by": by[0] if by else None}
+          if q.opts.dependency_of == parent.name and q.opts.declares.lower() == decl.name.lower()]
+    return {**decl.as_dict(), "pinned_by": by[0] if by else None,
+            "excluded": parent.opts.excluded(decl.name) if not by else None}
 
 
 # ------------------------------------------------------------------------------------------------ pack
@@ -580,49 +645,70 @@ def resolve_submodule_url(parent_url: str, url: str) -> str:
     return base + ("" if base.endswith(":") else "/") + rel
 
 
-def _entries(cache, p: Pin, m: gitcache.Mirror, commit: str, subdir: str | None, submodules: bool,
-             url: str, prefix: str, depth: int = 0) -> list[tarball.Entry]:
-    """Archive entries of ``commit`` (under ``subdir``), with its submodules when asked."""
+def _entries(cache, p: Pin, m: gitcache.Mirror, commit: str, subdir: str | None, subs: depcheck.Submodules,
+             url: str, prefix: str, depth: int = 0) -> tuple[list[tarball.Entry], list[dict]]:
+    """Archive entries of ``commit`` (under ``subdir``) plus the submodules ``subs`` asks for, and
+    the list of submodules packed ({path, url, commit}, recursively, paths as in the archive)."""
     listing = _local(lambda: tarball.list_tree(m, commit))
     out: list[tarball.Entry] = []
-    links: list[tuple[str, str]] = []
+    links: dict[str, str] = {}
     sub_prefix = (subdir.rstrip("/") + "/") if subdir else ""
     for mode, sha, path in listing:
         if sub_prefix and not path.startswith(sub_prefix):
             continue
         rel = path[len(sub_prefix):]
         if mode == "160000":
-            links.append((path, sha))
+            links[path] = sha
             continue
         out.append(tarball.Entry(prefix + rel, mode, sha, m))
-    if not submodules or not links:
-        return out
+    label = p.name + (f" ({prefix.rstrip('/')})" if prefix else "")
+    if subs.paths is not None:
+        missing = [w for w in subs.paths if w not in links]
+        if missing:
+            raise OperationFailed(
+                f"{label}: {', '.join(repr(w) for w in missing)} (from {subs.origin}) "
+                f"{'is not a submodule' if len(missing) == 1 else 'are not submodules'} of commit {commit[:12]}; "
+                f"its submodules: {', '.join(sorted(links)) or 'none'}",
+                hint=f"fix sources.{p.name}.submodules in image.yaml")
+        chosen = [(path, links[path]) for path in sorted(links) if path in subs.paths]
+    else:
+        chosen = sorted(links.items())
+    if not chosen:
+        return out, []
     if depth > 8:
         raise OperationFailed(f"{p.name}: submodules nested deeper than 8 levels")
     urls = _gitmodules(m, commit)
-    fetch_jobs = []
-    for path, sha in links:
+    jobs = []
+    for path, sha in chosen:
         sub_url = urls.get(path)
         if sub_url is None:
-            raise OperationFailed(f"{p.name}: submodule at {path!r} (commit {sha[:12]}) has no URL in .gitmodules "
+            raise OperationFailed(f"{label}: submodule at {path!r} (commit {sha[:12]}) has no URL in .gitmodules "
                                   f"of {commit[:12]}")
-        fetch_jobs.append((path, sha, resolve_submodule_url(url, sub_url)))
-    for path, sha, sub_url in fetch_jobs:
+        jobs.append((path, sha, resolve_submodule_url(url, sub_url)))
+    packed: list[dict] = []
+    nested = depcheck.Submodules(None if subs.recurse else [], subs.recurse, subs.origin)
+    for path, sha, sub_url in jobs:
         sm = cache.mirror(sub_url)
         missing = sm.missing([sha])
-        label = f"{p.name}:{path}"
+        what = f"{p.name}:{prefix}{path}"
         if missing:
             if cache.offline:
-                raise gitcache.OfflineMissing(f"{label}: --offline: submodule commit {sha} is not in the cache {sm.path}",
+                raise gitcache.OfflineMissing(f"{what}: --offline: submodule commit {sha} is not in the cache {sm.path}",
                                               hint="run prefetch once without --offline")
             try:
-                sm.fetch([sha], label, shallow=True)
+                sm.fetch([sha], what, shallow=True)
             except gitcache.RemoteMissing as exc:
-                raise gitcache.RemoteMissing(f"{label}: submodule commit {sha} not found on "
-                                             f"{gitcache.redact(sub_url)}: {exc.message}") from None
+                raise gitcache.RemoteMissing(
+                    f"{what}: submodule commit {sha} could not be fetched from {gitcache.redact(sub_url)}: "
+                    f"{exc.message.split(': ', 1)[-1]}",
+                    hint=f"if the build does not need {path}, list only the submodules it needs in "
+                    f"sources.{p.name}.submodules") from None
         rel = path[len(sub_prefix):]
-        out += _entries(cache, p, sm, sha, None, True, sub_url, prefix + rel + "/", depth + 1)
-    return out
+        packed.append({"path": prefix + rel, "url": gitcache.redact(sub_url), "commit": sha})
+        sub_entries, sub_packed = _entries(cache, p, sm, sha, None, nested, sub_url, prefix + rel + "/", depth + 1)
+        out += sub_entries
+        packed += sub_packed
+    return out, packed
 
 
 def _gitmodules(m: gitcache.Mirror, commit: str) -> dict[str, str]:
@@ -687,13 +773,22 @@ def render(report: Report) -> str:
         lines.append(f"{ir.image}: {ir.status}  lock {ir.lock or '-'}  build id {ir.build_id or '-'}")
         for name, e in sorted(ir.sources.items()):
             prs = " ".join(f"#{x['number']}@{x['sha'][:12]}" for x in e.get("prs", []))
+            follows = f" ({e['follows']})" if e.get("follows") else ""
             extra = f" (dependency of {e['dependency_of']})" if e.get("dependency_of") else ""
-            lines.append(f"  {name:<16} {e['ref'][:12]}{' + ' + prs if prs else ''}  tree {e['tree'][:12]}  "
+            subs = e.get("submodules") or []
+            lines.append(f"  {name:<16} {e['ref'][:12]}{follows}{' + ' + prs if prs else ''}  tree {e['tree'][:12]}"
+                         f"{f' + {len(subs)} submodules' if isinstance(subs, list) and subs else ''}  "
                          f"{e['tarball']}{extra}")
+            ov = e.get("override")
+            if isinstance(ov, dict):
+                lines.append(f"  {'':<16} override {ov['name']} ({'environment' if ov['via'] == 'env' else '-D'})")
+            for x in e.get("excluded") or []:
+                lines.append(f"  {'':<16} excluded {x['name']} ({x['file']}:{x['line']}): {x['reason']}")
         for u in ir.pinned:
             lines.append(f"  pinned {u['key']}: {u['from'] or '-'} -> {u['to']}")
         for mv in ir.moved:
-            lines.append(f"  moved  {mv['source']} PR {mv['number']}: {mv['from'][:12]} -> {mv['to'][:12]}")
+            what = f"PR {mv['number']}" if "number" in mv else mv["ref"]
+            lines.append(f"  moved  {mv['source']} {what}: {mv['from'][:12]} -> {mv['to'][:12]}")
         for s in ir.pr_states:
             lines.append(f"  state  {s['source']} PR {s['number']}: {s['state']}"
                          f"{' (merged)' if s.get('merged') else ''}")

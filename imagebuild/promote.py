@@ -5,9 +5,10 @@ Tags of an image NAME (one repository per image, beside the stage images under
 
     NAME:b-<build id>   the release image of one build (final stage + provenance); immutable
     NAME:candidate      the latest successful build, not yet gated
-    NAME:local          what serving uses; moves ONLY to a candidate whose gate passed, i.e. for
-                        which ``imagebuild.receipts.find_passing`` holds a passing receipt for
-                        exactly that image identity
+    NAME:local          what serving uses; moves ONLY to a candidate for which
+                        ``imagebuild.receipts.find_passing`` holds a passing receipt of the
+                        definition's current gate spec for exactly that image identity, and
+                        never when it already holds that identity
     NAME:previous       what ``:local`` was before the last promotion; ``imagebuild rollback``
                         swaps ``:local`` and ``:previous``
 
@@ -72,53 +73,95 @@ class Promotion:
     image: str
     local: str  # the identity digest now at :local
     local_id: str | None
-    previous_id: str | None  # what :local was (now :previous), None when there was nothing
+    previous_id: str | None  # what :local was (now :previous), None when nothing moved there
     receipt: dict
+    moved: bool = True  # False: :local already held this very image identity (nothing was touched)
 
     def as_dict(self) -> dict:
         return {"image": self.image, "local_identity": self.local, "local_id": self.local_id,
-                "previous_id": self.previous_id, "receipt": self.receipt}
+                "previous_id": self.previous_id, "moved": self.moved,
+                "receipt": {"identity": self.receipt.get("identity", {}).get("digest"),
+                            "spec": self.receipt.get("spec"), "authority": self.receipt.get("authority"),
+                            "result": self.receipt.get("result")}}
 
 
-def promote(root: Path, image: str, candidate: str | None = None) -> Promotion:
-    """Move ``image:local`` to ``candidate`` (default ``image:candidate``) if a passing gate receipt
-    exists for exactly its identity; the old ``:local`` becomes ``:previous``."""
+def current_spec_digest(root: Path, image: str) -> str | None:
+    """The digest of the definition's gate spec now (None: no definition or no spec)."""
+    from . import definition as defn_mod
+    from . import gatespec
+
+    if not (Path(root) / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
+        return None
+    dfn = defn_mod.load(Path(root), image)
+    return gatespec.digest(dfn.gate) if dfn.gate is not None else None
+
+
+def _identity_or_none(reference: str) -> identity_mod.ImageIdentity | None:
+    try:
+        return identity_mod.inspect(reference)
+    except OperationFailed:
+        return None
+
+
+def promote(root: Path, image: str, candidate: str | None = None, *, spec_digest: str | None = None) -> Promotion:
+    """Move ``image:local`` to ``candidate`` (default ``image:candidate``) if a passing receipt of the
+    definition's current gate spec (``spec_digest``) exists for exactly its identity; the old
+    ``:local`` becomes ``:previous``. When ``:local`` already holds that identity nothing moves,
+    so ``:previous`` keeps the real previous image."""
     from . import receipts
 
     candidate = candidate or ref(image, CANDIDATE)
+    spec_digest = spec_digest or current_spec_digest(root, image)
+    if spec_digest is None:
+        raise GateFailed(f"{image} has no gate spec: nothing can authorize a promotion of {candidate}",
+                         hint="add a gate spec (docs/gate.md)")
     ident = identity_mod.inspect(candidate)
-    receipt = receipts.find_passing(Path(root), ident.digest)
+    receipt = receipts.find_passing(Path(root), ident.digest, spec_digest)
     if not receipt:
-        raise GateFailed(f"{candidate} ({ident.digest}) has no passing gate receipt: :local stays where it is",
-                         hint=f"imagebuild gate {image} (the receipt is tied to this exact image identity)")
+        raise GateFailed(f"{candidate} ({ident.digest}) has no passing receipt of {image}'s current gate spec "
+                         f"({spec_digest[:19]}): :local stays where it is",
+                         hint=f"imagebuild gate {image} (the receipt is tied to this exact image identity and spec; "
+                         "runs with another --spec are ad hoc and never count)")
     # the id from the very inspect the receipt was checked against: if :candidate moves meanwhile,
     # :local still goes to the image that passed
     cand_id = ident.local_id or image_id(candidate)
-    old_id = image_id(ref(image, LOCAL))
+    local = _identity_or_none(ref(image, LOCAL))
+    if local is not None and local.digest == ident.digest:
+        log.info("%s:local already is identity %s: nothing moves (:previous stays)", image, ident.digest)
+        return Promotion(image, ident.digest, local.local_id, None, receipt, moved=False)
     previous = None
-    if old_id and old_id != cand_id:
-        tag(old_id, ref(image, PREVIOUS))
-        previous = old_id
-    if old_id and old_id == cand_id:
-        log.info("%s:local already is %s (identity %s)", image, candidate, ident.digest)
-        return Promotion(image, ident.digest, cand_id, None, receipt)
+    if local is not None and local.local_id:
+        tag(local.local_id, ref(image, PREVIOUS))
+        previous = local.local_id
     tag(cand_id or candidate, ref(image, LOCAL))
     log.info("promoted %s -> %s:local (identity %s)%s", candidate, image, ident.digest,
              f"; previous :local kept as {image}:previous" if previous else "")
     return Promotion(image, ident.digest, cand_id, previous, receipt)
 
 
-def rollback(image: str) -> dict:
-    """Swap ``image:local`` and ``image:previous``."""
+def rollback(image: str, root: Path | None = None) -> dict:
+    """Swap ``image:local`` and ``image:previous``; warn when the image that becomes ``:local``
+    has no passing receipt of the definition's current gate spec."""
+    from . import receipts
+
     local_id = image_id(ref(image, LOCAL))
     prev_id = image_id(ref(image, PREVIOUS))
     if not prev_id:
         raise OperationFailed(f"{image}:previous does not exist: nothing to roll back to",
                               hint="a :previous exists after a second successful promotion")
+    warning = None
+    if root is not None:
+        spec = current_spec_digest(root, image)
+        prev = _identity_or_none(prev_id)
+        if spec is not None and prev is not None and not receipts.find_passing(Path(root), prev.digest, spec):
+            warning = (f"{image}:previous ({prev.digest}) has no passing receipt of the current gate spec "
+                       f"({spec[:19]}): it passed an older gate or none; rolling back anyway "
+                       f"(imagebuild gate {image} --ref {image}:local checks it)")
+            log.warning("warning: %s", warning)
     tag(prev_id, ref(image, LOCAL))
     if local_id:
         tag(local_id, ref(image, PREVIOUS))
     log.info("rolled back %s:local to %s%s", image, prev_id[:19],
              f" (the replaced one is now {image}:previous)" if local_id else "")
     return {"schema": "imagebuild.rollback", "version": 1, "image": image, "local_id": prev_id,
-            "previous_id": local_id}
+            "previous_id": local_id, "warning": warning}

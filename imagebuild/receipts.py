@@ -1,12 +1,22 @@
-"""Gate receipts: the record of one gate run, keyed by the image's store-independent identity.
+"""Gate receipts: the record of one gate run, keyed by (image identity, gate spec digest).
 
-``<state>/receipts/<identity-hex>.json`` holds the receipt of the LATEST gate run of that image
-(a later run replaces it, so a failure after a pass withdraws the pass), and
-``<state>/receipts/<identity-hex>.log`` the run's log (every command, its output, and the
-container's own log). Receipts are written atomically. Promotion (``:candidate`` -> ``:local``)
-and ``sync`` ask ``find_passing(root, identity.digest)`` for exactly the image they move.
+``<state>/receipts/<identity-hex>/<spec-hex>.json`` holds the receipt of the LATEST run of that
+spec against that image (a later run replaces it, so a failure after a pass withdraws the pass),
+and ``<spec-hex>.log`` that run's log (every command, its output, the container's own log).
+Receipts are written atomically.
 
-Format (schema ``imagebuild.receipt``, version 1): docs/gate.md.
+A receipt says which gate it proved: ``spec.sha256`` is the digest of the spec file that ran
+and ``authority`` says where that spec came from:
+
+- ``definition``: the definition's own gate spec (``gate:`` in image.yaml);
+- ``ad-hoc``: any other spec (``imagebuild gate IMAGE --spec FILE``, or an image reference).
+
+Promotion and sync ask ``find_passing(root, identity, spec_digest)`` with the digest of the
+definition's CURRENT spec: only a passing ``definition`` receipt for exactly that image and
+exactly that spec counts. An ad-hoc run never authorizes a promotion, and adding a check to
+gate.yaml makes every earlier receipt irrelevant.
+
+Format (schema ``imagebuild.receipt``, version 2): docs/gate.md.
 """
 
 from __future__ import annotations
@@ -19,27 +29,29 @@ from . import state
 from .fsutil import atomic_write_json
 
 SCHEMA = "imagebuild.receipt"
-VERSION = 1
+VERSION = 2
 OUTCOMES = ("passed", "failed", "skipped", "warned")
+AUTHORITY_DEFINITION = "definition"
+AUTHORITY_AD_HOC = "ad-hoc"
 
 
 def receipts_dir(root: Path) -> Path:
     return state.state_dir(root) / "receipts"
 
 
-def _hex(identity_digest: str) -> str:
-    algo, _, hexpart = identity_digest.partition(":")
+def _hex(digest: str, what: str = "identity") -> str:
+    algo, _, hexpart = str(digest).partition(":")
     if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
-        raise ValueError(f"not an identity digest: {identity_digest!r} (expected sha256:<64 hex>)")
+        raise ValueError(f"not a {what} digest: {digest!r} (expected sha256:<64 hex>)")
     return hexpart
 
 
-def receipt_path(root: Path, identity_digest: str) -> Path:
-    return receipts_dir(root) / f"{_hex(identity_digest)}.json"
+def receipt_path(root: Path, identity_digest: str, spec_digest: str) -> Path:
+    return receipts_dir(root) / _hex(identity_digest) / f"{_hex(spec_digest, 'spec')}.json"
 
 
-def log_path(root: Path, identity_digest: str) -> Path:
-    return receipts_dir(root) / f"{_hex(identity_digest)}.log"
+def log_path(root: Path, identity_digest: str, spec_digest: str) -> Path:
+    return receipt_path(root, identity_digest, spec_digest).with_suffix(".log")
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,14 @@ class Receipt:
         return self.data["identity"]["digest"]
 
     @property
+    def spec_digest(self) -> str:
+        return self.data["spec"]["sha256"]
+
+    @property
+    def authority(self) -> str:
+        return self.data.get("authority", AUTHORITY_AD_HOC)
+
+    @property
     def checks(self) -> list[dict]:
         return self.data["checks"]
 
@@ -65,39 +85,59 @@ class Receipt:
 
 
 def write(root: Path, data: dict) -> Receipt:
-    """Validate the shape and write ``data`` atomically to its identity's receipt file."""
+    """Validate the shape and write ``data`` atomically to its (identity, spec) receipt file."""
     if data.get("schema") != SCHEMA or data.get("version") != VERSION:
         raise ValueError("not a receipt document")
+    if data.get("authority") not in (AUTHORITY_DEFINITION, AUTHORITY_AD_HOC):
+        raise ValueError(f"bad authority {data.get('authority')!r}")
     for c in data["checks"]:
         if c["outcome"] not in OUTCOMES:
             raise ValueError(f"bad outcome {c['outcome']!r} for check {c['id']!r}")
-    path = receipt_path(root, data["identity"]["digest"])
+    path = receipt_path(root, data["identity"]["digest"], data["spec"]["sha256"])
     atomic_write_json(path, data)
     return Receipt(data, path)
 
 
-def read(root: Path, identity_digest: str) -> dict | None:
-    """The latest receipt for that identity, or None (also for an unreadable or foreign file)."""
-    path = receipt_path(root, identity_digest)
+def read(root: Path, identity_digest: str, spec_digest: str) -> dict | None:
+    """The latest receipt for that identity and spec, or None (also for an unreadable or foreign file)."""
     try:
+        path = receipt_path(root, identity_digest, spec_digest)
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, OSError):
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("version") != VERSION:
         return None
-    if (data.get("identity") or {}).get("digest") != identity_digest:
+    if (data.get("identity") or {}).get("digest") != identity_digest or \
+            (data.get("spec") or {}).get("sha256") != spec_digest:
         return None
     return data
 
 
-def find_passing(root: Path, identity_digest: str, *, require_gpu: bool = False) -> dict | None:
-    """The passing receipt for exactly this image identity, or None.
+def for_identity(root: Path, identity_digest: str) -> list[dict]:
+    """Every receipt of that image (any spec), newest run first."""
+    try:
+        d = receipts_dir(root) / _hex(identity_digest)
+    except ValueError:
+        return []
+    out = []
+    for p in d.glob("*.json") if d.is_dir() else ():
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("schema") == SCHEMA and data.get("version") == VERSION:
+            out.append(data)
+    return sorted(out, key=lambda x: (x.get("run") or {}).get("finished") or "", reverse=True)
 
-    Only the latest run counts: a failed run after a pass returns None. With ``require_gpu``, a
-    pass whose GPU checks were skipped (no GPU on the gating host) does not count either.
+
+def find_passing(root: Path, identity_digest: str, spec_digest: str, *, require_gpu: bool = False) -> dict | None:
+    """The passing receipt of the definition's spec ``spec_digest`` for exactly this image, or None.
+
+    Only the latest run counts: a failed run after a pass returns None. An ad-hoc receipt never
+    counts. With ``require_gpu``, a pass whose GPU checks were skipped does not count either.
     """
-    data = read(root, identity_digest)
-    if data is None or data.get("result") != "passed":
+    data = read(root, identity_digest, spec_digest)
+    if data is None or data.get("result") != "passed" or data.get("authority") != AUTHORITY_DEFINITION:
         return None
     if any(c.get("outcome") == "failed" and c.get("severity") != "warn" for c in data.get("checks", [])):
         return None  # a hand-edited or inconsistent file: never trust it

@@ -84,3 +84,52 @@ def check_popen(proc: subprocess.Popen, *, hint: str | None = None) -> None:
     rc = proc.wait()
     if rc != 0:
         raise CommandFailed(list(proc.args), rc, err.decode("utf-8", "replace"), hint=hint)
+
+
+# --------------------------------------------------------------------------------------------- streaming
+
+KILL_GRACE_S = 10.0
+
+
+def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None,
+           cwd: Path | str | None = None, hint: str | None = None) -> int:
+    """Run ``argv``, calling ``on_line(text)`` for each line of its combined output; return its
+    exit code.
+
+    The child runs in its own process group. When this process is interrupted (Ctrl-C, or
+    SIGTERM/SIGHUP, which the CLI turns into the same ``KeyboardInterrupt``), the whole group
+    gets SIGTERM, then SIGKILL after ``KILL_GRACE_S``: a killed build leaves no ``docker buildx
+    build`` (or BuildKit session) behind.
+    """
+    import signal
+    import time
+
+    argv = _announce(argv)
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, env=_environ(env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    except FileNotFoundError:
+        raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
+    try:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            on_line(raw.decode("utf-8", "replace"))
+        return proc.wait()
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + KILL_GRACE_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        raise
+    finally:
+        if proc.stdout:
+            proc.stdout.close()

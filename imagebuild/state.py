@@ -4,7 +4,9 @@
 
     builds/<image>/<build-id>/...   build records and per-stage logs (build)
     receipts/<identity-hex>.json    gate receipts keyed by image identity (gate)
-    locks/<image>.lock              one build of an image at a time (build)
+    tmp/                            temporary folders of running builds (removed when they end)
+
+Stage images live in the shared stage store (``stages_dir()``), not here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,21 @@ STATE_DIRNAME = ".imagebuild"
 def state_dir(root: Path) -> Path:
     explicit = os.environ.get("IMAGEBUILD_STATE_DIR")
     return Path(explicit) if explicit else Path(root) / STATE_DIRNAME
+
+
+STAGES_ENV = "IMAGEBUILD_STAGES"
+
+
+def stages_dir() -> Path:
+    """The stage store (stagestore.py): ``$IMAGEBUILD_STAGES``, else
+    ``$XDG_CACHE_HOME/imagebuild/stages`` (``~/.cache/imagebuild/stages``). It is a cache of
+    content-addressed stage images, shared by every clone on this host: a stage's key names
+    everything that made it, so a key built in one clone is the same stage in another."""
+    explicit = os.environ.get(STAGES_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "imagebuild" / "stages"
 
 
 def deps_dir(root: Path, image: str) -> Path:

@@ -31,6 +31,7 @@ from .errors import OperationFailed
 from .gitcache import Mirror
 
 LEVEL = 6
+FORMAT = 1  # raise when the archive layout changes: the lock records it, a tarball of another format is repacked
 _CHUNK = 4 << 20
 
 

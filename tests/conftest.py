@@ -128,3 +128,17 @@ def peer(tmp_path_factory):
                    vals["IMAGEBUILD_SSH"].strip("'"))
     finally:
         subprocess.run(["bash", str(script), "down", str(d)], capture_output=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_stage_store(tmp_path_factory):
+    """One stage store (state.stages_dir) for the whole test session: stage images are keyed by
+    content, so every test's private project copy reuses what an earlier test built, as two clones
+    on one build node do. A developer's own ~/.cache/imagebuild/stages is never touched."""
+    old = os.environ.get("IMAGEBUILD_STAGES")
+    os.environ["IMAGEBUILD_STAGES"] = str(tmp_path_factory.mktemp("stages"))
+    yield
+    if old is None:
+        os.environ.pop("IMAGEBUILD_STAGES", None)
+    else:
+        os.environ["IMAGEBUILD_STAGES"] = old

@@ -409,6 +409,12 @@ CMAKE_TEMPLATE = """cmake_minimum_required(VERSION 3.20)
 project(app LANGUAGES CXX)
 include(FetchContent)
 
+if (DEFINED ENV{{APP_DEP_SRC_DIR}})
+  set(APP_DEP_SRC_DIR $ENV{{APP_DEP_SRC_DIR}})
+endif()
+if(APP_DEP_SRC_DIR)
+  FetchContent_Declare(dep SOURCE_DIR ${{APP_DEP_SRC_DIR}})
+else()
 FetchContent_Declare(
   dep
   GIT_REPOSITORY https://github.com/example/dep.git
@@ -416,6 +422,7 @@ FetchContent_Declare(
   GIT_SUBMODULES "third-party/sub"
   GIT_PROGRESS TRUE
 )
+endif()
 include(cmake/external_projects/kernels.cmake)
 add_executable(app src/main.cpp)
 """
@@ -427,6 +434,8 @@ FetchContent_Declare(
         GIT_TAG        {kernels_tag}
         GIT_SHALLOW    TRUE
 )
+# (read from the environment only, as vLLM reads TRITON_KERNELS_SRC_DIR)
+message(STATUS "kernels override: $ENV{{KERNELS_SRC_DIR}}")
 """
 
 
@@ -547,3 +556,193 @@ def drop_proxy(git_daemon) -> Iterator[DropProxy]:
     p = DropProxy(git_daemon.port).start()
     yield p
     p.stop()
+
+
+# --- the real vLLM tree's shapes, written from scratch ---------------------------------------------
+
+VL_CMAKE = """cmake_minimum_required(VERSION 3.20)
+project(vl LANGUAGES CXX)
+include(FetchContent)
+include(${{CMAKE_CURRENT_LIST_DIR}}/tools/cmake/revisions.cmake)
+
+if (NOT VL_TARGET_DEVICE STREQUAL "cuda")
+  if (VL_TARGET_DEVICE STREQUAL "cpu")
+    include(${{CMAKE_CURRENT_LIST_DIR}}/cmake/cpu_extension.cmake)
+  endif()
+  return()
+endif()
+
+if (DEFINED ENV{{VL_CUTLASS_SRC_DIR}})
+  set(VL_CUTLASS_SRC_DIR $ENV{{VL_CUTLASS_SRC_DIR}})
+endif()
+if(VL_CUTLASS_SRC_DIR)
+  FetchContent_Declare(cutlass SOURCE_DIR ${{VL_CUTLASS_SRC_DIR}})
+else()
+  FetchContent_Declare(
+      cutlass
+      GIT_REPOSITORY https://github.com/example/cutlass.git
+      GIT_TAG ${{CUTLASS_REVISION}}
+      GIT_SHALLOW TRUE
+  )
+endif()
+FetchContent_MakeAvailable(cutlass)
+
+include(cmake/external/tk.cmake)
+include(cmake/external/fa.cmake)
+include(cmake/external/dg.cmake)
+"""
+
+VL_REVISIONS = """# revisions kept in one place, outside cmake/ (found through the include above)
+set(CUTLASS_REVISION "v4.4.2")
+set(TK_TAG "{tk_tag}" CACHE STRING "the tk tag FetchContent takes")
+"""
+
+VL_TK = """# read from the environment only (as vLLM reads TRITON_KERNELS_SRC_DIR)
+if (DEFINED ENV{{TK_SRC_DIR}})
+  FetchContent_Declare(tk SOURCE_DIR $ENV{{TK_SRC_DIR}})
+else()
+  FetchContent_Declare(
+    tk
+    GIT_REPOSITORY https://github.com/example/tk.git
+    GIT_TAG ${{TK_TAG}}
+    SOURCE_SUBDIR python/tk/tk
+  )
+endif()
+FetchContent_MakeAvailable(tk)
+"""
+
+VL_FA = """if (DEFINED ENV{{FA_SRC_DIR}})
+  set(FA_SRC_DIR $ENV{{FA_SRC_DIR}})
+endif()
+if(FA_SRC_DIR)
+  FetchContent_Declare(vl-fa SOURCE_DIR ${{FA_SRC_DIR}})
+else()
+  set(FA_GIT_SUBMODULES "")
+  if(VL_GPU_LANG STREQUAL "CUDA")
+    set(FA_GIT_SUBMODULES "csrc/cutlass")
+  endif()
+  FetchContent_Declare(
+    vl-fa
+    GIT_REPOSITORY https://github.com/example/fa.git
+    GIT_TAG {fa_sha}
+    GIT_SUBMODULES ${{FA_GIT_SUBMODULES}}
+  )
+endif()
+FetchContent_MakeAvailable(vl-fa)
+"""
+
+VL_DG = """if (DEFINED ENV{{DG_SRC_DIR}})
+  set(DG_SRC_DIR $ENV{{DG_SRC_DIR}})
+endif()
+if(DG_SRC_DIR)
+  FetchContent_Declare(dg SOURCE_DIR ${{DG_SRC_DIR}})
+else()
+  FetchContent_Declare(
+    dg
+    GIT_REPOSITORY https://github.com/example/dg.git
+    GIT_TAG {dg_sha}
+    GIT_SUBMODULES "third-party/one" "third-party/two"
+  )
+endif()
+FetchContent_Populate(dg)
+"""
+
+VL_CPU = """# CPU-only dependencies (as vLLM's cmake/cpu_extension.cmake)
+if(VL_ARM)
+  FetchContent_Populate(arm_compute
+      SUBBUILD_DIR "${{FETCHCONTENT_BASE_DIR}}/arm_compute-subbuild"
+      SOURCE_DIR   "${{FETCHCONTENT_BASE_DIR}}/arm_compute-src"
+      GIT_REPOSITORY https://github.com/example/ComputeLibrary.git
+      GIT_TAG        v52.6.0
+  )
+endif()
+set(FETCHCONTENT_SOURCE_DIR_ONEDNN "$ENV{{FETCHCONTENT_SOURCE_DIR_ONEDNN}}" CACHE PATH "local oneDNN")
+if(FETCHCONTENT_SOURCE_DIR_ONEDNN)
+  FetchContent_Declare(oneDNN SOURCE_DIR ${{FETCHCONTENT_SOURCE_DIR_ONEDNN}})
+else()
+  if(VL_ARM)
+    FetchContent_Declare(oneDNN GIT_REPOSITORY https://github.com/example/oneDNN.git
+                         GIT_TAG 9c5be1cc59e368aebf0909e6cf20f981ea61462a)
+  else()
+    FetchContent_Declare(oneDNN GIT_REPOSITORY https://github.com/example/oneDNN.git GIT_TAG v3.10)
+  endif()
+endif()
+"""
+
+
+@dataclass
+class RealShapes:
+    """:func:`make_realshape_upstreams`: repositories and SHAs of interest."""
+
+    factory: UpstreamFactory
+    repos: dict[str, Upstream]
+    shas: dict[str, str] = field(default_factory=dict)
+
+    def url(self, name: str) -> str:
+        return self.repos[name].url()
+
+
+def make_realshape_upstreams(factory: UpstreamFactory, *, tk_tag: str = "v3.6.0") -> RealShapes:
+    """Every shape the real vLLM tree has (see ../shared/upstream/README.md), small:
+
+    - ``cutlass``: tags ``v4.4.2`` (what the fork's tag variable names) and ``v4.3.0``.
+    - ``tk``: the useful part is ``python/tk/tk``; tags ``v3.5.1`` and ``v3.6.0``.
+    - ``fa``: three submodules: ``csrc/cutlass`` (the cutlass repo, reachable), ``third_party/aiter``
+      (reachable, never asked for) and ``csrc/ck``, whose recorded commit the server does NOT have
+      (an unreachable commit, as ROCm's composable_kernel was).
+    - ``dg``: pinned on a non-default branch, two submodules, both asked for.
+    - ``vl``: the fork (branch ``dev/judgement`` as its base, PR 1). Its CMake files: cutlass with an
+      override branch and ``GIT_TAG ${CUTLASS_REVISION}`` set in an include()d file outside cmake/;
+      tk with an env-only override and a tag from a CACHE default; fa with ``GIT_SUBMODULES`` through
+      a variable set in two branches; dg declared, then ``FetchContent_Populate(dg)``; a CPU-only
+      file included under ``if (VL_TARGET_DEVICE STREQUAL "cpu")`` with ``FetchContent_Populate
+      (arm_compute GIT_REPOSITORY ...)`` and oneDNN declared twice with other tags.
+    """
+    shas: dict[str, str] = {}
+    repos: dict[str, Upstream] = {}
+    cutlass = repos["cutlass"] = factory.create("cutlass", {"include/cutlass/cutlass.h": "// 4.3\n"})
+    shas["cutlass_v4.3.0"] = cutlass.tag("v4.3.0")
+    cutlass.commit({"include/cutlass/cutlass.h": "// 4.4.2\n"}, "cutlass 4.4.2")
+    shas["cutlass_v4.4.2"] = cutlass.tag("v4.4.2")
+
+    tk = repos["tk"] = factory.create("tk", {"python/tk/tk/__init__.py": "V = '3.5.1'\n", "README.md": "tk\n"})
+    shas["tk_v3.5.1"] = tk.tag("v3.5.1")
+    tk.commit({"python/tk/tk/__init__.py": "V = '3.6.0'\n"}, "tk 3.6.0")
+    shas["tk_v3.6.0"] = tk.tag("v3.6.0")
+
+    aiter = repos["aiter"] = factory.create("aiter", {"aiter.py": "# big, not needed\n"})
+    ck = factory.create("ck", {"ck.h": "// ck\n"})
+    fa = repos["fa"] = factory.create("fa", {"CMakeLists.txt": "project(fa)\n", "csrc/fa.cu": "// fa\n"})
+    fa.add_submodule("csrc/cutlass", cutlass, rev=shas["cutlass_v4.4.2"])
+    fa.add_submodule("third_party/aiter", aiter)
+    fa.add_submodule("csrc/ck", ck)
+    # the ck commit fa records is one the ck server never got (made locally, not pushed)
+    lost = ck.commit({"ck.h": "// unpushed\n"}, "never pushed", push=False)
+    git("-C", str(fa.work / "csrc/ck"), "fetch", "-q", str(ck.work), lost)
+    git("-C", str(fa.work / "csrc/ck"), "checkout", "-q", lost)
+    git("add", "csrc/ck", cwd=fa.work)
+    shas["fa_pin"] = fa.commit({}, "point csrc/ck at an unreachable commit")
+    shas["ck_lost"] = lost
+
+    one = factory.create("one", {"one.h": "// one\n"})
+    two = factory.create("two", {"two.h": "// two\n"})
+    dg = repos["dg"] = factory.create("dg", {"CMakeLists.txt": "project(dg)\n"})
+    dg.branch_from("nv_dev", "main")
+    dg.commit({"dg.cu": "// dev\n"}, "dev work", branch="nv_dev")
+    dg.add_submodule("third-party/one", one, branch="nv_dev")
+    shas["dg_pin"] = dg.add_submodule("third-party/two", two, branch="nv_dev")
+
+    vl = repos["vl"] = factory.create("vl", {
+        "CMakeLists.txt": VL_CMAKE.format(),
+        "tools/cmake/revisions.cmake": VL_REVISIONS.format(tk_tag=tk_tag),
+        "cmake/external/tk.cmake": VL_TK.format(),
+        "cmake/external/fa.cmake": VL_FA.format(fa_sha=shas["fa_pin"]),
+        "cmake/external/dg.cmake": VL_DG.format(dg_sha=shas["dg_pin"]),
+        "cmake/cpu_extension.cmake": VL_CPU.format(),
+        "vl/__init__.py": "VERSION = '0.1'\n",
+    })
+    shas["vl_main"] = vl.head()
+    vl.branch_from("dev/judgement", "main")
+    shas["vl_dev"] = vl.commit({"vl/judgement.py": "J = 1\n"}, "judgement work", branch="dev/judgement")
+    shas["vl_pr1"] = vl.pull_request(1, {"vl/pr1.py": "P = 1\n"}, base="dev/judgement")
+    return RealShapes(factory, repos, shas)

@@ -1,7 +1,8 @@
 """imagebuild build against the real engine (BuildKit, containerd store) on the `staged` test
 definition: five busybox stages, a prefetched tarball mounted as a named build context, a patch
-stage, a runner. Stage images are content-addressed, so every test's private project copy
-reuses what the first build made; the session removes them at the end."""
+stage, a runner. Stages go to the session's shared stage store (an OCI layout, keyed by
+content), so every test's private project copy reuses what the first build made; the session
+removes the release images at the end."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+from imagebuild.stagestore import StageStore
 from tests.buildfixtures import IMAGE, cat, image_id, labels, remove_images, staged_project
 from tests.conftest import BUSYBOX, run_cli
 
@@ -42,33 +44,42 @@ def _status(rec):
     return {s["name"]: s["status"] for s in rec["stages"]}
 
 
+def _manifests(rec):
+    """Each stage's image in the stage store: the manifest digest its key names now."""
+    store = StageStore.for_image(None, IMAGE)
+    return {s["name"]: (store.lookup(s["key"]).manifest if store.lookup(s["key"]) else None) for s in rec["stages"]}
+
+
 def test_full_build_every_stage_offline_with_provenance(built):
     root, rec = built
     assert _status(rec) == dict.fromkeys(STAGES, "built")
     assert all(s["network"] == "none" for s in rec["stages"])
-    runner = rec["stages"][-1]
+    cand = f"{IMAGE}:candidate"
     # --network none for real: the stages saw only the loopback interface
-    assert cat(runner["image"], "/opt/staged/net-base").split() == ["lo"]
-    assert cat(runner["image"], "/opt/staged/net-app").split() == ["lo"]
+    assert cat(cand, "/opt/staged/net-base").split() == ["lo"]
+    assert cat(cand, "/opt/staged/net-app").split() == ["lo"]
     # the prefetched tarball was mounted, not copied: its contents are there, the tarball is not
-    assert 'return "HELLO"  # imagebuild-patch: greet-loud' in cat(runner["image"], "/opt/greet/greet.py")
-    r = subprocess.run(["docker", "run", "--rm", runner["image"], "sh", "-c", "ls -R / 2>/dev/null | grep -c tar.gz"],
+    assert 'return "HELLO"  # imagebuild-patch: greet-loud' in cat(cand, "/opt/greet/greet.py")
+    r = subprocess.run(["docker", "run", "--rm", cand, "sh", "-c", "ls -R / 2>/dev/null | grep -c tar.gz"],
                        capture_output=True, text=True)
     assert r.stdout.strip() == "0"
     # MAX_JOBS came from the documented rule (the stage declares ARG MAX_JOBS=1)
-    assert rec["stages"][1]["args"]["MAX_JOBS"] == cat(runner["image"], "/opt/staged/max-jobs").strip()
+    assert rec["stages"][1]["args"]["MAX_JOBS"] == cat(cand, "/opt/staged/max-jobs").strip()
     # patch outcomes: in the image and in the build record
-    in_image = json.loads(cat(runner["image"], "/opt/imagebuild/patches.json"))
+    in_image = json.loads(cat(cand, "/opt/imagebuild/patches.json"))
     assert in_image["patches"]["patch_greet.py"]["outcome"] == "applied"
     assert rec["patches"]["patch_greet.py"]["outcome"] == "applied"
+    # every stage is in the stage store (an OCI layout), none in the engine's image store
+    assert all(_manifests(rec).values())
+    assert all(image_id(s["image"]) is None for s in rec["stages"])
     # release: provenance labels, the lock inside, candidate + b-<build id> tags; no gate spec -> no :local
-    cand = f"{IMAGE}:candidate"
     assert image_id(cand) == image_id(f"{IMAGE}:b-{rec['build_id']}")
     lab = labels(cand)
     assert lab["org.opencontainers.image.created"] == "2023-11-14T22:13:20Z"  # the lock's source_date_epoch
     assert lab["io.imagebuild.build-id"] == rec["build_id"]
     assert json.loads(lab["io.imagebuild.stage-keys"]) == {s["name"]: s["key"] for s in rec["stages"]}
     assert lab["org.opencontainers.image.version"] == f"b-{rec['build_id']}"
+    assert lab["io.imagebuild.definition-sha256"].startswith("sha256:")
     lock_in_image = cat(cand, "/opt/imagebuild/lock.json")
     assert lock_in_image == (root / "docker-images" / IMAGE / "lock.json").read_text()
     assert image_id(f"{IMAGE}:local") is None
@@ -77,9 +88,12 @@ def test_full_build_every_stage_offline_with_provenance(built):
     cfg = json.loads(subprocess.run(["docker", "image", "inspect", "--format", "{{json .Config}}", cand],
                                     capture_output=True, text=True, check=True).stdout)
     assert cfg["Cmd"] == ["sh"] and not cfg.get("Entrypoint")
-    # per-stage logs under the build's state folder
-    logs = root / ".imagebuild" / "builds" / IMAGE / rec["build_id"] / "logs"
+    # per-stage logs in the run's own folder
+    logs = root / ".imagebuild" / "builds" / IMAGE / rec["run_id"] / "logs"
     assert sorted(p.stem for p in logs.glob("*.log")) == sorted(STAGES + ["release"])
+    # build.json: which composed commits are local-only, each patch's script digest
+    doc = json.loads(cat(cand, "/opt/imagebuild/build.json"))
+    assert doc["sources"]["GREET"]["local_only"] is False
 
 
 def test_noop_rebuild_skips_everything_fast(built):
@@ -95,16 +109,35 @@ def test_noop_rebuild_skips_everything_fast(built):
 
 def test_changing_only_a_patch_rebuilds_from_the_patch_stage(built, tmp_path):
     root = staged_project(tmp_path / "p")
+    before = _manifests(built[1])
     p = root / "docker-images" / IMAGE / "patch_greet.py"
     p.write_text(p.read_text().replace('"HELLO"', '"HELLO!"'))
     res, rec = _build(root)
     assert res.code == 0, res.err
     assert _status(rec) == {"base": "skipped", "tools": "skipped", "app": "skipped", "patched": "built",
                             "runner": "built"}
-    assert 'return "HELLO!"' in cat(rec["stages"][-1]["image"], "/opt/greet/greet.py")
-    # the candidate moved to the new build; the first build's stage images are untouched
+    assert 'return "HELLO!"' in cat(f"{IMAGE}:candidate", "/opt/greet/greet.py")
+    # a new image gets a new build id: the first build's b-<id> still names the first image
+    assert rec["build_id"] != built[1]["build_id"]
     assert rec["release"]["identity"] != built[1]["release"]["identity"]
-    assert image_id(built[1]["stages"][-1]["image"]) == built[1]["stages"][-1]["image_id"]
+    assert image_id(f"{IMAGE}:b-{built[1]['build_id']}") == built[1]["release"]["image_id"]
+    # the first build's stages are untouched in the store
+    assert _manifests(built[1]) == before
+
+
+def test_two_no_cache_builds_give_the_same_identity(built, tmp_path):
+    """Every stage is reproducible by default: a whole chain rebuilt twice without any cache gives
+    the same stage manifests and the same final identity (issue 9, item 2)."""
+    root = staged_project(tmp_path / "p")
+    first = built[1]
+    ids = []
+    for _ in range(2):
+        res, rec = _build(root, "--no-cache")
+        assert res.code == 0, res.err
+        assert _status(rec) == dict.fromkeys(STAGES, "built")
+        assert [s["manifest"] for s in rec["stages"]] == [s["manifest"] for s in first["stages"]]
+        ids.append(rec["release"]["identity"])
+    assert ids == [first["release"]["identity"]] * 2
 
 
 def test_no_cache_rebuild_of_a_no_compile_stage_gives_the_same_digest(built, tmp_path):
@@ -113,9 +146,18 @@ def test_no_cache_rebuild_of_a_no_compile_stage_gives_the_same_digest(built, tmp
     res, rec = _build(root, "--from", "runner", "--no-cache")
     assert res.code == 0, res.err
     assert _status(rec)["runner"] == "built"
-    assert rec["stages"][-1]["image_id"] == first["stages"][-1]["image_id"]  # manifest digest
+    assert rec["stages"][-1]["manifest"] == first["stages"][-1]["manifest"]
     assert rec["release"]["identity"] == first["release"]["identity"]
     assert rec["release"]["image_id"] == first["release"]["image_id"]
+    # each run has its own record folder: the earlier run's record is still there
+    runs = root / ".imagebuild" / "builds" / IMAGE
+    assert (runs / rec["run_id"] / "record.json").is_file()
+    res2, rec2 = _build(root)
+    assert rec2["run_id"] != rec["run_id"] and (runs / rec["run_id"] / "record.json").is_file()
+    out = run_cli("--root", str(root), "log", IMAGE)
+    assert out.code == 0 and rec["run_id"] in out.out and rec2["run_id"] in out.out
+    out = run_cli("--root", str(root), "log", IMAGE, rec["run_id"][:18], "--stage", "runner")
+    assert out.code == 0 and "exporting" in out.out
 
 
 def test_tampered_tarball_is_refused_before_docker_starts(built, tmp_path):
@@ -124,13 +166,13 @@ def test_tampered_tarball_is_refused_before_docker_starts(built, tmp_path):
     data = bytearray(tb.read_bytes())
     data[len(data) // 2] ^= 0x01
     tb.write_bytes(bytes(data))
-    before = {s["name"]: image_id(s["image"]) for s in built[1]["stages"]}
+    before = _manifests(built[1])
     res, _ = _build(root, "--no-cache")
     assert res.code == 1
     assert tb.name in res.err and "does not match the lock" in res.err and "imagebuild prefetch" in res.err
     # nothing ran: no log, no record, every stage image as it was
     assert not (root / ".imagebuild" / "builds").exists()
-    assert {s["name"]: image_id(s["image"]) for s in built[1]["stages"]} == before
+    assert _manifests(built[1]) == before
 
 
 @pytest.fixture
@@ -224,7 +266,9 @@ def test_one_build_per_image_at_a_time(built):
     root = built[0]
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from imagebuild import build, guards; from pathlib import Path; "
-         f"lk = guards.BuildLock(build.lock_file(Path({str(root)!r}), {IMAGE!r}), {IMAGE!r}); lk.acquire('holder'); "
+         "from imagebuild import engine; "
+         f"lk = guards.BuildLock(guards.build_lock_path(engine.probe().id, {IMAGE!r}), {IMAGE!r}); "
+         "lk.acquire('holder'); "
          "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     try:
@@ -261,3 +305,10 @@ def test_from_until_and_dry_run(built, tmp_path):
     assert res.code == 2 and "stages: base, tools, app, patched, runner" in res.err
     res, rec = _build(root, "--until", "tools")
     assert res.code == 0 and rec["release"] is None
+    # the dry run shows every docker command: each stage with --network none, from the stage store
+    res = run_cli("--root", str(root), "build", IMAGE, "--dry-run", "--no-cache")
+    assert res.code == 0, res.err
+    cmds = [ln for ln in res.out.splitlines() if ln.strip().startswith("docker buildx build")]
+    assert len(cmds) == len(STAGES) and all("--network none" in c for c in cmds)
+    assert all("rewrite-timestamp=true" in c for c in cmds)
+    assert sum("imagebuild-parent=oci-layout://" in c for c in cmds) == len(STAGES) - 1

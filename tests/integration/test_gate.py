@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import gate, identity, receipts
+from imagebuild import gate, gatespec, identity, receipts
+from imagebuild.errors import GateFailed
 from tests.conftest import DEBIAN, run_cli
 
 pytestmark = pytest.mark.engine
@@ -172,10 +173,13 @@ def test_passing_gate_writes_receipt_for_the_identity(gate_image, engine_info, s
     assert "starting container" in r.err
 
     ident = identity.inspect(gate_image)
-    data = receipts.find_passing(tmp_path, ident.digest)  # state dir comes from IMAGEBUILD_STATE_DIR
-    assert data is not None
-    assert receipts.find_passing(tmp_path, ident.digest, require_gpu=True) is None
-    assert data["schema"] == "imagebuild.receipt" and data["version"] == 1
+    sd = gatespec.digest(spec)
+    data = receipts.read(tmp_path, ident.digest, sd)  # state dir comes from IMAGEBUILD_STATE_DIR
+    assert data is not None and data["result"] == "passed"
+    # a spec given on the command line for an image reference is ad hoc: it never authorizes promotion
+    assert data["authority"] == "ad-hoc" and receipts.find_passing(tmp_path, ident.digest, sd) is None
+    assert data["spec"]["sha256"] == sd
+    assert data["schema"] == "imagebuild.receipt" and data["version"] == 2
     assert data["identity"]["digest"] == ident.digest
     assert data["identity"]["layers"] == list(ident.layers)
     assert data["image"]["ref"] == gate_image
@@ -186,7 +190,7 @@ def test_passing_gate_writes_receipt_for_the_identity(gate_image, engine_info, s
     assert data["summary"] == {"passed": 10, "failed": 0, "skipped": 1, "warned": 1, "total": 12}
     assert data["host"]["hostname"] and data["host"]["arch"] and data["host"]["gpu_model"] is None
     assert data["imagebuild_version"] and data["run"]["started"] <= data["run"]["finished"]
-    assert (state / "receipts" / f"{ident.digest[7:]}.json").is_file()
+    assert (state / "receipts" / ident.digest[7:] / f"{sd[7:]}.json").is_file()
     logtext = (state / data["log"]).read_text()
     assert "python3 --version" in logtext and "Python 3." in logtext
     # junit from pytest itself
@@ -200,7 +204,7 @@ def test_failing_gate_missing_module_and_wrong_version(gate_image, engine_info, 
     ident = identity.inspect(gate_image)
     ok = _write(tmp_path, "ok.yaml", "checks:\n  - {id: imp, kind: import, module: gatedemo}\n")
     assert run_cli("gate", gate_image, "--spec", str(ok)).code == 0
-    assert receipts.find_passing(tmp_path, ident.digest) is not None
+    assert receipts.read(tmp_path, ident.digest, gatespec.digest(ok))["result"] == "passed"
 
     spec = _write(tmp_path, "gate.yaml", textwrap.dedent("""\
         checks:
@@ -232,8 +236,9 @@ def test_failing_gate_missing_module_and_wrong_version(gate_image, engine_info, 
     assert {o for o, _ in out.values()} == {"passed", "failed"}
     assert data["result"] == "failed" and "9 check(s) failed" in data["reason"]
     assert "gate of" in r.err and "failed" in r.err
-    # the later failure withdraws the earlier pass
-    assert receipts.find_passing(tmp_path, ident.digest) is None
+    # each spec has its own receipt: the failure of this one leaves the other's as it was
+    assert receipts.read(tmp_path, ident.digest, gatespec.digest(spec))["result"] == "failed"
+    assert receipts.read(tmp_path, ident.digest, gatespec.digest(ok))["result"] == "passed"
 
 
 def test_gpu_check_skipped_then_require_gpu_fails(gate_image, state, tmp_path):
@@ -251,6 +256,8 @@ def test_gpu_check_skipped_then_require_gpu_fails(gate_image, state, tmp_path):
     cap = next(c for c in data["checks"] if c["id"] == "capability")
     assert cap["outcome"] == "failed" and "--require-gpu" in cap["detail"]
     assert data["require_gpu"] is True and data["result"] == "failed"
+    # the later run of the same spec withdraws the earlier pass
+    assert receipts.read(tmp_path, data["identity"]["digest"], gatespec.digest(spec))["result"] == "failed"
 
 
 def test_zero_checks_is_a_failure(gate_image, state, tmp_path):
@@ -259,7 +266,7 @@ def test_zero_checks_is_a_failure(gate_image, state, tmp_path):
     assert r.code == 4
     data = json.loads(r.out)
     assert data["result"] == "failed" and "zero checks" in data["reason"]
-    assert receipts.find_passing(tmp_path, data["identity"]["digest"]) is None
+    assert receipts.read(tmp_path, data["identity"]["digest"], gatespec.digest(spec))["result"] == "failed"
 
 
 def test_malformed_spec_is_exit_2_with_file_and_line(gate_image, state, tmp_path):
@@ -295,10 +302,42 @@ def test_gate_by_definition_name(gate_image, project, tmp_path, monkeypatch):
     assert data["image"] == {"ref": gate_image, "definition": "tiny", "local_id": data["image"]["local_id"]}
     assert data["spec"]["file"] == "docker-images/tiny/gate.yaml"
     assert data["gpu_checks_skipped"] is False
-    assert (project / ".imagebuild" / "receipts" / f"{data['identity']['digest'][7:]}.json").is_file()
+    spec_hex = gatespec.digest(project / "docker-images" / "tiny" / "gate.yaml")[7:]
+    assert data["authority"] == "definition" and data["spec"]["sha256"] == "sha256:" + spec_hex
+    assert (project / ".imagebuild" / "receipts" / data["identity"]["digest"][7:] / f"{spec_hex}.json").is_file()
     # the library API of contracts section 7
     rc = gate.run_gate(project, "tiny", gate_image)
     assert rc.passed and rc.identity_digest == identity.inspect(gate_image).digest
+
+
+def test_a_trivial_ad_hoc_spec_cannot_promote_a_failing_image(gate_image, project, tmp_path, monkeypatch):
+    """Issue 9, item 4: gate IMAGE --spec trivial.yaml on an image that fails its own gate, then
+    promotion: the trivial pass is ad hoc, and the definition's spec has no pass, so :local stays."""
+    from imagebuild import promote
+
+    monkeypatch.delenv("IMAGEBUILD_STATE_DIR", raising=False)
+    own = project / "docker-images" / "tiny" / "gate.yaml"
+    own.write_text("checks:\n  - {id: never, kind: import, module: not_in_this_image}\n")
+    trivial = _write(tmp_path, "trivial.yaml", 'checks:\n  - {id: t, kind: command, run: "true"}\n')
+    subprocess.run(["docker", "tag", gate_image, "tiny:candidate"], check=True)
+    try:
+        assert run_cli("--root", str(project), "gate", "tiny").code == 4  # its own gate fails
+        r = run_cli("--root", str(project), "gate", "tiny", "--spec", str(trivial), "--json")
+        assert r.code == 0 and json.loads(r.out)["authority"] == "ad-hoc"
+        assert "ad-hoc spec" in run_cli("--root", str(project), "gate", "tiny", "--spec", str(trivial)).out
+        with pytest.raises(GateFailed):
+            promote.promote(project, "tiny")
+        assert subprocess.run(["docker", "image", "inspect", "tiny:local"], capture_output=True).returncode != 0
+        # a passing run of the definition's own spec does authorize it; adding a check to the spec
+        # makes that receipt irrelevant again
+        own.write_text("checks:\n  - {id: ok, kind: import, module: gatedemo}\n")
+        assert run_cli("--root", str(project), "gate", "tiny").code == 0
+        assert promote.promote(project, "tiny").moved
+        own.write_text(own.read_text() + "  - {id: more, kind: import, module: json}\n")
+        with pytest.raises(GateFailed):
+            promote.promote(project, "tiny", "tiny:candidate")
+    finally:
+        subprocess.run(["docker", "image", "rm", "tiny:candidate", "tiny:local"], capture_output=True)
 
 
 def test_unknown_target_without_spec_is_usage_error(project):
@@ -348,32 +387,18 @@ def test_ctrl_c_removes_the_container(gate_image, state, tmp_path):
 
 def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_path, monkeypatch):
     """docker-images/example/gate.yaml against the example image built here, stage by stage."""
-    from imagebuild import definition, plan
-
     monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv(gate.NO_GPU_ENV, "1")
     root = Path(__file__).resolve().parents[2]
-    p = plan.make_plan(definition.load(root, "example"))
-    made = []
-    ref = f"imagebuild-test/example-gate:t{os.getpid()}"
-    try:
-        for st in p.stages:
-            if subprocess.run(["docker", "image", "inspect", st.image], capture_output=True).returncode != 0:
-                args = [x for k, v in st.build_args().items() for x in ("--build-arg", f"{k}={v}")]
-                ctx = root / "docker-images" / "example"
-                subprocess.run(["docker", "buildx", "build", "--network", "none", "--load", "-q", *args,
-                                "-f", str(root / st.dockerfile), "-t", st.image, str(ctx)],
-                               check=True, capture_output=True)
-                made.append(st.image)
-        subprocess.run(["docker", "tag", p.stages[-1].image, ref], check=True)
-        r = run_cli("--root", str(root), "gate", "example", "--ref", ref)
-        assert r.code == 0, r.out + r.err
-        lines = {ln.split()[1]: ln.split()[0] for ln in r.out.splitlines()
-                 if ln.split() and ln.split()[0] in ("PASS", "FAIL", "SKIPPED", "WARN")}
-        assert lines.pop("gpu-visible") == "SKIPPED"
-        assert set(lines.values()) == {"PASS"} and len(lines) == 5, r.out
-    finally:
-        subprocess.run(["docker", "image", "rm", ref, *made], capture_output=True)
+    res = run_cli("--root", str(root), "build", "example", "--no-gate", "--json")
+    assert res.code == 0, res.err
+    ref = json.loads(res.out)["release"]["ref"]
+    r = run_cli("--root", str(root), "gate", "example", "--ref", ref)
+    assert r.code == 0, r.out + r.err
+    lines = {ln.split()[1]: ln.split()[0] for ln in r.out.splitlines()
+             if ln.split() and ln.split()[0] in ("PASS", "FAIL", "SKIPPED", "WARN")}
+    assert lines.pop("gpu-visible") == "SKIPPED"
+    assert set(lines.values()) == {"PASS"} and len(lines) == 5, r.out
 
 
 def test_gate_failure_never_moves_local(gate_image, state, tmp_path):
@@ -392,8 +417,10 @@ def test_gate_failure_never_moves_local(gate_image, state, tmp_path):
         assert promote.image_id(local) is None
         good = _write(tmp_path, "good.yaml", "checks:\n  - {id: m, kind: import, module: gatedemo}\n")
         assert run_cli("gate", cand, "--spec", str(good)).code == 0
-        promote.promote(tmp_path, name)
-        assert promote.image_id(local) == promote.image_id(cand)
+        # that pass is ad hoc (a spec given for an image reference): it never authorizes a promotion
+        with pytest.raises(GateFailed):
+            promote.promote(tmp_path, name, spec_digest=gatespec.digest(good))
+        assert promote.image_id(local) is None
     finally:
         subprocess.run(["docker", "image", "rm", cand, local], capture_output=True)
 

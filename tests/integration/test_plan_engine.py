@@ -16,47 +16,39 @@ pytestmark = pytest.mark.engine
 IMG = "docker-images/tiny"
 
 
-def _buildx(project, stage, p):
-    st = p.stage(stage)
-    args = []
-    for k, v in st.build_args().items():
-        args += ["--build-arg", f"{k}={v}"]
-    ctx = project / IMG
-    subprocess.run(["docker", "buildx", "build", "--network", "none", "--load", "-q", *args,
-                    "-f", str(ctx / f"Dockerfile.{stage}"), "-t", st.image, str(ctx)],
-                   check=True, capture_output=True)
-
-
 def test_engine_is_buildkit_with_containerd_store(engine_ready):
     assert engine_ready.containerd_store, engine_ready
     out = subprocess.run(["docker", "buildx", "version"], capture_output=True, text=True, check=True).stdout
     assert "buildx" in out
 
 
-def test_plan_reports_existing_stage_images(project, engine_ready):
+def test_plan_reports_built_stages_from_the_stage_store(project, engine_ready):
     p = plan.make_plan(definition.load(project, "tiny"))
     assert p.stage("base").build_args()["PARENT"] == BUSYBOX
-    _buildx(project, "base", p)
-    try:
-        res = run_cli("--root", str(project), "plan", "tiny", "--json")
-        assert res.code == 0, res.err
-        data = json.loads(res.out)
-        assert data["engine"]["reachable"] is True
-        assert [s["exists"] for s in data["stages"]] == [True, False, False, False]
-        text = run_cli("--root", str(project), "plan", "tiny")
-        assert "1. base  [exists]" in text.out and "2. tools  [to build]" in text.out
-    finally:
-        subprocess.run(["docker", "image", "rm", "-f", p.stage("base").image], capture_output=True)
+    res = run_cli("--root", str(project), "build", "tiny", "--until", "base")
+    assert res.code == 0, res.err
+    res = run_cli("--root", str(project), "plan", "tiny", "--json")
+    assert res.code == 0, res.err
+    data = json.loads(res.out)
+    assert data["engine"]["reachable"] is True
+    assert [s["exists"] for s in data["stages"]] == [True, False, False, False]
+    text = run_cli("--root", str(project), "plan", "tiny")
+    assert "1. base  [built]" in text.out and "2. tools  [to build]" in text.out
 
 
-def test_plan_creates_nothing_in_the_engine(project, engine_ready):
+def test_plan_creates_nothing_in_the_engine_or_on_disk(project, engine_ready):
+    from imagebuild import state
+    from tests.conftest import tree_state
+
     # only this definition's repository: other processes may use the shared engine meanwhile
     ls = ["docker", "image", "ls", "-a", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}",
           "imagebuild/tiny"]
     before = subprocess.run(ls, capture_output=True, text=True, check=True).stdout
+    files = tree_state(project), tree_state(state.stages_dir())
     assert run_cli("--root", str(project), "plan", "tiny").code == 0
     after = subprocess.run(ls, capture_output=True, text=True, check=True).stdout
     assert before == after
+    assert (tree_state(project), tree_state(state.stages_dir())) == files
 
 
 def test_plan_works_without_an_engine(project, monkeypatch):
@@ -65,7 +57,7 @@ def test_plan_works_without_an_engine(project, monkeypatch):
     assert res.code == 0, res.err
     data = json.loads(res.out)
     assert data["engine"]["reachable"] is False
-    assert all(s["exists"] is None for s in data["stages"])
+    assert all(isinstance(s["exists"], bool) for s in data["stages"])  # the stage store needs no engine
     assert "no Docker engine reachable" in res.err
 
 

@@ -113,7 +113,8 @@ def test_prefetch_pins_composes_and_locks(done, upstreams):  # noqa: F811
     shas = upstreams.shas
     # bare PR numbers and the tag name were pinned in place; comments and order kept
     assert f'APP_PRS="1@{shas["pr1"]} 2@{shas["pr2"]} 4@{shas["pr4"]}"' in env
-    assert f"KERNELS_REF={shas['kernels_tag_sha']}\n" in env
+    # a tag (or branch) name is pinned and remembered: NAME_REF=<name>@<sha>
+    assert f"KERNELS_REF=v3.5.1@{shas['kernels_tag_sha']}\n" in env
     assert f"APP_REF={shas['app_base']}  # base commit\n" in env
     assert env.startswith("# pins for the fork test image\nBASE_IMAGE=")
     lk = read_lock(root)
@@ -142,8 +143,11 @@ def test_prefetch_pins_composes_and_locks(done, upstreams):  # noqa: F811
     assert app["fetchcontent"] and {d["name"] for d in app["fetchcontent"]} == {"dep", "kernels"}
     # the dependency: with its submodule, declared where
     dep = lk["sources"]["DEP"]
-    assert dep["dependency_of"] == "APP" and dep["env"] == "APP_DEP_SRC_DIR" and dep["submodules"] is True
-    assert dep["declared_as"]["file"] == "CMakeLists.txt" and dep["declared_as"]["line"] == 5
+    assert dep["dependency_of"] == "APP" and dep["env"] == "APP_DEP_SRC_DIR"
+    assert dep["submodules"] == [{"path": "third-party/sub", "url": upstreams.url(upstreams.sub),
+                                  "commit": upstreams.shas["sub_main"]}]
+    assert dep["override"]["via"] == "env" and dep["override"]["env_read_at"][0] == "CMakeLists.txt:5"
+    assert dep["declared_as"]["file"] == "CMakeLists.txt" and dep["declared_as"]["line"] == 11
     dep_names = tarfile.open(root / dep["tarball"]).getnames()
     assert "./third-party/sub/sub.h" in dep_names and "./include/dep.h" in dep_names
     # subdir: only that folder, at the root of the archive

@@ -162,33 +162,49 @@ def test_example_definition_spec_is_valid():
 # ------------------------------------------------------------------------------------------------ receipts
 
 
-def _receipt(digest: str, result="passed", gpu_skipped=False, outcome="passed") -> dict:
-    return {"schema": receipts.SCHEMA, "version": receipts.VERSION, "result": result,
-            "identity": {"digest": digest}, "gpu_checks_skipped": gpu_skipped,
+S1, S2 = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+
+
+def _receipt(digest: str, result="passed", gpu_skipped=False, outcome="passed", spec=S1,
+             authority="definition") -> dict:
+    return {"schema": receipts.SCHEMA, "version": receipts.VERSION, "result": result, "authority": authority,
+            "identity": {"digest": digest}, "spec": {"file": "gate.yaml", "sha256": spec},
+            "gpu_checks_skipped": gpu_skipped,
             "checks": [{"id": "a", "kind": "import", "severity": "error", "outcome": outcome}]}
 
 
-def test_find_passing_only_for_exactly_that_identity(tmp_path, monkeypatch):
+def test_find_passing_only_for_exactly_that_identity_and_spec(tmp_path, monkeypatch):
     monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "s"))
     d1, d2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
-    assert receipts.find_passing(tmp_path, d1) is None
+    assert receipts.find_passing(tmp_path, d1, S1) is None
     r = receipts.write(tmp_path, _receipt(d1))
-    assert r.path == tmp_path / "s" / "receipts" / ("1" * 64 + ".json")
-    assert receipts.find_passing(tmp_path, d1)["identity"]["digest"] == d1
-    assert receipts.find_passing(tmp_path, d2) is None
+    assert r.path == tmp_path / "s" / "receipts" / ("1" * 64) / ("a" * 64 + ".json")
+    assert receipts.find_passing(tmp_path, d1, S1)["identity"]["digest"] == d1
+    assert receipts.find_passing(tmp_path, d1, S2) is None  # another spec: another gate
+    assert receipts.find_passing(tmp_path, d2, S1) is None
     receipts.write(tmp_path, _receipt(d2, gpu_skipped=True))
-    assert receipts.find_passing(tmp_path, d2) is not None
-    assert receipts.find_passing(tmp_path, d2, require_gpu=True) is None
+    assert receipts.find_passing(tmp_path, d2, S1) is not None
+    assert receipts.find_passing(tmp_path, d2, S1, require_gpu=True) is None
     receipts.write(tmp_path, _receipt(d1, result="failed", outcome="failed"))
-    assert receipts.find_passing(tmp_path, d1) is None  # the latest run counts
+    assert receipts.find_passing(tmp_path, d1, S1) is None  # the latest run counts
     # an inconsistent (hand-edited) file is not trusted; a copy under another identity neither
     receipts.write(tmp_path, _receipt(d1, result="passed", outcome="failed"))
-    assert receipts.find_passing(tmp_path, d1) is None
-    (tmp_path / "s" / "receipts" / ("3" * 64 + ".json")).write_text(
-        (tmp_path / "s" / "receipts" / ("2" * 64 + ".json")).read_text())
-    assert receipts.find_passing(tmp_path, "sha256:" + "3" * 64) is None
+    assert receipts.find_passing(tmp_path, d1, S1) is None
+    (tmp_path / "s" / "receipts" / ("3" * 64)).mkdir()
+    (tmp_path / "s" / "receipts" / ("3" * 64) / ("a" * 64 + ".json")).write_text(
+        (tmp_path / "s" / "receipts" / ("2" * 64) / ("a" * 64 + ".json")).read_text())
+    assert receipts.find_passing(tmp_path, "sha256:" + "3" * 64, S1) is None
+    assert receipts.find_passing(tmp_path, "sha256:nothex", S1) is None
+
+
+def test_ad_hoc_receipts_never_authorize(tmp_path, monkeypatch):
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "s"))
+    d1 = "sha256:" + "1" * 64
+    receipts.write(tmp_path, _receipt(d1, authority="ad-hoc"))
+    assert receipts.read(tmp_path, d1, S1)["result"] == "passed"
+    assert receipts.find_passing(tmp_path, d1, S1) is None
     with pytest.raises(ValueError):
-        receipts.find_passing(tmp_path, "sha256:nothex")
+        receipts.write(tmp_path, _receipt(d1, authority="someone"))
 
 
 def test_validate_reports_gate_spec_problems(project):

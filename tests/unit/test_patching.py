@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from imagebuild import guards, patching
-from imagebuild.build import DEFAULT_SOURCE_DATE_EPOCH, source_date_epoch
 from tests.conftest import run_cli, tree_state
 
 SRC = 'def greet():\n    return "hello"\n'
@@ -131,11 +130,6 @@ def test_platform_guard():
     with pytest.raises(guards.GuardRefused):
         guards.check_platform("linux/arm64", emulate=False, engine_arch="x86_64")
     assert "emulation" in guards.check_platform("linux/arm64", emulate=True, engine_arch="x86_64")
-
-
-def test_source_date_epoch():
-    assert source_date_epoch(None) == DEFAULT_SOURCE_DATE_EPOCH
-    assert source_date_epoch({"sources": {"A": {"source_date_epoch": 5}, "B": {"source_date_epoch": 9}}}) == 9
 
 
 PATCH_B = '''from imagebuild_patching import Edit

@@ -27,15 +27,15 @@ def test_plan_json_valid_and_ordered(project):
     res = run_cli("--root", str(project), "plan", "tiny", "--json", "--no-engine")
     assert res.code == 0, res.err
     data = json.loads(res.out)
-    assert data["schema"] == "imagebuild.plan" and data["version"] == 1
+    assert data["schema"] == "imagebuild.plan" and data["version"] == 2
     assert [s["name"] for s in data["stages"]] == STAGES
     app = data["stages"][2]
-    assert app["parent"] == {"kind": "stage", "name": "tools", "ref": data["stages"][1]["image"]}
+    assert app["parent"] == {"kind": "stage", "name": "tools", "ref": "imagebuild-parent"}
     assert app["uses_stages"] == ["base"]
     args = {a["name"]: (a["value"], a["origin"]) for a in app["args"]}
     assert args["APP_FLAVOUR"] == ("plain vanilla", "versions.env")
     assert args["APP_COLOUR"] == ("blue", "default")
-    assert args["STAGE_BASE"] == (data["stages"][0]["image"], "plan")
+    assert args["STAGE_BASE"] == ("imagebuild-stage-base", "plan")
     assert {i["context"] for i in app["inputs"]} == {"patches/patch_hello.py", "patches/patch_shared.py",
                                                       "patches/imagebuild_patching.py"}
     # the patch primitive is an input of patching stages only, so a change to it rebuilds them
@@ -44,7 +44,7 @@ def test_plan_json_valid_and_ordered(project):
     runner = {a["name"]: a["value"] for a in data["stages"][3]["args"]}
     assert runner["TARGETARCH"] == "amd64" and runner["RUNNER_USER"] == "root"
     assert all(s["key"].startswith("sha256:") and len(s["key"]) == 71 for s in data["stages"])
-    assert all(s["exists"] is None for s in data["stages"])
+    assert all(s["exists"] is False for s in data["stages"])  # read from the (empty) stage store
     # no host paths, no timestamps
     assert str(project) not in res.out
     assert tree_state(project) == before

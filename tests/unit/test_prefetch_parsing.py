@@ -119,7 +119,8 @@ def test_sources_mapping_defaults_and_values(tmp_path):
     assert (o["CUTLASS"].dependency_of, o["CUTLASS"].declares, o["CUTLASS"].env, o["CUTLASS"].scan_fetchcontent) \
         == ("DEMO", "cutlass", "VLLM_CUTLASS_SRC_DIR", False)
     assert o["KERN"].subdir == "python/triton_kernels/triton_kernels" and o["KERN"].declares == "triton_kernels"
-    assert o["KERN"].env == "FETCHCONTENT_SOURCE_DIR_TRITON_KERNELS"  # the generic override by default
+    # no env: prefetch takes the override the tree reads (its SOURCE_DIR branch, else FetchContent's own)
+    assert o["KERN"].env is None and o["KERN"].submodules is False
 
 
 def test_sources_mapping_errors_name_line_and_key(tmp_path):

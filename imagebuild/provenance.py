@@ -1,0 +1,124 @@
+"""Where a definition came from, told truthfully: its content digest and its git revision.
+
+- ``definition_sha256``: a digest of the definition folder's files and of every input it takes
+  from outside that folder (the shared patch set), by relative name, x bit and content;
+- ``revision``: the last commit that touched those paths, with ``-dirty`` appended when any of
+  them differs from that commit or is not committed at all (``git status --porcelain``), and
+  None outside a git checkout.
+
+Both go into the release image's labels and into the build id, so a label never names a commit
+whose tree does not hold what was built. Read-only: only ``git log`` and ``git status`` run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import definition as d
+from . import lazy
+from .fsutil import canonical_json, sha256_bytes, sha256_tree
+from .records import dataclass
+
+run_mod = lazy.module(".run", __package__)  # git, only when a build records provenance
+
+DIRTY_SUFFIX = "-dirty"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    definition_sha256: str
+    revision: str | None  # "<sha40>", "<sha40>-dirty", or None (no git)
+    paths: tuple[str, ...]  # project-relative paths the digest and the revision cover
+    source_url: str | None = None  # the project's git remote (credentials removed)
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.revision and self.revision.endswith(DIRTY_SUFFIX))
+
+    def as_dict(self) -> dict:
+        return {"definition_sha256": self.definition_sha256, "revision": self.revision,
+                "dirty": self.dirty, "paths": list(self.paths), "source_url": self.source_url}
+
+
+def _paths(defn: d.Definition) -> list[Path]:
+    outside = sorted({i.path for s in defn.stages for i in s.inputs if defn.dir not in i.path.parents})
+    return [defn.dir, *outside]
+
+
+def definition_sha256(defn: d.Definition) -> str:
+    parts = [(d.display_path(defn.root, p), sha256_tree(p)) for p in _paths(defn)]
+    return "sha256:" + sha256_bytes(canonical_json(parts))
+
+
+def _in_git(root: Path) -> bool:
+    return (Path(root) / ".git").exists() and run_mod.which("git") is not None
+
+
+def _git(root: Path, *commands: list[str]) -> list[tuple[int, str]]:
+    """Run independent git commands at once (plan runs three: ~3x faster than one after the other);
+    (exit code, stdout) of each."""
+    import subprocess
+
+    procs = [run_mod.popen(["git", "-C", str(root), *args], stdin=False) for args in commands]
+    out = []
+    for proc in procs:
+        try:
+            stdout, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+        out.append((proc.returncode, stdout.decode("utf-8", "replace").strip()))
+    return out
+
+
+def _log_args(paths) -> list[str]:
+    return ["log", "-1", "--format=%H", "--", *paths]
+
+
+def _status_args(paths) -> list[str]:
+    return ["status", "--porcelain", "--untracked-files=all", "--", *paths]
+
+
+_REMOTE_ARGS = ["remote", "get-url", "origin"]
+
+
+def revision(root: Path, paths: list[str]) -> str | None:
+    if not _in_git(root):
+        return None
+    return _revision(*_git(root, _log_args(paths), _status_args(paths)))
+
+
+def _revision(log: tuple[int, str], status: tuple[int, str]) -> str | None:
+    (code, rev), (status_code, changes) = log, status
+    if code != 0:
+        return None
+    dirty = status_code != 0 or bool(changes)
+    if len(rev) != 40:  # never committed: there is no commit to name
+        return None if not dirty else "uncommitted" + DIRTY_SUFFIX
+    return rev + (DIRTY_SUFFIX if dirty else "")
+
+
+def source_url(root: Path) -> str | None:
+    """The project's ``origin`` remote, without credentials (never put a token into a label)."""
+    if not _in_git(root):
+        return None
+    return _source_url(*_git(root, _REMOTE_ARGS))
+
+
+def _source_url(remote: tuple[int, str]) -> str | None:
+    code, url = remote
+    if code != 0 or not url:
+        return None
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme}://{rest.split('@', 1)[1]}"
+    return url
+
+
+def of(defn: d.Definition) -> Provenance:
+    paths = [d.display_path(defn.root, p) for p in _paths(defn)]
+    rev = url = None
+    if _in_git(defn.root):
+        log, status, remote = _git(defn.root, _log_args(paths), _status_args(paths), _REMOTE_ARGS)
+        rev, url = _revision(log, status), _source_url(remote)
+    return Provenance(definition_sha256(defn), rev, tuple(paths), url)
