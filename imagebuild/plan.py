@@ -22,15 +22,14 @@ The build id names one build's inputs: the lock, every stage key, and the releas
 
 from __future__ import annotations
 
-import platform as _platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from . import definition as d
 from . import lock as lock_mod
 from . import packages as packages_mod
 from . import provenance, source_mounts
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
+from .records import dataclass, field
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 2
@@ -172,9 +171,8 @@ PRIMITIVE_DISPLAY = "<imagebuild>/patching.py"
 def _primitive_sha256() -> str:
     from pathlib import Path
 
-    from . import patching
-
-    return sha256_tree(Path(patching.__file__))
+    # the file imagebuild/patching.py, found without importing it (start-up time)
+    return sha256_tree(Path(__file__).with_name("patching.py"))
 
 
 def stage_image(image: str, stage: str, key: str) -> str:
@@ -196,6 +194,8 @@ def _buildkit_value(name: str, target: str) -> str:
 
 
 def _host_platform() -> str:
+    import platform as _platform  # here: importing it costs every plan ~2 ms (docs/cli.md, "Start-up time")
+
     m = _platform.machine().lower()
     arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(m, m)
     return f"linux/{arch}"
@@ -360,6 +360,6 @@ def _build_id_from(lock_sha: str | None) -> str:
 
 
 def _with_exists(ps: PlannedStage, value: bool | None) -> PlannedStage:
-    from dataclasses import replace
+    from .records import replace
 
     return replace(ps, exists=value)

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Make sure the real parts the test suite needs are here, then exit 0.
 #
-#   scripts/testbed.sh            engine + base images (idempotent; fast when all is there)
-#   scripts/testbed.sh --check    only report what is missing (exit 1 if anything is)
+#   scripts/testbed.sh                 engine + base images (idempotent; fast when all is there)
+#   scripts/testbed.sh --check         only report what is missing (exit 1 if anything is)
+#   scripts/testbed.sh --print-mirror  print the Debian mirror it would use, and exit
+#
+# The Debian mirror is this machine's own: the first main-suite URI in apt's sources
+# (/etc/apt/sources.list.d/*.sources, then /etc/apt/sources.list), or $IMAGEBUILD_DEBIAN_MIRROR.
+# No mirror host is written in this project.
 #
 # What it provides (recipe: ../shared/ENVIRONMENT.md, sections 1-2):
 #   - a Docker engine with BuildKit (buildx) and the containerd image store;
@@ -29,6 +34,33 @@ die() { echo "testbed: error: $*" >&2; exit 1; }
 have() { command -v "$1" >/dev/null 2>&1; }
 engine_up() { docker info >/dev/null 2>&1; }
 buildx_ok() { docker buildx version >/dev/null 2>&1; }
+
+# The Debian mirror apt uses here: the first URI of a deb822 stanza (or a one-line "deb" entry)
+# whose suite has no "-" (bookworm, not bookworm-security / bookworm-updates).
+debian_mirror() {
+  if [ -n "${IMAGEBUILD_DEBIAN_MIRROR:-}" ]; then echo "${IMAGEBUILD_DEBIAN_MIRROR%/}"; return 0; fi
+  local m="" f parts=${IMAGEBUILD_APT_SOURCE_PARTS:-/etc/apt/sources.list.d} list=${IMAGEBUILD_APT_SOURCE_LIST:-/etc/apt/sources.list}
+  for f in "$parts"/*.sources; do
+    [ -f "$f" ] || continue
+    m=$(awk '
+      function flush() { if (uri != "" && main) { print uri; found = 1; exit } uri = ""; main = 0; deb = 0 }
+      /^[[:space:]]*$/ { flush(); next }
+      /^[[:space:]]*#/ { next }
+      tolower($1) == "types:" { for (i = 2; i <= NF; i++) if ($i == "deb") deb = 1 }
+      tolower($1) == "uris:" { uri = $2 }
+      tolower($1) == "suites:" { for (i = 2; i <= NF; i++) if ($i !~ /-/) main = 1 }
+      END { if (!found && uri != "" && main && deb) print uri }' "$f")
+    [ -n "$m" ] && break
+  done
+  if [ -z "$m" ] && [ -f "$list" ]; then
+    m=$(awk '$1 == "deb" { i = 2; if ($i ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
+                           if ($(i + 1) !~ /-/) { print $i; exit } }' "$list")
+  fi
+  [ -n "$m" ] || die "no Debian mirror in apt's sources ($parts/*.sources, $list); set IMAGEBUILD_DEBIAN_MIRROR"
+  echo "${m%/}"
+}
+
+if [ "${1:-}" = "--print-mirror" ]; then debian_mirror; exit 0; fi
 
 apt_updated=0
 apt_install() {
@@ -60,7 +92,7 @@ install_engine() {
   apt_install docker.io
   local t=/tmp/imagebuild-trixie
   mkdir -p "$t/lists/partial" "$t/debs"
-  echo "deb http://deb.debian.org/debian trixie main" > "$t/sources.list"
+  echo "deb $(debian_mirror) trixie main" > "$t/sources.list"
   local o=(-o Dir::Etc::SourceList="$t/sources.list" -o Dir::Etc::SourceParts=/dev/null -o Dir::State::Lists="$t/lists")
   apt-get "${o[@]}" update -qq >&2
   (cd "$t/debs" && apt-get "${o[@]}" download docker.io docker-cli docker-buildx >&2)
@@ -107,7 +139,7 @@ import_debian() {
   if [ ! -s "$tarball" ]; then
     local root; root=$(mktemp -d "$CACHE/rootfs.XXXXXX")
     say "debootstrap bookworm minbase with $DEBIAN_PKGS (a few minutes, once)"
-    debootstrap --variant=minbase --include="$DEBIAN_PKGS" bookworm "$root" http://deb.debian.org/debian >&2 \
+    debootstrap --variant=minbase --include="$DEBIAN_PKGS" bookworm "$root" "$(debian_mirror)" >&2 \
       || { rm -rf "$root"; die "debootstrap failed"; }
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
     tar -C "$root" --sort=name --numeric-owner -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
