@@ -43,14 +43,16 @@ def _run(code: str) -> set[str]:
 
 def _modules_after(argv: list[str]) -> set[str]:
     """The modules loaded once ``imagebuild ARGV`` ran (its stdout swallowed)."""
+    # what the interpreter's start-up (site, an editable install's finder) loaded is not ours: subtract it
     return _run("import sys, io, contextlib\n"
+                "before = set(sys.modules)\n"
                 "from imagebuild.cli import main\n"
                 "with contextlib.redirect_stdout(io.StringIO()):\n"
                 "    try:\n"
                 f"        main({argv!r})\n"
                 "    except SystemExit:\n"
                 "        pass\n"
-                "print(sorted(sys.modules))\n")
+                "print(sorted(set(sys.modules) - before))\n")
 
 
 @pytest.mark.parametrize("argv", [
