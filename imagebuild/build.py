@@ -350,14 +350,23 @@ class Progress:
 
 def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: dict, labels: dict,
                 network: str | None, platform: str, no_cache: bool, output: str | None, tag: str | None,
-                metadata: Path | None) -> list[str]:
-    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``)."""
+                metadata: Path | None, rerun: str | None = None) -> list[str]:
+    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``).
+
+    ``rerun`` (imagebuild's ``--no-cache``): every RUN step runs again, but cache mounts (a compiler
+    cache) are kept. BuildKit's own ``--no-cache`` empties every cache mount a step uses, so it is
+    not used; instead a host entry unique to the run (``--add-host imagebuild-rerun-<id>``) is part
+    of each RUN step's cache key. It lives in the build container's /etc/hosts only: no layer, no
+    config, no history holds it, so the output is the same bytes. ``no_cache``: BuildKit's own.
+    """
     argv = ["docker", "buildx", "build", "--progress=plain", "--provenance=false", "--sbom=false",
             "--platform", platform, "--file", str(dockerfile)]
     if network:
         argv += ["--network", network]
     if no_cache:
         argv.append("--no-cache")
+    if rerun:
+        argv += ["--add-host", f"imagebuild-rerun-{rerun}:127.0.0.1"]
     if metadata is not None:
         argv += ["--metadata-file", str(metadata)]
     for k, v in build_args.items():
@@ -522,6 +531,9 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
     if warn:
         b.warnings.append(warn)
+    if info.get("reachable"):  # a local base of another platform: refused before anything runs (exit 2)
+        for note in guards.check_base_platforms(b.defn):
+            log.debug("%s", note)
     if lock is not None:
         lock.acquire(command="imagebuild build " + b.defn.name)
     if not info.get("reachable"):
@@ -565,7 +577,8 @@ def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, 
               f"{LABEL_PREFIX}.stage-key": st.key}
     return buildx_argv(context=ctx, dockerfile=b.root / st.dockerfile, build_args=args, contexts=contexts,
                        labels=labels, network=None if st.network else "none", platform=b.plan.platform,
-                       no_cache=b.opts.no_cache, output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
+                       no_cache=False, rerun=b.run_id.rsplit("-", 1)[-1] if b.opts.no_cache else None,
+                       output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
                        tag=None, metadata=meta)
 
 

@@ -169,7 +169,8 @@ ARG PARENT
 FROM ${PARENT}
 COPY src/ /src/
 RUN --mount=type=cache,id=CACHE_ID,target=/ccache \\
-    export CCACHE_DIR=/ccache && ccache --zero-stats >/dev/null \\
+    export CCACHE_DIR=/ccache CCACHE_SLOPPINESS=include_file_ctime,include_file_mtime,time_macros \\
+    && ccache --zero-stats >/dev/null \\
     && for f in /src/*.cpp; do ccache g++ -O1 -c "$f" -o "/tmp/$(basename "$f" .cpp).o"; done \\
     && ccache --print-stats > /ccache-stats.txt
 """
