@@ -49,7 +49,7 @@ def _setup():
         build_mod.make_context(root, st, ctx, st.source_date_epoch)
         src = tmp / "src" / st.name
         src.mkdir(parents=True)
-        for vf in build_mod.verify_sources(root, defn, st):
+        for vf in build_mod.verify_sources(defn, st):
             shutil.copy(vf.path, src / vf.name)
         tag = f"imagebuild-bench/{IMAGE}:{st.name}"
         argv = ["docker", "buildx", "build", "--progress", "plain", "--provenance=false", "--network", "none",

@@ -445,6 +445,14 @@ def _root(args):
     return defn_mod.find_root(explicit=args.root)
 
 
+def _ctx(args):
+    """The command's context (context.Context): project root, settings, state, engine, output."""
+    from .context import Context
+
+    return Context.for_root(_root(args), progress=getattr(args, "progress", "auto"),
+                            verbose=bool(getattr(args, "verbose", False)))
+
+
 # ------------------------------------------------------------------------------------------------ list
 
 
@@ -679,12 +687,12 @@ def cmd_gate(args) -> int:
 def cmd_build(args) -> int:
     from . import build as build_mod
 
-    root = _root(args)
+    ctx = _ctx(args)
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
                              gate=not args.no_gate, progress=args.progress)
     if args.dry_run:
-        doc = build_mod.dry_run(root, args.image, opts)
+        doc = build_mod.dry_run(ctx, args.image, opts)
         if args.json:
             _print_json(doc)
         else:
@@ -700,7 +708,7 @@ def cmd_build(args) -> int:
             print("then: release image, :b-<build id>, :candidate" if doc["release"] else
                   "then: stop (--until), no release image")
         return EXIT_OK
-    rec = build_mod.build(root, args.image, opts)
+    rec = build_mod.build(ctx, args.image, opts)
     if args.json:
         _print_json(rec)
     else:
@@ -720,11 +728,11 @@ def cmd_build(args) -> int:
 def cmd_log(args) -> int:
     from . import runs as runs_mod
 
-    root = _root(args)
+    ctx = _ctx(args)
     if args.image:
         defn_mod.check_image_name(args.image)
     if args.run is None and args.stage is None:
-        runs = runs_mod.list_runs(root, args.image)
+        runs = runs_mod.list_runs(ctx, args.image)
         if args.json:
             _print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
             return EXIT_OK
@@ -739,7 +747,7 @@ def cmd_log(args) -> int:
         return EXIT_OK
     if not args.image:
         raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
-    run = runs_mod.find_run(root, args.image, args.run)
+    run = runs_mod.find_run(ctx, args.image, args.run)
     if args.stage:
         path = run.dir / "logs" / f"{args.stage}.log"
         if not path.is_file():
@@ -750,7 +758,7 @@ def cmd_log(args) -> int:
         return EXIT_OK
     if args.json:
         _print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
-                     "logs": [defn_mod.display_path(root, p) for p in run.logs()]})
+                     "logs": [ctx.show(p) for p in run.logs()]})
         return EXIT_OK
     s = run.summary()
     print(f"run       {run.run_id}  ({args.image}, {s['status']})")
@@ -764,19 +772,19 @@ def cmd_log(args) -> int:
     if s["promotion"]:
         print(f"promotion {s['promotion']}")
     for p in run.logs():
-        print(f"log       {defn_mod.display_path(root, p)}")
+        print(f"log       {ctx.show(p)}")
     return EXIT_OK
 
 
 def cmd_gc(args) -> int:
     from . import gc as gc_mod
 
-    root = _root(args)
+    ctx = _ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
-    plan = gc_mod.plan_gc(root, args.image, args.keep)
+    plan = gc_mod.plan_gc(ctx, args.image, args.keep)
     if not args.dry_run:
-        gc_mod.apply(plan, root)
+        gc_mod.apply(plan, ctx)
     if args.json:
         _print_json(plan.as_dict(args.dry_run))
         return EXIT_OK
@@ -799,8 +807,8 @@ def cmd_gc(args) -> int:
 def cmd_df(args) -> int:
     from . import gc as gc_mod
 
-    root = _root(args)
-    doc = gc_mod.disk_usage(root, args.image)
+    ctx = _ctx(args)
+    doc = gc_mod.disk_usage(ctx, args.image)
     if args.json:
         _print_json(doc)
         return EXIT_OK
@@ -820,9 +828,9 @@ def cmd_df(args) -> int:
 def cmd_patch(args) -> int:
     from . import build as build_mod
 
-    root = _root(args)
+    ctx = _ctx(args)
     try:
-        doc = build_mod.patch(root, args.image, args.src, check=args.check, stage=args.stage)
+        doc = build_mod.patch(ctx, args.image, args.src, check=args.check, stage=args.stage)
     except build_mod.PatchFailed as exc:
         if args.json:
             _print_json(exc.doc)
@@ -845,8 +853,8 @@ def _print_patches(doc) -> None:
 def cmd_rollback(args) -> int:
     from . import promote as promote_mod
 
-    root = _root(args)
-    doc = promote_mod.rollback(args.image, root)
+    ctx = _ctx(args)
+    doc = promote_mod.rollback(args.image, ctx)
     if args.json:
         _print_json(doc)
     else:
