@@ -266,6 +266,12 @@ ib_promote() {  # $1 run id, $2 verified image id, $3 target ref, $4 previous re
     mkdir -p "$CACHE/receipts/$7" && mv -f "$CACHE/tmp/$1.receipt" "$CACHE/receipts/$7/$8.json"
   fi
   [ -f "$CACHE/tmp/$1.record" ] && mv -f "$CACHE/tmp/$1.record" "$CACHE/records/$7.json"
+  # earlier runs of this very image that were interrupted are done now too
+  for o in "$CACHE"/pending/*.json; do
+    [ -f "$o" ] || continue
+    r=$(basename "$o" .json)
+    [ "$r" != "$1" ] && grep -q "sha256:$7" "$o" && ib_finish "$r"
+  done
   ib_finish "$1"
   ib_sect promoted
   printf 'moved %s\nlocal %s\nprevious %s\n' "$moved" "$id" "$old"

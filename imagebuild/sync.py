@@ -697,6 +697,8 @@ class _PeerSync:
 
         rc = run_mod.stream(argv, on_line, split_cr=True, die_with_parent=True, hint="install rsync")
         self.res.bytes_sent += stats.get("Total bytes sent", 0)
+        self.res.details["rsync_bytes_sent"] = self.res.details.get("rsync_bytes_sent", 0) + \
+            stats.get("Total bytes sent", 0)
         self.res.details["rsync_bytes_received"] = self.res.details.get("rsync_bytes_received", 0) + \
             stats.get("Total bytes received", 0)
         if rc != 0:
