@@ -51,7 +51,7 @@ from . import plan as plan_mod
 from . import promote as promote_mod
 from . import run as run_mod
 from .errors import DefinitionError, GateFailed, OperationFailed, Problem, UsageError
-from .fsutil import atomic_write_json, sha256_file
+from .fsutil import atomic_write_json, sha256_bytes, sha256_file
 from .stagestore import StageStore
 
 log = logging.getLogger("imagebuild")
@@ -76,6 +76,7 @@ RELEASE_DOCKERFILE = f"ARG PARENT\nFROM ${{PARENT}}\nADD {RELEASE_TAR} /\n"
 # one compression for every stage (a chain that mixes them reuses blobs and changes digests)
 STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},rewrite-timestamp=true,compression=zstd," \
                "force-compression=false"
+LOAD_OUTPUT = "type=docker,oci-mediatypes=true"
 HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"
 DEFAULT_HEARTBEAT_S = 60.0
 
@@ -265,6 +266,15 @@ def make_context(root: Path, stage: plan_mod.PlannedStage, dest: Path, epoch: in
     _fix_mtimes(dest, epoch)
 
 
+def context_dir_name(kind: str, digest: str) -> str:
+    """The folder name of a build context: unique to its content. buildx keeps one snapshot of a local
+    context per folder *name* on the engine, and sends only the files whose size and mtime changed;
+    every file here has the same mtime (SOURCE_DATE_EPOCH), so a same-size edit under a reused name
+    (``context``) arrived as the old bytes (seen: a release layer holding another image's build.json,
+    a stage built from the previous tool.sh)."""
+    return f"{kind}-{digest.split(':', 1)[-1][:20]}"
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
@@ -377,8 +387,9 @@ def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: 
         argv += ["--build-context", f"{k}={v}"]
     for k, v in labels.items():
         argv += ["--label", f"{k}={v}"]
-    if output is None:
-        argv.append("--load")
+    if output is None:  # into the engine (--load), with OCI media types: a registry takes it as pushed (a plain
+        # --load into the containerd store names zstd layers with a Docker type no registry client parses)
+        argv += ["--output", LOAD_OUTPUT]
     else:
         argv += ["--output", output]
     if tag:
@@ -682,9 +693,9 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
 
 def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
                  jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
-    ctx = tmp / "context"
+    ctx = tmp / context_dir_name("context", st.key)
     make_context(b.root, st, ctx, st.source_date_epoch)
-    src_dir = tmp / NAMED_SRC
+    src_dir = tmp / context_dir_name(NAMED_SRC, st.key)
     src_dir.mkdir()
     for vf in inputs["src"]:
         _link_or_copy(vf.path, src_dir / vf.name)
@@ -842,12 +853,13 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
         progress.info("release: %s exists", ref)
         built = False
     else:
-        ctx = tmp / "context"
         files = {"build.json": (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()}
         if lock_bytes is not None:
             files["lock.json"] = lock_bytes
+        data = release_tar(files, b.epoch)
+        ctx = tmp / context_dir_name("context", sha256_bytes(data))
         ctx.mkdir(parents=True)
-        (ctx / RELEASE_TAR).write_bytes(release_tar(files, b.epoch))
+        (ctx / RELEASE_TAR).write_bytes(data)
         _fix_mtimes(ctx, b.epoch)
         df = tmp / "Dockerfile.release"
         df.write_text(RELEASE_DOCKERFILE)
@@ -930,9 +942,9 @@ def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
                      **_parallel_args(st, jobs, opts.jobs is not None)}
         d["sources"] = [m.name for m in st.mounts]
         if r.action == "build":
-            named = {NAMED_SRC: str(tmp / r.name / NAMED_SRC), NAMED_WHEELS: str(tmp / "empty"),
+            named = {NAMED_SRC: str(tmp / r.name / context_dir_name(NAMED_SRC, st.key)), NAMED_WHEELS: str(tmp / "empty"),
                      NAMED_APT: str(tmp / "empty")}
-            d["command"] = _stage_argv(b, st, ctx=tmp / r.name / "context", named=named,
+            d["command"] = _stage_argv(b, st, ctx=tmp / r.name / context_dir_name("context", st.key), named=named,
                                        meta=tmp / r.name / "metadata.json", jobs=jobs, dry=True)
         else:
             d["command"] = None
