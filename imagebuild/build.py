@@ -45,7 +45,7 @@ from pathlib import Path, PurePosixPath
 from . import context as context_mod
 from . import definition as defn_mod
 from . import engine as engine_mod
-from . import guards, patching, source_mounts, state
+from . import guards, patching, remote_engine, source_mounts, state
 from . import lock as lock_mod
 from . import plan as plan_mod
 from . import promote as promote_mod
@@ -496,6 +496,11 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
     lock = lock_mod.read(defn.dir, ctx.show(lock_mod.lock_path(defn.dir)))
     info = ctx.engine
     if not info.reachable and not opts.dry_run:
+        eng = remote_engine.active()
+        if eng is not None:
+            raise OperationFailed(f"the engine {eng.display} (--engine) is not reachable: {info.detail}",
+                                  hint=f"check it from here: DOCKER_HOST={eng.host} docker info (ssh keys, the "
+                                  "docker CLI on that node, IMAGEBUILD_SSH)")
         raise OperationFailed(f"no Docker engine reachable: {info.detail}",
                               hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
     store = StageStore.for_image(root, defn.name)
@@ -549,9 +554,13 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
     if warn:
         b.warnings.append(warn)
+    eng = remote_engine.active()
     if info.get("reachable"):  # a local base of another platform: refused before anything runs (exit 2)
-        for note in guards.check_base_platforms(b.defn):
+        notes = guards.check_base_platforms(b.defn)
+        for note in notes:
             log.debug("%s", note)
+        if eng is not None and notes and any(r.action == "build" for r in b.stages):
+            remote_engine.refuse_missing_bases(eng, notes)
     if lock is not None:
         lock.acquire(command="imagebuild build " + b.defn.name)
     if not info.get("reachable"):
@@ -561,10 +570,14 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
         b.warnings.append(warn)
     to_build = [r.name for r in b.stages if r.action == "build"]
     if to_build:
-        paths = [b.ctx.state]
-        if info.get("root_dir") and Path(info["root_dir"]).exists():
+        paths, measured = [b.ctx.state], []
+        if eng is not None:  # the engine's node: its data root, measured there (remote_engine.facts)
+            measured, note = remote_engine.disk_free(eng)
+            if note:
+                b.warnings.append(note)
+        elif info.get("root_dir") and Path(info["root_dir"]).exists():
             paths.append(Path(info["root_dir"]))
-        warn = guards.check_disk(paths, force=b.opts.force,
+        warn = guards.check_disk(paths, force=b.opts.force, measured=measured,
                                  export_gib=guards.export_space_gib(b.store, to_build))
         if warn:
             b.warnings.append(warn)
@@ -635,6 +648,7 @@ def _record(b: Build, status: str, started: str, **extra) -> dict:
                     "force": b.opts.force, "jobs": b.opts.jobs, "emulate": b.opts.emulate,
                     "progress": b.opts.progress},
         "stage_store": str(b.store.dir),
+        "engine": remote_engine.record(b.engine_id),
         "inputs": {"tarballs": sorted({m.tarball for s in b.plan.stages for m in s.mounts if m.tarball})},
         "warnings": b.warnings,
         "stages": [r.as_dict() for r in b.stages],

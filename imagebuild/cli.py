@@ -327,6 +327,9 @@ prefetch environment:
                     "terminal, otherwise a heartbeat line at least once a minute (stage, elapsed time, log); "
                     "quiet: only the heartbeat")
     sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
+    sp.add_argument("--engine", metavar="ssh://HOST|CONTEXT", help="build on that engine: every engine call (guards, "
+                    "BuildKit, release, tags, gate) goes there; its node's memory, cores and disk are used "
+                    "(docs/fleet.md)")
     sp.add_argument("--json", action="store_true", help="print the build record (schema imagebuild.build, "
                     "version 1; with --dry-run: imagebuild.build-plan)")
     sp.set_defaults(func=cmd_build)
@@ -784,6 +787,14 @@ def _check_receipt(args) -> int:
 
 
 def cmd_build(args) -> int:
+    from . import remote_engine
+
+    engine = remote_engine.resolve(args.engine) if args.engine else None
+    with remote_engine.use(engine):
+        return _cmd_build(args)
+
+
+def _cmd_build(args) -> int:
     from . import build as build_mod
 
     ctx = _ctx(args)

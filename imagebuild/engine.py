@@ -69,9 +69,11 @@ def unreachable_reason(output: str, info: dict | None = None) -> str:
     reason = (errors or [ln for ln in lines if "connect" in ln.lower() or "error" in ln.lower()] or lines
               or ["docker info failed without saying why"])[0]
     reason = reason.removeprefix("ERROR: ").removeprefix("error: ")
-    host = os.environ.get("DOCKER_HOST")
+    engine = run_mod.engine_env()  # an --engine of the running command (remote_engine.use)
+    host = engine.get("DOCKER_HOST") or (f"docker context {engine['DOCKER_CONTEXT']}" if engine.get("DOCKER_CONTEXT")
+                                         else os.environ.get("DOCKER_HOST"))
     if host and host not in reason:
-        reason += f" (DOCKER_HOST={host})"
+        reason += f" (DOCKER_HOST={host})" if "://" in host else f" ({host})"
     return reason[:300]
 
 

@@ -58,8 +58,16 @@ def default_ref(image: str) -> str:
 
 
 def detect_gpus() -> list[str]:
-    """Names of the host's NVIDIA GPUs (``nvidia-smi``); empty without one or with IMAGEBUILD_NO_GPU=1."""
-    if os.environ.get(NO_GPU_ENV) == "1" or run_mod.which("nvidia-smi") is None:
+    """Names of the host's NVIDIA GPUs (``nvidia-smi``); empty without one or with IMAGEBUILD_NO_GPU=1.
+    With ``--engine`` the host is the engine's node (remote_engine.facts, over ssh)."""
+    if os.environ.get(NO_GPU_ENV) == "1":
+        return []
+    from . import remote_engine
+
+    eng = remote_engine.active()
+    if eng is not None:
+        return list(remote_engine.facts(eng).gpus or [])
+    if run_mod.which("nvidia-smi") is None:
         return []
     try:
         proc = run_mod.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False, timeout=30)
@@ -263,10 +271,24 @@ def _pytest_args(spec_path: Path, ini: Path, junit: Path | None) -> list[str]:
 
 @contextlib.contextmanager
 def _clean_pytest_env():
+    """No PYTEST_* of the caller; and pytest-testinfra's ``docker exec`` (its own subprocesses) reaches the
+    engine of the build (``--engine``: remote_engine.use), through this process's environment."""
+    from . import run as run_mod
+
     saved = {k: os.environ.pop(k) for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS") if k in os.environ}
+    engine = run_mod.engine_env()
+    saved.update({k: os.environ[k] for k in engine if k in os.environ and k not in saved})
+    added = [k for k in engine if k not in os.environ]
+    for k, v in engine.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
+        for k in added:
+            os.environ.pop(k, None)
         os.environ.update(saved)
 
 

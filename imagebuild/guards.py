@@ -263,7 +263,8 @@ def available_memory_gib() -> float:
     return 0.0
 
 
-def jobs_rule(cores: int, mem_gib: float, *, jobs: int | None = None, env: dict | None = None) -> Jobs:
+def jobs_rule(cores: int, mem_gib: float, *, jobs: int | None = None, env: dict | None = None,
+              where: str | None = None) -> Jobs:
     """MAX_JOBS = clamp(floor((available memory - 8 GiB) / 4 GiB), 1, cores);
     NVCC_THREADS = 2 when MAX_JOBS >= 4, else 1 (ninja then runs MAX_JOBS // NVCC_THREADS jobs).
     ``--jobs N`` or MAX_JOBS / NVCC_THREADS in the environment win over the rule."""
@@ -271,7 +272,7 @@ def jobs_rule(cores: int, mem_gib: float, *, jobs: int | None = None, env: dict 
     by_mem = int((mem_gib - RESERVED_MEMORY_GIB) // JOB_MEMORY_GIB)
     max_jobs = max(1, min(cores, by_mem))
     rule = (f"min({cores} cores, ({mem_gib:.1f} GiB available - {RESERVED_MEMORY_GIB:g}) / "
-            f"{JOB_MEMORY_GIB:g} GiB per job) = {max_jobs}")
+            f"{JOB_MEMORY_GIB:g} GiB per job) = {max_jobs}") + (f" (on {where})" if where else "")
     explicit = {}
     if jobs is not None:
         max_jobs, explicit["MAX_JOBS"] = jobs, "--jobs"
@@ -284,6 +285,14 @@ def jobs_rule(cores: int, mem_gib: float, *, jobs: int | None = None, env: dict 
 
 
 def host_jobs(jobs: int | None = None) -> Jobs:
+    """The rule on the node whose engine builds: this machine, or the ``--engine`` node's memory and
+    cores (remote_engine.facts)."""
+    from . import remote_engine
+
+    eng = remote_engine.active()
+    if eng is not None:
+        f = remote_engine.facts(eng)
+        return jobs_rule(f.cores, f.mem_available_gib, jobs=jobs, where=eng.display)
     return jobs_rule(os.cpu_count() or 1, available_memory_gib(), jobs=jobs)
 
 
@@ -325,11 +334,13 @@ def export_space_gib(store, stages: list[str]) -> float:
     return EXPORT_SPACE_FACTOR * sum(last.values()) / (1 << 30)
 
 
-def check_disk(paths: list[Path], *, force: bool, export_gib: float = 0.0) -> str | None:
+def check_disk(paths: list[Path], *, force: bool, export_gib: float = 0.0,
+               measured: list[tuple[str, float]] | None = None) -> str | None:
     """Refuse when a path has less free space than IMAGEBUILD_MIN_FREE_GB plus the reproducible
-    export's temporary space (``export_gib``)."""
+    export's temporary space (``export_gib``). ``measured``: (what, free GiB) measured elsewhere
+    (the data root of an ``--engine`` node)."""
     need = min_free_gib() + export_gib
-    low = [(str(p), free_gib(p)) for p in paths if p is not None]
+    low = [(str(p), free_gib(p)) for p in paths if p is not None] + list(measured or [])
     low = [(p, f) for p, f in low if f < need]
     if not low:
         return None

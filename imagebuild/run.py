@@ -30,9 +30,32 @@ def _announce(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+# The engine every ``docker`` child talks to (remote_engine.use): DOCKER_HOST or DOCKER_CONTEXT, and
+# a PATH whose ``ssh`` is $IMAGEBUILD_SSH. A value of None removes that variable from the child's
+# environment. Empty: the engine the environment names (the local one by default).
+_engine_env: dict[str, str | None] = {}
+
+
+def set_engine_env(env: Mapping[str, str | None] | None) -> dict[str, str | None]:
+    """Point every child started from now on at an engine (``{}`` or None: the environment's own);
+    returns the previous setting, for restoring it."""
+    global _engine_env
+    old = _engine_env
+    _engine_env = dict(env or {})
+    return old
+
+
+def engine_env() -> dict[str, str | None]:
+    return dict(_engine_env)
+
+
 def _environ(env: Mapping[str, str] | None) -> dict[str, str] | None:
-    """The child's environment: ours plus ``env`` (whose values are never logged)."""
-    return None if env is None else {**os.environ, **env}
+    """The child's environment: ours, the engine's (set_engine_env), plus ``env`` (whose values are
+    never logged)."""
+    if env is None and not _engine_env:
+        return None
+    merged: dict[str, str | None] = {**os.environ, **_engine_env, **(env or {})}
+    return {k: v for k, v in merged.items() if v is not None}
 
 
 def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeout: float | None = None,

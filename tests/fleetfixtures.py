@@ -16,8 +16,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from tests.buildfixtures import IMAGE as STAGED
 from tests.buildfixtures import remove_images, staged_project
+from tests.conftest import DEBIAN, run_cli
 
 GATE_SPEC = """\
 # a gate that needs nothing but a shell (busybox)
@@ -166,3 +169,46 @@ def ssh_shim(tmp: Path, peer) -> dict[str, str]:
     """Environment for a test that reaches the peer's engine over ssh: IMAGEBUILD_SSH (the peer's own
     ssh config), as imagebuild sync uses it."""
     return {"IMAGEBUILD_SSH": peer.ssh_env}
+
+
+# --------------------------------------------------------------------------------------------- shared by the tests
+
+STAGES = ["base", "tools", "app", "patched", "runner"]
+BUSYBOX = "imagebuild-test/busybox:1"
+
+
+@pytest.fixture(scope="session", name="peer_ready")
+def peer_ready_fixture(peer, engine_info):
+    """The peer's engine with the base images the definition names (put there by the test, as an
+    operator would with docker save | docker load)."""
+    if subprocess.run(["docker", "image", "inspect", DEBIAN], capture_output=True).returncode != 0:
+        pytest.fail(f"{DEBIAN} missing (scripts/testbed.sh imports it)")
+    put_on_peer(peer, BUSYBOX, DEBIAN)
+    return peer
+
+
+@pytest.fixture(name="node")
+def node_fixture(tmp_path, monkeypatch):
+    """node(label) -> a fresh stage store for the builds that follow (another node's cache)."""
+    def use(label: str) -> Path:
+        d = tmp_path / f"stages-{label}"
+        monkeypatch.setenv("IMAGEBUILD_STAGES", str(d))
+        return d
+    return use
+
+
+def build(root: Path, name: str, *args: str) -> tuple[int, dict | None, str]:
+    res = run_cli("--root", str(root), "build", name, "--json", *args)
+    return res.code, (json.loads(res.out) if res.code == 0 else None), res.err
+
+
+def statuses(rec: dict) -> dict:
+    return {s["name"]: s["status"] for s in rec["stages"]}
+
+
+def engine_of(peer) -> str:
+    return f"ssh://root@{peer.addr}"
+
+
+def peer_engine_id(peer) -> str:
+    return peer.docker("info", "--format", "{{.ID}}").stdout.strip()
