@@ -45,7 +45,7 @@ from pathlib import Path, PurePosixPath
 from . import context as context_mod
 from . import definition as defn_mod
 from . import engine as engine_mod
-from . import guards, patching, remote_engine, source_mounts, state
+from . import guards, patching, registry_cache, remote_engine, source_mounts, state
 from . import lock as lock_mod
 from . import plan as plan_mod
 from . import promote as promote_mod
@@ -92,6 +92,7 @@ class Options:
     emulate: bool = False
     gate: bool = True  # run the gate (when installed and the definition has a spec)
     progress: str = "auto"  # auto | plain | quiet (docs/build.md)
+    registry: str | None = None  # HOST[:PORT][/PREFIX]: the shared stage cache and release tags (docs/fleet.md)
 
 
 @dataclass
@@ -99,14 +100,14 @@ class StageRun:
     name: str
     key: str
     image: str
-    action: str  # build | skip (exists) | reuse (before --from) | not-requested (after --until)
+    action: str  # build | pull (registry cache) | skip (exists) | reuse (before --from) | not-requested
     reason: str
     network: str
     args: dict = field(default_factory=dict)
     contexts: dict = field(default_factory=dict)
     seconds: float | None = None
     log: str | None = None
-    status: str = "pending"  # pending | built | skipped | failed
+    status: str = "pending"  # pending | built | pulled | skipped | failed
     manifest: str | None = None  # the stage's OCI manifest digest in the stage store
     patches: dict | None = None
 
@@ -463,6 +464,8 @@ class Build:
     run_id: str
     engine_id: str | None = None
     warnings: list[str] = field(default_factory=list)
+    cache: object | None = None  # registry_cache.StageCache with a registry (attach)
+    found: dict = field(default_factory=dict)  # stage name -> registry_cache.Found (action "pull")
 
     @property
     def root(self) -> Path:
@@ -536,17 +539,12 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
 
 def _check_inputs(b: Build) -> dict[str, dict]:
     """Verify every prefetched input of the stages to build; returns the named-context sources."""
-    out = {}
-    for r in b.stages:
-        if r.action != "build":
-            continue
-        st = b.plan.stage(r.name)
-        out[r.name] = {
-            "src": verify_sources(b.defn, st),
-            "wheels": verify_package_dir(b.defn, b.lock, "wheels", st.name),
-            "apt": verify_package_dir(b.defn, b.lock, "apt", st.name),
-        }
-    return out
+    return {r.name: _inputs_of(b, b.plan.stage(r.name)) for r in b.stages if r.action == "build"}
+
+
+def _inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
+    return {"src": verify_sources(b.defn, st), "wheels": verify_package_dir(b.defn, b.lock, "wheels", st.name),
+            "apt": verify_package_dir(b.defn, b.lock, "apt", st.name)}
 
 
 def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
@@ -616,6 +614,7 @@ def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, 
 def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """Run the build; returns the build record (also written under the run's folder)."""
     b = prepare(context_mod.of(ctx), image, opts)
+    registry_cache.attach(b)  # stages the registry holds are pulled, not built: their inputs need not be here
     named = _check_inputs(b)  # before the lock and before docker: a tampered input stops here
     blk = guards.BuildLock(guards.build_lock_path(b.engine_id, b.defn.name), b.defn.name)
     try:
@@ -649,6 +648,7 @@ def _record(b: Build, status: str, started: str, **extra) -> dict:
                     "progress": b.opts.progress},
         "stage_store": str(b.store.dir),
         "engine": remote_engine.record(b.engine_id),
+        "registry": b.cache.as_dict() if b.cache is not None else None,
         "inputs": {"tarballs": sorted({m.tarball for s in b.plan.stages for m in s.mounts if m.tarball})},
         "warnings": b.warnings,
         "stages": [r.as_dict() for r in b.stages],
@@ -670,10 +670,20 @@ def _merged_patches(b: Build) -> dict:
 def _run(b: Build, named: dict) -> dict:
     started = _now()
     try:
-        return _run_stages(b, named, started)
+        rec = _run_stages(b, named, started)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the child was stopped, the temp folder is gone
         _record(b, "interrupted", started, release=None, promotion=None)
         raise
+    except BaseException:
+        if b.cache is not None:  # what was built before the failure still reaches the registry
+            b.cache.finish()
+        raise
+    if b.cache is not None:
+        b.cache.finish()
+        b.warnings.extend(w for w in b.cache.warnings if w not in b.warnings)
+        rec = _record(b, rec["status"], started, release=rec.get("release"), promotion=rec.get("promotion"),
+                      **{k: rec[k] for k in ("publish",) if k in rec})
+    return rec
 
 
 def _run_stages(b: Build, named: dict, started: str) -> dict:
@@ -691,18 +701,27 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
         for i, r in enumerate(b.stages, start=1):
             st = b.plan.stage(r.name)
             head = f"[{i}/{total}] {r.name}"
+            if r.action == "pull":
+                if registry_cache.pull_stage(b, r, st, tmp / r.name, progress, head):
+                    continue
+                r.action, r.reason = "build", "the registry cache did not give it (see the warning)"
+                named[r.name] = _inputs_of(b, st)
             if r.action != "build":
                 r.status = "skipped"
                 progress.info("%s: %s (%s) %s", head, r.action, r.reason, r.image)
                 continue
             _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
+            if b.cache is not None:
+                b.cache.push(r.name, r.key, r.manifest)
         if b.last != total - 1:
             rec = _record(b, "ok", started, release=None, promotion=None)
             progress.info("stopped after stage %s (--until): no release image", b.opts.until_stage)
             return rec
         release = _release(b, tmp / "release", progress, started)
     promotion = _gate_and_promote(b, release, started)
-    return _record(b, "ok", started, release=release, promotion=promotion)
+    publish = registry_cache.publish_release(b, release, promotion, started)
+    return _record(b, "ok", started, release=release, promotion=promotion,
+                   **({"publish": publish} if publish is not None else {}))
 
 
 def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
@@ -942,6 +961,7 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
 def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """What ``build`` would do, with every docker command it would run (nothing is built)."""
     b = prepare(context_mod.of(ctx), image, opts)
+    registry_cache.attach(b)
     _check_inputs(b)
     _guards(b, lock=None)
     for w in b.warnings:

@@ -327,6 +327,10 @@ prefetch environment:
                     "terminal, otherwise a heartbeat line at least once a minute (stage, elapsed time, log); "
                     "quiet: only the heartbeat")
     sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
+    sp.add_argument("--cache-registry", metavar="HOST:PORT/PREFIX", help="a registry shared by the build nodes: "
+                    "stages found there under their key are pulled (verified) instead of built, stages built here "
+                    "are pushed, and the gated release is tagged there (default: registry: in imagebuild.yaml)")
+    sp.add_argument("--no-cache-registry", action="store_true", help="ignore the registry of imagebuild.yaml")
     sp.add_argument("--engine", metavar="ssh://HOST|CONTEXT", help="build on that engine: every engine call (guards, "
                     "BuildKit, release, tags, gate) goes there; its node's memory, cores and disk are used "
                     "(docs/fleet.md)")
@@ -428,6 +432,8 @@ sync environment:
                         "first. Exit 1 when there is no :previous.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name")
+    sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
+                    "shared registry instead (default: registry: in imagebuild.yaml); the engine is not touched")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
     return p
@@ -798,9 +804,16 @@ def _cmd_build(args) -> int:
     from . import build as build_mod
 
     ctx = _ctx(args)
+    if args.cache_registry and args.no_cache_registry:
+        raise UsageError("--cache-registry and --no-cache-registry cannot be used together")
+    registry = None if args.no_cache_registry else (args.cache_registry or ctx.config.registry)
+    if registry:
+        from . import registry as registry_mod
+
+        registry_mod.parse(registry, what="--cache-registry" if args.cache_registry else "imagebuild.yaml: registry")
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
-                             gate=not args.no_gate, progress=args.progress)
+                             gate=not args.no_gate, progress=args.progress, registry=registry)
     if args.dry_run:
         doc = build_mod.dry_run(ctx, args.image, opts)
         if args.json:
@@ -831,6 +844,15 @@ def _cmd_build(args) -> int:
             p = rec["promotion"]
             print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else "") +
                   (" (:local already held this identity)" if p["status"] == "unchanged" else ""))
+        if rec.get("registry"):
+            r = rec["registry"]
+            print(f"registry         {r['address']}: {r['pulled']} stage(s) pulled, {r['pushed']} pushed, "
+                  f"{r['refused']} refused" + (f"; dropped: {r['down']}" if r["down"] else ""))
+        if rec.get("publish"):
+            p = rec["publish"]
+            print(f"published        {p['repository']}:{p['release']['tag']} ({p['release']['digest'][:19]}), "
+                  f":local {'moved' if p['moved'] else 'unchanged'}" if p["status"] == "published" else
+                  f"published        {p['status']}: {p['reason']}")
         print(f"run              {rec['run_id']} (imagebuild log {rec['image']} {rec['run_id']})")
     return EXIT_OK
 
@@ -1007,6 +1029,8 @@ def cmd_rollback(args) -> int:
     from . import promote as promote_mod
 
     ctx = _ctx(args)
+    if args.registry is not None:
+        return _rollback_registry(args, ctx)
     doc = promote_mod.rollback(args.image, ctx)
     if args.json:
         _print_json(doc)
@@ -1014,6 +1038,26 @@ def cmd_rollback(args) -> int:
         print(f"{args.image}:local    -> {doc['local_id']}")
         if doc["previous_id"]:
             print(f"{args.image}:previous -> {doc['previous_id']}")
+    return EXIT_OK
+
+
+def _rollback_registry(args, ctx) -> int:
+    from . import registry as registry_mod
+    from . import registry_release
+
+    defn_mod.check_image_name(args.image)
+    value = args.registry or ctx.config.registry
+    if not value:
+        raise UsageError("rollback --registry: which registry? none given and imagebuild.yaml has no registry:",
+                         hint="imagebuild rollback IMAGE --registry HOST:PORT/PREFIX")
+    reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
+    doc = registry_release.rollback(reg, args.image, ctx)
+    if args.json:
+        _print_json(doc)
+    else:
+        print(f"{reg.repo(args.image)}:local    -> {doc['local_digest']}  (identity {doc['local_identity']})")
+        if doc["previous_digest"]:
+            print(f"{reg.repo(args.image)}:previous -> {doc['previous_digest']}")
     return EXIT_OK
 
 

@@ -3,6 +3,7 @@
     peers: [dgx4]          # nodes that `doctor` checks and `sync` copies images to
     peer_lists:            # named lists: `imagebuild sync @rack2`
       rack2: [dgx5, dgx6]
+    registry: 10.0.0.5:5000/imagebuild   # shared stage cache and release tags (docs/fleet.md)
 
 Unknown keys are errors with file, line and a suggestion, like every definition file.
 """
@@ -17,7 +18,7 @@ from . import yamlread
 from .errors import DefinitionError, Problem
 
 CONFIG_FILE = "imagebuild.yaml"
-KEYS = ("peers", "peer_lists")
+KEYS = ("peers", "peer_lists", "registry")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ProjectConfig:
     peers: tuple[str, ...] = ()
     path: Path | None = None
     peer_lists: dict[str, tuple[str, ...]] | None = None
+    registry: str | None = None  # HOST[:PORT][/PREFIX] (registry.py)
 
 
 def load(root: Path | None) -> ProjectConfig:
@@ -73,6 +75,20 @@ def load(root: Path | None) -> ProjectConfig:
                                             line=hosts.line, key=f"peer_lists.{name}"))
                 else:
                     lists[str(name)] = tuple(h.value for h in hosts.value)
+    registry = None
+    if "registry" in node.value:
+        rn = node.value["registry"]
+        if not isinstance(rn.value, str):
+            problems.append(Problem(shown, "expected HOST[:PORT][/PREFIX] (registry: 10.0.0.5:5000/imagebuild)",
+                                    line=rn.line, key="registry"))
+        else:
+            from . import registry as registry_mod
+            from .errors import UsageError
+
+            try:
+                registry = str(registry_mod.parse(rn.value, what="registry"))
+            except UsageError as exc:
+                problems.append(Problem(shown, exc.message, line=rn.line, key="registry", hint=exc.hint))
     if problems:
         raise DefinitionError(problems)
-    return ProjectConfig(tuple(peers), path, lists)
+    return ProjectConfig(tuple(peers), path, lists, registry)

@@ -81,6 +81,10 @@ ensure_tools() {
   have debootstrap || [ -x /usr/sbin/debootstrap ] || missing+=(debootstrap)
   [ -x /bin/busybox ] || missing+=(busybox-static)
   have ip || missing+=(iproute2)
+  # the shared registry of the fleet tests (docs/fleet.md): Debian's registry, skopeo, htpasswd
+  have docker-registry || missing+=(docker-registry)
+  have skopeo || missing+=(skopeo)
+  have htpasswd || missing+=(apache2-utils)
   if [ ${#missing[@]} -gt 0 ]; then
     [ $check_only = 1 ] && { say "missing tools: ${missing[*]}"; return 1; }
     say "installing ${missing[*]}"
