@@ -354,6 +354,7 @@ sync environment:
   IMAGEBUILD_SYNC_CIPHERS     ssh ciphers preference (default ^aes128-gcm@openssh.com,...; empty: ssh's own)
   IMAGEBUILD_PEER_MIN_FREE_GB disk that must stay free on the peer (default 1)
   IMAGEBUILD_PEER_CACHE       (on the peer) its sync cache (default ~/.cache/imagebuild/peer)
+  IMAGEBUILD_SYNC_TUNNEL      --via registry: 1 always through an ssh tunnel, 0 never (default: loopback only)
 """, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("peers", nargs="*", metavar="PEER",
                     help="ssh destinations (dgx4, user@host, an ssh alias) or @LIST (peer_lists: in imagebuild.yaml); "
@@ -365,6 +366,15 @@ sync environment:
                     "running container uses (with a warning)")
     sp.add_argument("--dry-run", action="store_true", help="probe the peers and say what would be sent; change "
                     "nothing")
+    sp.add_argument("--via", choices=("ssh", "registry"), default="ssh", help="ssh (default): send the missing "
+                    "layers over ssh; registry: push the image once to the shared registry and let each peer's "
+                    "engine pull it by digest (only the layers it lacks), then verify and promote as with ssh "
+                    "(docs/fleet.md)")
+    sp.add_argument("--registry", metavar="HOST:PORT/PREFIX", help="with --via registry: the registry (default: "
+                    "registry: in imagebuild.yaml)")
+    sp.add_argument("--tunnel", action=argparse.BooleanOptionalAction, default=None, help="with --via registry: "
+                    "the peers reach the registry through an ssh -R tunnel on their loopback (default: only when "
+                    "the registry is on this host's loopback)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON (schema imagebuild.sync, version 1)")
     sp.set_defaults(func=cmd_sync)
 
@@ -1016,8 +1026,20 @@ def cmd_sync(args) -> int:
     except ImagebuildError:
         if args.root:
             raise
+    reg = None
+    if args.via == "registry":
+        from . import config as config_mod
+        from . import registry as registry_mod
+
+        value = args.registry or config_mod.load(root).registry
+        if not value:
+            raise UsageError("sync --via registry: which registry? none given and imagebuild.yaml has no registry:",
+                             hint="imagebuild sync --via registry --registry HOST:PORT/PREFIX PEER...")
+        reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
+    elif args.registry or args.tunnel is not None:
+        raise UsageError("--registry and --tunnel go with --via registry")
     report = sync_mod.sync(root, args.peers, image=args.image, jobs=args.jobs, force=args.force,
-                           dry_run=args.dry_run)
+                           dry_run=args.dry_run, via=args.via, registry=reg, tunnel=args.tunnel)
     if args.json:
         _print_json(report.as_dict())
     else:

@@ -60,16 +60,23 @@ def _move(reg: reg_mod.Registry, image: str, digest: str, tag: str) -> None:
 
 def push_release(reg: reg_mod.Registry, image: str, image_id: str, build_id: str, identity: str) -> dict:
     """``b-<build id>`` in the registry, holding exactly ``identity`` (pushed by the engine when missing)."""
-    tag = promote_mod.build_tag(build_id)
+    return push_image(reg, image, image_id, promote_mod.build_tag(build_id), identity,
+                      hint="the same build id gave another image: is a stage not reproducible? "
+                      "(imagebuild build --no-cache on both nodes, and compare)")
+
+
+def push_image(reg: reg_mod.Registry, image: str, image_id: str, tag: str, identity: str, *,
+               hint: str | None = None) -> dict:
+    """The immutable ``tag`` of ``image`` in the registry, holding exactly ``identity``: pushed from the
+    engine's ``image_id`` (an id or a ref) when missing; another identity already there refuses (exit 3)."""
     ref = reg.ref(image, tag)
     have = _manifest_digest(reg, ref, f"looking up {image}:{tag}")
     if have is not None:
         got = _identity_at(reg, reg.at(image, have), f"reading {image}:{tag}")
         if got != identity:
-            raise GuardRefused(f"registry {reg}: {image}:{tag} already holds identity {got}, this build is {identity}: "
-                               "an immutable release tag is never moved; :local and :previous stay there",
-                               hint="the same build id gave another image: is a stage not reproducible? "
-                               "(imagebuild build --no-cache on both nodes, and compare)")
+            raise GuardRefused(f"registry {reg}: {image}:{tag} already holds identity {got}, this image is "
+                               f"{identity}: an immutable tag is never moved; :local and :previous stay there",
+                               hint=hint)
         return {"tag": tag, "digest": have, "pushed": False}
     promote_mod.tag(image_id, ref)
     try:

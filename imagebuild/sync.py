@@ -92,6 +92,8 @@ class SyncReport:
     receipt: dict | None = None  # {"spec", "authority", "result"} of the receipt that authorized it
     forced: bool = False
     source: str | None = None  # where the blobs were read: content-store | docker-save
+    via: str = "ssh"  # ssh | registry (registry_sync.py)
+    registry: dict | None = None  # with --via registry: what was pushed where (registry_sync.Delivery)
 
     @property
     def ok(self) -> bool:
@@ -113,7 +115,7 @@ class SyncReport:
         return {"schema": SCHEMA, "version": VERSION, "image": self.image, "ref": self.ref,
                 "identity": self.identity, "ok": self.ok, "forced": self.forced, "source": self.source,
                 "receipt": self.receipt, "peers": [p.as_dict() for p in self.peers],
-                "have_image": self.have_image()}
+                "have_image": self.have_image(), "via": self.via, "registry": self.registry}
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -320,6 +322,8 @@ class _Shared:
         self.previous = previous_ref(ref)
         self.quick_ids = list(dict.fromkeys([img.target.digest, *img.inline]))
         self.pauses = {p.strip() for p in os.environ.get("IMAGEBUILD_SYNC_PAUSE", "").split(",") if p.strip()}
+        self.worker = _PeerSync  # per peer; registry_sync.RegistryPeerSync with --via registry
+        self.delivery = None  # registry_sync.Delivery with --via registry
 
     def verify_files(self, layers) -> None:
         """Every blob file we send is first checked against its digest (once per file)."""
@@ -342,8 +346,12 @@ class _Shared:
 
 
 def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | None = None, jobs: int = 4,
-         force: bool = False, dry_run: bool = False) -> SyncReport:
-    """Put ``ref`` (default ``image:local``) on every peer; returns the report (see the module doc)."""
+         force: bool = False, dry_run: bool = False, via: str = "ssh", registry=None,
+         tunnel: bool | None = None) -> SyncReport:
+    """Put ``ref`` (default ``image:local``) on every peer; returns the report (see the module doc).
+    ``via="registry"`` (with ``registry``, a registry.Registry): the peers pull it from there
+    (registry_sync.py); ``tunnel``: through an ssh tunnel (None: when the registry is this host's
+    loopback)."""
     from . import promote as promote_mod
     from . import receipts as receipts_mod
 
@@ -387,6 +395,18 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
              human(img.compressed_size()), where, ", ".join(peers))
     shared = _Shared(root, image, ref, img, receipt, spec, force, dry_run)
     shared.sessions = sessions
+    if via == "registry":
+        from . import registry_sync
+
+        shared.worker = registry_sync.RegistryPeerSync
+        shared.delivery = registry_sync.Delivery(registry, image, ref, ident, tunnel)
+        if not dry_run:
+            try:
+                shared.delivery.publish()
+            except BaseException:
+                for sess in sessions.values():
+                    sess.close()
+                raise
     results: dict[str, PeerResult] = {}
     try:
         _run_parallel(shared, peers, jobs, results)
@@ -395,7 +415,7 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
         for sess in sessions.values():
             sess.close()
     report = SyncReport(image, ref, ident, [results[p] for p in peers], rinfo, bool(force and receipt is None),
-                        img.source)
+                        img.source, via, shared.delivery.as_dict() if shared.delivery is not None else None)
     return report
 
 
@@ -455,7 +475,7 @@ def _sync_peer(shared: _Shared, host: str) -> PeerResult:
     conn = sess.conn
     try:
         conn = sess.get()
-        _PeerSync(shared, conn, res).run()
+        shared.worker(shared, conn, res).run()
     except peer_mod.AgentRefused as exc:
         res.status, res.message = "refused", exc.message.removeprefix(f"{host}: ")
     except GuardRefused as exc:
@@ -530,6 +550,14 @@ class _PeerSync:
             if got is not None:
                 self._promote(st, got, need)
                 return
+        got = self._deliver(st, need)
+        s.pause("promote", self.host)
+        self._promote(st, got, need)
+
+    def _deliver(self, st: peer_mod.PeerState, need) -> str:
+        """Put the missing layers on the peer and load them; the verified image id (the registry
+        transport, registry_sync.py, pulls instead)."""
+        s = self.s
         # small blobs travel inside the load call; large ones with rsync (resumable)
         inline = sum(la.size for la in need) <= INLINE_LAYERS_MAX
         if not inline:
@@ -550,8 +578,7 @@ class _PeerSync:
             got = self._load(need, False)
             if got is None:
                 raise OperationFailed(self._mismatch or "the loaded image failed verification")
-        s.pause("promote", self.host)
-        self._promote(st, got, need)
+        return got
 
     def _unchanged(self, st: peer_mod.PeerState) -> bool:
         """The target tag already holds the identity, and docker image ls lists it."""

@@ -11,6 +11,9 @@
 #   --data-size MB       the engine's data root and the peer's sync cache live on a tmpfs of MB MiB
 #                        (a peer whose disk is too small)
 #   --no-docker          no engine, and no docker CLI on the ssh session's PATH (a peer without docker)
+#   --engine-in-netns    the engine lives in the peer's network namespace too (nsenter --net: /sys and the
+#                        cgroups stay the host's), as on a real node: it reaches what the ssh session
+#                        reaches (an ssh -R tunnel on the peer's loopback) and not the host's loopback
 #
 # After `up`, `$IMAGEBUILD_SSH root@$ADDR docker info` talks to the peer's engine. The ssh session
 # also gets IMAGEBUILD_PEER_CACHE=DIR/cache (or DIR/disk/cache): the peer's sync cache, private to it.
@@ -69,13 +72,14 @@ nodocker_path() {
 }
 
 up() {
-  local classic=0 size="" nodocker=0
+  local classic=0 size="" nodocker=0 innetns=0
   shift 2
   while [ $# -gt 0 ]; do
     case "$1" in
       --classic-store) classic=1 ;;
       --data-size) size=$2; shift ;;
       --no-docker) nodocker=1 ;;
+      --engine-in-netns) innetns=1 ;;
       *) echo "peer.sh: unknown option $1" >&2; exit 2 ;;
     esac
     shift
@@ -101,11 +105,19 @@ up() {
   ip netns exec "$NS" ip link set lo up
 
   # the peer's engine (on the host, not inside the namespace: it needs the host's cgroups)
-  ip link add name "$BRIDGE" type bridge && ip addr add "$BRIDGE_CIDR" dev "$BRIDGE" && ip link set "$BRIDGE" up
+  local inns=()
+  if [ $innetns = 1 ]; then
+    inns=(ip netns exec "$NS")
+    echo "$NS" > "$DIR/engine-netns"
+  fi
+  "${inns[@]}" ip link add name "$BRIDGE" type bridge && "${inns[@]}" ip addr add "$BRIDGE_CIDR" dev "$BRIDGE" \
+    && "${inns[@]}" ip link set "$BRIDGE" up
   local cfg="$DIR/daemon.json"
   if [ $classic = 1 ]; then echo '{}' > "$cfg"; else echo '{"features":{"containerd-snapshotter":true}}' > "$cfg"; fi
   if [ $nodocker = 0 ]; then
-    setsid "${PEER_DOCKERD:-dockerd}" --config-file "$cfg" --data-root "$data" --exec-root "$DIR/exec" \
+    local nsenter=()
+    [ $innetns = 1 ] && nsenter=(nsenter "--net=/run/netns/$NS")
+    setsid "${nsenter[@]}" "${PEER_DOCKERD:-dockerd}" --config-file "$cfg" --data-root "$data" --exec-root "$DIR/exec" \
       -H "unix://$DIR/docker.sock" --pidfile "$DIR/docker.pid" --bridge="$BRIDGE" --iptables=false \
       >"$DIR/dockerd.log" 2>&1 < /dev/null &
   fi

@@ -215,3 +215,28 @@ def engine_of(peer) -> str:
 
 def peer_engine_id(peer) -> str:
     return peer.docker("info", "--format", "{{.ID}}").stdout.strip()
+
+
+@pytest.fixture(scope="session", name="netns_peers")
+def netns_peers_fixture(tmp_path_factory, engine_info):
+    """Two peers whose engines live in their own network namespace (scripts/peer.sh --engine-in-netns),
+    as on real nodes: they cannot reach this host's loopback registry, only an ssh -R tunnel on their
+    own loopback. One ssh config for all of them (IMAGEBUILD_SSH)."""
+    from tests.conftest import start_peer
+
+    started = []
+    try:
+        for i in range(2):
+            started.append(start_peer(tmp_path_factory, f"peer-ns{i}", "--engine-in-netns"))
+        peers = [p for p, _ in started]
+        cfg = tmp_path_factory.mktemp("netns-ssh") / "ssh_config"
+        cfg.write_text("".join(Path(p.ssh_config).read_text() + "\n" for p in peers))
+        yield peers, f"ssh -F {cfg}"
+    finally:
+        for _, stop in started:
+            stop()
+
+
+def veth_tx(peer) -> int:
+    """Bytes this host sent to the peer over its link so far."""
+    return int(Path(f"/sys/class/net/{peer.veth}/statistics/tx_bytes").read_text())

@@ -25,6 +25,7 @@ from tests.fleetfixtures import (  # noqa: F401 - fixtures
     build,
     engine_of,
     fleet_project,
+    netns_peers_fixture,
     node_fixture,
     peer_engine_id,
     peer_ready_fixture,
@@ -323,3 +324,132 @@ def test_credentials_come_from_the_docker_config_and_are_never_shown(engine_info
         own.stop()
         remove_fleet_images(name)
 
+
+
+# ------------------------------------------------------------------------------------------ sync through the registry
+
+
+def _gets_since(registry, before: int) -> list[tuple[str, int]]:
+    return registry.blob_gets()[before:]
+
+
+def test_sync_via_registry_through_ssh_tunnels_moves_each_missing_layer_once_per_peer(
+        netns_peers, registry, tmp_path, node, monkeypatch):
+    from tests.fleetfixtures import veth_tx
+
+    peers, ssh = netns_peers
+    name = unique_name()
+    reg = f"{registry.addr}/sync"
+    root = fleet_project(tmp_path / "p", name, gate=True)
+    d = root / "docker-images" / name
+    monkeypatch.setenv("IMAGEBUILD_SSH", ssh)
+    try:
+        node("S")
+        code, v1, err = build(root, name, "--cache-registry", reg)
+        assert code == 0, err
+        assert v1["promotion"]["status"] == "promoted"
+        # the peers' engines cannot reach this host's loopback registry: only the tunnel can
+        probe = peers[0].docker("pull", f"{registry.addr}/sync/{name}:local")
+        assert probe.returncode != 0
+
+        n0, tx0 = len(registry.blob_gets()), [veth_tx(p) for p in peers]
+        res = run_cli("--root", str(root), "sync", "--via", "registry", "--registry", reg, "--image", name,
+                      "--json", *[p.addr for p in peers])
+        assert res.code == 0, res.err
+        doc = json.loads(res.out)
+        assert doc["via"] == "registry" and doc["registry"]["tunnel"] is True
+        gets = _gets_since(registry, n0)
+        for p, r in zip(peers, doc["peers"], strict=True):
+            assert r["status"] == "synced", r
+            assert r["identity"] == v1["release"]["identity"]  # verified on the peer, as with ssh
+            assert r["details"]["registry"]["tunnel"] and r["details"]["registry"]["pulled"].startswith("127.0.0.1:")
+            got = p.docker("image", "inspect", "--format", "{{.Id}}", f"{name}:local")
+            assert got.returncode == 0 and got.stdout.strip() == r["details"]["image_id"]
+            # the receipt came along; the registry's reference was removed again
+            assert list(Path(p.cache, "receipts").rglob("*.json"))
+            names = p.docker("image", "ls", "--format", "{{.Repository}}").stdout.split()
+            assert not any(n.startswith("127.0.0.1:") for n in names), names
+        # every blob crossed at most once per peer, and every layer a peer lacked crossed once for it
+        per_blob: dict[str, int] = {}
+        for dg, _ in gets:
+            per_blob[dg] = per_blob.get(dg, 0) + 1
+        layers = {la for r in doc["peers"] for la in r["details"]["layers_needed"]}
+        assert layers and all(per_blob.get(la) == len(peers) for la in layers), (layers, per_blob)
+        # other blobs: the config, which this host also reads once to check the identity it pushed
+        assert all(n <= len(peers) + 1 for n in per_blob.values()), per_blob
+        sent = [veth_tx(p) - t for p, t in zip(peers, tx0, strict=True)]
+        pulled = sum(sz for _, sz in gets) // len(peers)
+        assert all(s >= pulled for s in sent), (sent, pulled)
+
+        # again: every peer already holds the identity, nothing moves
+        n1 = len(registry.blob_gets())
+        res = run_cli("--root", str(root), "sync", "--via", "registry", "--registry", reg, "--image", name,
+                      "--json", *[p.addr for p in peers])
+        assert res.code == 0, res.err
+        assert [r["status"] for r in json.loads(res.out)["peers"]] == ["unchanged"] * len(peers)
+        assert not {dg for dg, _ in _gets_since(registry, n1)} & layers  # (the config is read to check the tag)
+
+        # a one-file change: only the layers that changed move, once per peer
+        (d / "files" / "motd.txt").write_text("version two\n")
+        code, v2, err = build(root, name, "--cache-registry", reg)
+        assert code == 0, err
+        n2 = len(registry.blob_gets())
+        res = run_cli("--root", str(root), "sync", "--via", "registry", "--registry", reg, "--image", name,
+                      "--json", *[p.addr for p in peers])
+        assert res.code == 0, res.err
+        doc2 = json.loads(res.out)
+        assert [r["status"] for r in doc2["peers"]] == ["synced"] * len(peers)
+        need2 = {la for r in doc2["peers"] for la in r["details"]["layers_needed"]}
+        assert 0 < len(need2) < len(layers)
+        gets2 = [dg for dg, _ in _gets_since(registry, n2)]
+        assert {dg for dg in gets2} - need2 <= {json.loads(peers[0].docker(
+            "image", "inspect", f"{name}:local").stdout)[0]["Id"]} | _configs(registry, reg, name), gets2
+        assert all(gets2.count(la) == len(peers) for la in need2)
+        for p, r1, r2 in zip(peers, doc["peers"], doc2["peers"], strict=True):
+            assert r2["identity"] == v2["release"]["identity"]
+            prev = p.docker("image", "inspect", "--format", "{{.Id}}", f"{name}:previous")
+            assert prev.stdout.strip() == r1["details"]["image_id"]  # the former :local, as with ssh
+    finally:
+        remove_fleet_images(name)
+        for p in peers:
+            remove_fleet_images(name, docker_host=p.docker_host)
+
+
+def _configs(registry, reg: str, name: str) -> set[str]:
+    """The config digests of the image tags the sync pushed (a pull fetches the config blob too)."""
+    import hashlib
+
+    r = registry_mod.parse(reg)
+    out = set()
+    tags = subprocess.run(["skopeo", "list-tags", "--tls-verify=false", f"docker://{r.repo(name)}"],
+                          capture_output=True, text=True)
+    for tag in json.loads(tags.stdout or '{"Tags": []}')["Tags"]:
+        raw = registry_mod.inspect_raw(r, r.ref(name, tag), what="test")
+        m = json.loads(raw)
+        if "config" in m:
+            out.add(m["config"]["digest"])
+        out.add("sha256:" + hashlib.sha256(raw).hexdigest())
+    return out
+
+
+def test_sync_via_registry_refuses_an_image_without_a_receipt_and_pushes_nothing(netns_peers, registry, tmp_path,
+                                                                                node, monkeypatch):
+    peers, ssh = netns_peers
+    name = unique_name()
+    reg = f"{registry.addr}/norcpt"
+    root = fleet_project(tmp_path / "p", name, gate=True)
+    monkeypatch.setenv("IMAGEBUILD_SSH", ssh)
+    try:
+        node("N")
+        code, _, err = build(root, name, "--no-gate")
+        assert code == 0, err
+        res = run_cli("--root", str(root), "sync", "--via", "registry", "--registry", reg, "--image",
+                      f"{name}:candidate", "--json", peers[0].addr)
+        assert res.code == 3, res.err
+        assert json.loads(res.out)["peers"][0]["status"] == "refused"
+        r = registry_mod.parse(reg)
+        tags = subprocess.run(["skopeo", "list-tags", "--tls-verify=false", f"docker://{r.repo(name)}"],
+                              capture_output=True, text=True)
+        assert tags.returncode != 0 or json.loads(tags.stdout)["Tags"] in ([], None)
+    finally:
+        remove_fleet_images(name)
