@@ -286,6 +286,10 @@ prefetch environment:
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
+
+    from . import cli_nightly  # nightly, report, diff (docs/nightly.md)
+
+    cli_nightly.register(sub, EPILOG)
     return p
 
 
