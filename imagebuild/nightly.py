@@ -46,6 +46,7 @@ from .errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_REFUSED,
+    DefinitionError,
     GateFailed,
     GuardRefused,
     ImagebuildError,
@@ -217,6 +218,11 @@ def _one(root: Path, name: str, opts: Options, res: dict) -> None:
         res["exit_code"] = exc.exit_code
         res["reason"] = _one_line(exc)
         log.error("%s: %s", name, exc.render())
+    except Exception as exc:  # a bug must not stop the next image either; the traceback is behind --debug
+        log.debug("%s: internal error", name, exc_info=True)
+        _fail(res, EXIT_FAILED, f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
+              "traceback; please report it)")
+        log.error("%s: %s", name, res["reason"])
     finally:
         res["seconds"] = round(time.monotonic() - t0, 3)
     if res["exit_code"] is None:
@@ -230,7 +236,11 @@ def _one(root: Path, name: str, opts: Options, res: dict) -> None:
 def _one_line(exc: ImagebuildError) -> str:
     """An error's first line and its hint (a build failure's log tail stays in its log)."""
     lines = exc.message.strip().splitlines() or ["(no message)"]
-    return lines[0].rstrip(":; ") + (f" (hint: {exc.hint})" if exc.hint else "")
+    text = lines[0].rstrip(":; ")
+    if isinstance(exc, DefinitionError):  # name every problem's file, line and key
+        text += ": " + "; ".join(p.render().replace("\n    hint:", " (hint:") + (")" if p.hint else "")
+                                 for p in exc.problems)
+    return text + (f" (hint: {exc.hint})" if exc.hint else "")
 
 
 def _fail(res: dict, code: int, reason: str) -> None:
@@ -393,23 +403,26 @@ def _gate(root: Path, defn, rec: dict | None, gate_error: GateFailed | None) -> 
 
 
 def _changes(root: Path, name: str, res: dict, prev_inv: dict | None, before: dict | None) -> None:
-    if prev_inv is None:
-        res["changes_note"] = res["changes_note"] or f"no previous {name}:local to compare with (first promotion)"
+    """The diff against the :local from before the run. The new image's inventory is read in every
+    run, first promotion included: it is cached by identity, so the next night's "previous" costs
+    nothing."""
+    if not res["identity"]:
+        res["changes_note"] = res["changes_note"] or "no new image to compare"
         return
-    new_ref = f"{name}:{promote_mod.CANDIDATE}"
-    if res["identity"] and (before or {}).get("identity") == res["identity"]:
-        new_ref = f"{name}:{promote_mod.LOCAL}"
+    new_ref = f"{name}:{promote_mod.build_tag(res['build_id'])}" if res["build_id"] else \
+        f"{name}:{promote_mod.CANDIDATE}"
     try:
         new_inv = imagediff.inventory(new_ref, root)
     except ImagebuildError as exc:
         res["changes_note"] = f"{new_ref} could not be read: {exc.message}"
         return
-    if res["identity"] and new_inv.get("identity") != res["identity"]:
+    if new_inv.get("identity") != res["identity"]:
         res["changes_note"] = f"{new_ref} is not this run's image any more (another build moved it)"
         return
-    prev_inv = {**prev_inv, "ref": f"{name}:local (before this run)"}
-    new_inv = {**new_inv, "ref": f"{name}:b-{res['build_id']}" if res["build_id"] else new_ref}
-    res["changes"] = imagediff.diff(prev_inv, new_inv)
+    if prev_inv is None:
+        res["changes_note"] = res["changes_note"] or f"no previous {name}:local to compare with (first promotion)"
+        return
+    res["changes"] = imagediff.diff({**prev_inv, "ref": f"{name}:local (before this run)"}, new_inv)
 
 
 def _tag(name: str, tag: str) -> dict | None:
@@ -552,13 +565,15 @@ def _gc(root: Path, images: list[str], opts: Options, doc: dict) -> None:
         disk["gc_skipped"] = "--no-gc"
     else:
         freed = removed = 0
+        t = time.monotonic()
         try:
             for name in images:
                 plan = gc_mod.plan_gc(root, name, opts.keep_builds)
                 gc_mod.apply(plan, root)
                 freed += plan.freed
                 removed += sum(len(p.remove) for p in plan.images) + len(plan.shared)
-            disk["gc"] = {"keep": opts.keep_builds, "freed_bytes": freed, "removed": removed}
+            disk["gc"] = {"keep": opts.keep_builds, "freed_bytes": freed, "removed": removed,
+                          "seconds": round(time.monotonic() - t, 3)}
         except ImagebuildError as exc:
             disk["gc_skipped"] = f"gc failed: {exc.message}"
             log.warning("warning: gc failed: %s", exc.message)
