@@ -193,3 +193,16 @@ def test_nightly_bad_input_is_exit_2_before_anything(project):
     r = run_cli("--root", str(project), "nightly", "tiny", "--keep-builds", "0")
     assert r.code == 2 and "--keep-builds 0" in r.err
     assert not (project / ".imagebuild" / "nightly").exists()
+
+
+def test_two_nightlies_never_overlap(project):
+    from imagebuild import guards, state
+
+    held = guards.BuildLock(state.state_dir(project) / nightly.LOCK_NAME, "nightly")
+    held.acquire(command="imagebuild nightly tiny")
+    try:
+        r = run_cli("--root", str(project), "nightly", "tiny")
+    finally:
+        held.release()
+    assert r.code == 3 and "another imagebuild nightly is running" in r.err and "imagebuild nightly tiny" in r.err
+    assert not (project / ".imagebuild" / "nightly").exists()  # no report: the running one writes its own
