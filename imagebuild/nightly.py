@@ -165,7 +165,7 @@ def _run(root: Path, images: list[str], opts: Options, report_dir: Path) -> tupl
     doc["finished"] = _now()
     doc["seconds"] = round(time.monotonic() - t0, 3)
     stored = report_mod.write(report_dir, doc, keep=opts.keep_reports)
-    log.info("report written: %s (and .json)", stored.md_path)
+    log.debug("report written: %s (and .json)", stored.md_path)
     if interrupted:
         raise KeyboardInterrupt
     _notify(opts.notify if opts.notify is not None else os.environ.get(NOTIFY_ENV), stored, doc)

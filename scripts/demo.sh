@@ -15,7 +15,7 @@ BIN="$root/.venv/bin"
 work="$root/.imagebuild/demo"
 project="$work/project"
 
-rm -rf "$project"
+rm -rf "$project/docker-images"  # its .imagebuild/ (records, receipts) stays: a second demo is a no-op
 mkdir -p "$project/docker-images" "$work"
 cp -r docker-images/example "$project/docker-images/example"
 echo "demo: the built-in definition docker-images/example, copied to ${project#"$root"/} (prefetch pins it there)"
