@@ -39,7 +39,7 @@ log = logging.getLogger("imagebuild")
 
 SCHEMA = "imagebuild.image-diff"
 VERSION = 1
-INVENTORY_VERSION = 1
+INVENTORY_VERSION = 2
 META = "/opt/imagebuild"
 DPKG_STATUS = "/var/lib/dpkg/status"
 # Lists the installed Python distributions without pip (which an image may lack): name==version.
@@ -101,7 +101,7 @@ def parse_dpkg_list(text: str) -> dict[str, str]:
     for line in text.splitlines():
         parts = line.split("\t") if "\t" in line else line.split(None, 1)
         if len(parts) == 2 and parts[0].strip():
-            out[parts[0].strip()] = parts[1].strip()
+            out[parts[0].strip().split(":", 1)[0]] = parts[1].strip()  # libc6:amd64 -> libc6, as dpkg's status
     return out
 
 
@@ -134,25 +134,45 @@ def _python_distributions(ref: str) -> dict[str, str] | None:
     return None
 
 
+# history entries that never make a layer (metadata only); WORKDIR sometimes does
+_META_ONLY = ("ENV", "ARG", "LABEL", "CMD", "ENTRYPOINT", "EXPOSE", "USER", "VOLUME", "STOPSIGNAL", "HEALTHCHECK",
+              "SHELL", "MAINTAINER", "ONBUILD")
+
+
+def _instruction(created_by: str) -> str:
+    text = created_by.strip()
+    if text.startswith("/bin/sh -c #(nop)"):
+        text = text[len("/bin/sh -c #(nop)"):].strip()
+    return text.split(None, 1)[0].upper() if text else ""
+
+
+def layer_sizes_from_history(rows: list[tuple[int, str]], n_layers: int) -> list[int | None]:
+    """Each layer's size (base first) from ``docker history`` rows (size, created by), oldest
+    first: the rows whose instruction makes a layer. Unknown (None) when no reading of the rows
+    gives exactly ``n_layers``."""
+    def pick(include_workdir: bool) -> list[int]:
+        return [size for size, by in rows if _instruction(by) not in _META_ONLY
+                and (include_workdir or _instruction(by) != "WORKDIR")]
+
+    for sizes in (pick(False), pick(True), [s for s, _ in rows if s > 0]):
+        if len(sizes) == n_layers:
+            return sizes
+    return [None] * n_layers
+
+
 def _layer_sizes(ref: str, layers: list[str]) -> list[int | None]:
-    """The size of each layer (base first), from ``docker history``: the entries that made a
-    layer are the non-empty ones. Unknown (None) when that count does not match the layers."""
-    proc = run_mod.run(["docker", "history", "--no-trunc", "--human=false", "--format", "{{.Size}}", ref],
-                       check=False, timeout=60)
+    proc = run_mod.run(["docker", "history", "--no-trunc", "--human=false", "--format", "{{.Size}}\t{{.CreatedBy}}",
+                        ref], check=False, timeout=60)
     if proc.returncode != 0:
         return [None] * len(layers)
-    sizes = []
-    for ln in reversed(proc.stdout.decode().split()):
+    rows = []
+    for ln in reversed(proc.stdout.decode("utf-8", "replace").splitlines()):
+        size, _, by = ln.partition("\t")
         try:
-            sizes.append(int(ln))
+            rows.append((int(size), by))
         except ValueError:
             return [None] * len(layers)
-    nonzero = [s for s in sizes if s > 0]
-    if len(nonzero) == len(layers):
-        return list(nonzero)
-    if len(sizes) == len(layers):
-        return list(sizes)
-    return [None] * len(layers)
+    return layer_sizes_from_history(rows, len(layers))
 
 
 def inventory(ref: str, root: Path | None = None, *, use_cache: bool = True) -> dict:

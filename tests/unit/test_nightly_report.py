@@ -206,3 +206,16 @@ def test_two_nightlies_never_overlap(project):
         held.release()
     assert r.code == 3 and "another imagebuild nightly is running" in r.err and "imagebuild nightly tiny" in r.err
     assert not (project / ".imagebuild" / "nightly").exists()  # no report: the running one writes its own
+
+
+def test_layer_sizes_from_history_rows():
+    # `docker history` of the example image (oldest first): imported base, then BuildKit's steps
+    rows = [(649895936, ""), (0, "ARG PY_OPT_LEVEL=2"), (0, "ENV PYTHONOPTIMIZE=2"),
+            (12288, "RUN |1 PY_OPT_LEVEL=2 /bin/sh -c python3 --version # buildkit"), (0, "ARG GREETING_VERSION=1.2.0"),
+            (0, "COPY app/ /opt/app/ # buildkit"), (1163264, "RUN |1 GREETING_VERSION=1.2.0 /bin/sh -c x # buildkit"),
+            (0, "COPY app/greeting.txt /opt/app/greeting.txt # buildkit"), (1048576, "RUN /bin/sh -c y # buildkit"),
+            (0, "ENTRYPOINT []"), (0, 'CMD ["python3"]'), (20480, "COPY opt/ /opt/ # buildkit")]
+    assert imagediff.layer_sizes_from_history(rows, 7) == [649895936, 12288, 0, 1163264, 0, 1048576, 20480]
+    assert imagediff.layer_sizes_from_history([(5, "/bin/sh -c #(nop)  WORKDIR /x"), (7, "RUN a")], 2) == [5, 7]
+    assert imagediff.layer_sizes_from_history(rows, 3) == [None, None, None]
+    assert imagediff.parse_dpkg_list("libc6:amd64 2.36\n") == {"libc6": "2.36"}
