@@ -427,3 +427,24 @@ def test_one_image_failing_does_not_stop_the_next(world):
     assert second["status"] == "ok" and second["exit_code"] == 0, second["reason"]
     assert r.code == 2 and doc["exit_code"] == 2  # the worst of the two
     assert "Traceback" not in r.err
+
+
+def test_notify_hook_gets_the_report_not_the_token(project, engine_ready, tmp_path, monkeypatch):
+    monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+    bad = project / "docker-images" / "notify-broken"
+    bad.mkdir()
+    (bad / "versions.env").write_text("BASE=imagebuild-test/busybox:1\n")
+    (bad / "image.yaml").write_text("platform: linux/amd64\nstages: []\n")
+    out = tmp_path / "hook.out"
+    hook = f"sh -c 'echo \"$1|$IMAGEBUILD_NIGHTLY_STATUS|$IMAGEBUILD_NIGHTLY_EXIT|${{GITHUB_TOKEN:-no token}}\" > {out}' hook"
+    r = run_cli("--root", str(project), "nightly", "notify-broken", "--peers", "--no-gc", "--notify", hook,
+                "--report-dir", str(tmp_path / "reports"))
+    assert r.code == 2, r.err
+    md, status, code, token = out.read_text().strip().split("|")
+    assert Path(md).is_file() and Path(md).parent == tmp_path / "reports" and md.endswith(".md")
+    assert (status, code, token) == ("failed", "2", "no token")
+    assert TOKEN not in r.out + r.err + Path(md).read_text()
+    # a failing hook is a warning; the run's exit code stays the build's
+    r = run_cli("--root", str(project), "nightly", "notify-broken", "--peers", "--no-gc", "--notify", "false",
+                "--report-dir", str(tmp_path / "reports"))
+    assert r.code == 2 and "notify hook 'false' exited 1" in r.err
