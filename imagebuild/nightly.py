@@ -549,9 +549,16 @@ def _disk(root: Path, images: list[str]) -> dict:
     if info.root_dir and Path(info.root_dir).exists():
         out["docker_free_bytes"] = shutil.disk_usage(info.root_dir).free
     try:
-        for name in images:
-            for row in gc_mod.disk_usage(root, name)["images"]:
-                out["images"][row["image"]] = row["total_bytes"]
+        from . import runs as runs_mod
+        from .stagestore import StageStore
+
+        for name in images:  # what `imagebuild df IMAGE` counts, without its shared caches (the git mirrors' walk)
+            seen: dict[str, int] = {}
+            for im in gc_mod.engine_images(name) if info.reachable else []:
+                seen[im.id] = im.unique
+            out["images"][name] = (sum(seen.values()) + gc_mod.tree_bytes(StageStore.for_image(root, name).dir)
+                                   + gc_mod.tree_bytes(state.deps_dir(root, name))
+                                   + sum(gc_mod.tree_bytes(r.dir) for r in runs_mod.list_runs(root, name)))
     except ImagebuildError as exc:
         log.warning("warning: disk use not measured: %s", exc.message)
     return out
