@@ -66,7 +66,11 @@ RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
 LOG_TAIL_LINES = 30
 PROGRESS_CHOICES = ("auto", "plain", "quiet")
 LABEL_PREFIX = "io.imagebuild"
-RELEASE_DOCKERFILE = "ARG PARENT\nFROM ${PARENT}\nCOPY opt/ /opt/\n"
+# The release's files arrive as one deterministic tar, extracted by ADD: unlike COPY (which gives
+# a folder it creates the build's wall-clock time), every entry, folders included, keeps the tar's
+# SOURCE_DATE_EPOCH, so the release layer is the same bytes for the same inputs.
+RELEASE_TAR = "release.tar"
+RELEASE_DOCKERFILE = f"ARG PARENT\nFROM ${{PARENT}}\nADD {RELEASE_TAR} /\n"
 # one compression for every stage (a chain that mixes them reuses blobs and changes digests)
 STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},rewrite-timestamp=true,compression=zstd," \
                "force-compression=false"
@@ -346,14 +350,23 @@ class Progress:
 
 def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: dict, labels: dict,
                 network: str | None, platform: str, no_cache: bool, output: str | None, tag: str | None,
-                metadata: Path | None) -> list[str]:
-    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``)."""
+                metadata: Path | None, rerun: str | None = None) -> list[str]:
+    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``).
+
+    ``rerun`` (imagebuild's ``--no-cache``): every RUN step runs again, but cache mounts (a compiler
+    cache) are kept. BuildKit's own ``--no-cache`` empties every cache mount a step uses, so it is
+    not used; instead a host entry unique to the run (``--add-host imagebuild-rerun-<id>``) is part
+    of each RUN step's cache key. It lives in the build container's /etc/hosts only: no layer, no
+    config, no history holds it, so the output is the same bytes. ``no_cache``: BuildKit's own.
+    """
     argv = ["docker", "buildx", "build", "--progress=plain", "--provenance=false", "--sbom=false",
             "--platform", platform, "--file", str(dockerfile)]
     if network:
         argv += ["--network", network]
     if no_cache:
         argv.append("--no-cache")
+    if rerun:
+        argv += ["--add-host", f"imagebuild-rerun-{rerun}:127.0.0.1"]
     if metadata is not None:
         argv += ["--metadata-file", str(metadata)]
     for k, v in build_args.items():
@@ -518,6 +531,9 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
     if warn:
         b.warnings.append(warn)
+    if info.get("reachable"):  # a local base of another platform: refused before anything runs (exit 2)
+        for note in guards.check_base_platforms(b.defn):
+            log.debug("%s", note)
     if lock is not None:
         lock.acquire(command="imagebuild build " + b.defn.name)
     if not info.get("reachable"):
@@ -561,7 +577,8 @@ def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, 
               f"{LABEL_PREFIX}.stage-key": st.key}
     return buildx_argv(context=ctx, dockerfile=b.root / st.dockerfile, build_args=args, contexts=contexts,
                        labels=labels, network=None if st.network else "none", platform=b.plan.platform,
-                       no_cache=b.opts.no_cache, output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
+                       no_cache=False, rerun=b.run_id.rsplit("-", 1)[-1] if b.opts.no_cache else None,
+                       output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
                        tag=None, metadata=meta)
 
 
@@ -770,18 +787,37 @@ def _source_provenance(b: Build) -> dict:
     for n, s in sorted(((b.lock or {}).get("sources") or {}).items()):
         if not isinstance(s, dict) or not s.get("commit"):
             continue
-        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": s.get("prs") or [],
+        prs = plan_mod.pr_pins(s.get("prs"))
+        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": prs,
                  "tree": s.get("tree"), "tarball_sha256": s.get("sha256")}
-        if s.get("prs"):
+        if prs:
             entry["local_only"] = True
-            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (offline from its mirror cache with --offline): "
-                                 f"{s.get('ref')} with PR heads {', '.join(str(p) for p in s.get('prs') or [])} "
-                                 "merged in that order, fixed identity and date (docs/prefetch.md); the result's "
-                                 "tree must equal 'tree'")
+            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (--offline from its mirror cache): "
+                                 f"{s.get('ref')} with PR heads {', '.join(prs)} merged in that order, with a fixed "
+                                 "identity and date (docs/prefetch.md); the result's tree must equal 'tree'")
         else:
             entry["local_only"] = False
         out[n] = entry
     return out
+
+
+def release_tar(files: dict[str, bytes], epoch: int) -> bytes:
+    """``/opt/imagebuild/<name>`` for each of ``files``, as a tar whose bytes depend on nothing else:
+    sorted entries, owner root, mode 0755/0644, every mtime ``epoch``."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for d in ("opt", IMAGE_META_DIR.lstrip("/")):
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, epoch
+            tf.addfile(ti)
+        for name in sorted(files):
+            ti = tarfile.TarInfo(f"{IMAGE_META_DIR.lstrip('/')}/{name}")
+            ti.size, ti.mode, ti.mtime = len(files[name]), 0o644, epoch
+            tf.addfile(ti, io.BytesIO(files[name]))
+    return buf.getvalue()
 
 
 def release_ref(image: str, build_id: str) -> str:
@@ -801,11 +837,11 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
         built = False
     else:
         ctx = tmp / "context"
-        meta = ctx / "opt" / "imagebuild"
-        meta.mkdir(parents=True)
+        files = {"build.json": (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()}
         if lock_bytes is not None:
-            (meta / "lock.json").write_bytes(lock_bytes)
-        (meta / "build.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            files["lock.json"] = lock_bytes
+        ctx.mkdir(parents=True)
+        (ctx / RELEASE_TAR).write_bytes(release_tar(files, b.epoch))
         _fix_mtimes(ctx, b.epoch)
         df = tmp / "Dockerfile.release"
         df.write_text(RELEASE_DOCKERFILE)

@@ -4,12 +4,9 @@ registers them). Docs: docs/nightly.md, docs/cli.md."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
-from . import definition as defn_mod
-from .errors import EXIT_OK, ImagebuildError
+# Only argparse here: cli.py registers these commands on every start (--version, list, ...), which
+# must not pay for what only these commands use (tests/unit/test_startup.py).
 
 NIGHTLY_EPILOG = """
 nightly exit code: the worst of the images' results, in this order (worst last):
@@ -19,23 +16,23 @@ nightly exit code: the worst of the images' results, in this order (worst last):
 nightly environment:
   IMAGEBUILD_NOTIFY   default for --notify: a command run with the report's path (Markdown)
   GITHUB_TOKEN        optional, for PR states from the GitHub API (never shown, never in a report)
-  IMAGEBUILD_SSH      how to reach the peers (default ssh), as for doctor and sync
+  IMAGEBUILD_SSH      how to reach the peers (default ssh), as for doctor
 """
 
 
 def register(sub, epilog: str) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     sp = sub.add_parser(
-        "nightly", help="the whole chain per image: prefetch, build, gate, promote, sync, gc, and a report",
+        "nightly", help="the whole chain per image: prefetch, build, gate, promote, copy to the peers, gc, and a report",
         description="For each IMAGE in turn: prefetch (with --refresh, PR heads and followed branches move), "
         "build every stage offline (skipped by key), gate the candidate, promote it to IMAGE:local only on a "
-        "passing receipt, sync :local to the peers; then gc under the retention, and write the run report "
-        "(Markdown + JSON, atomically; the last N kept). A failed gate never promotes or syncs; a serving "
+        "passing receipt, copy :local to the peers; then gc under the retention, and write the run report "
+        "(Markdown + JSON, atomically; the last N kept). A failed gate never promotes or copies; a serving "
         "container stops the run before anything is built (exit 3); one image failing does not stop the next. "
         "Details: docs/nightly.md.", epilog=epilog + NIGHTLY_EPILOG, formatter_class=fmt)
     sp.add_argument("images", nargs="+", metavar="IMAGE", help="image definitions, built in this order")
     sp.add_argument("--peers", nargs="*", metavar="PEER", default=None,
-                    help="sync :local to these SSH peers (default: peers: in imagebuild.yaml; --peers alone: none)")
+                    help="copy :local to these SSH peers (default: peers: in imagebuild.yaml; --peers alone: none)")
     sp.add_argument("--refresh", action="store_true",
                     help="move pinned PR heads and followed branches to their latest commits (prefetch --refresh)")
     sp.add_argument("--report-dir", metavar="DIR", help="where reports go (default .imagebuild/nightly)")
@@ -77,15 +74,22 @@ def register(sub, epilog: str) -> None:
 
 
 def _root(args):
+    from . import definition as defn_mod
+
     return defn_mod.find_root(explicit=args.root)
 
 
 def _print_json(obj) -> None:
+    import json
+    import sys
+
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
 def _shown(p) -> str:
     """A path as the user can paste it: relative to the current folder when under it."""
+    from pathlib import Path
+
     p = Path(p).resolve()
     try:
         return str(p.relative_to(Path.cwd().resolve()))
@@ -94,6 +98,8 @@ def _shown(p) -> str:
 
 
 def cmd_nightly(args) -> int:
+    from pathlib import Path
+
     from . import config
     from . import nightly as nightly_mod
 
@@ -118,7 +124,12 @@ def cmd_nightly(args) -> int:
 
 
 def cmd_report(args) -> int:
+    import sys
+    from pathlib import Path
+
+    from . import definition as defn_mod
     from . import report as report_mod
+    from .errors import EXIT_OK
 
     root = _root(args)
     rdir = Path(args.report_dir) if args.report_dir else report_mod.default_dir(root)
@@ -154,6 +165,7 @@ def cmd_report(args) -> int:
 
 def cmd_diff(args) -> int:
     from . import imagediff
+    from .errors import EXIT_OK, ImagebuildError
 
     try:
         root = _root(args)

@@ -14,17 +14,16 @@ The format is documented in docs/image-definition.md.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import dockerfile as dockerfile_mod
-from . import envfile, pkgspec, yamlread
+from . import envfile, lazy, pkgspec, textfile, yamlread
 from . import source_options as source_options_mod
 from .errors import DefinitionError, Problem, UsageError
+from .records import dataclass, field
 from .source_options import (  # noqa: F401  (re-exported: prefetch and tests import them from here)
     ENV_NAME_RE,
     SOURCE_KEYS,
@@ -32,28 +31,30 @@ from .source_options import (  # noqa: F401  (re-exported: prefetch and tests im
     default_source_options,
 )
 
+difflib = lazy.module("difflib")  # error hints only
+
 IMAGES_DIR = "docker-images"
 SHARED_PATCHES_DIR = "patches-eugr"
 VERSIONS_FILE = "versions.env"
 IMAGE_FILE = "image.yaml"
 DEFAULT_GATE_FILE = "gate.yaml"
 
-NAME_RE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
-STAGE_RE = re.compile(r"[a-z][a-z0-9]*(?:[_-][a-z0-9]+)*\Z")
-SHA_RE = re.compile(r"[0-9a-f]{40}\Z")
-HEXISH_RE = re.compile(r"[0-9a-fA-F]{4,64}\Z")
-REF_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*\Z")
-PR_RE = re.compile(r"(?P<num>[1-9][0-9]*)(?:@(?P<sha>[^\s,]*))?\Z")
+NAME_RE = lazy.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
+STAGE_RE = lazy.compile(r"[a-z][a-z0-9]*(?:[_-][a-z0-9]+)*\Z")
+SHA_RE = lazy.compile(r"[0-9a-f]{40}\Z")
+HEXISH_RE = lazy.compile(r"[0-9a-fA-F]{4,64}\Z")
+REF_NAME_RE = lazy.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*\Z")
+PR_RE = lazy.compile(r"(?P<num>[1-9][0-9]*)(?:@(?P<sha>[^\s,]*))?\Z")
 # registry/name[:tag][@sha256:digest]; name components are lower case
-IMAGE_REF_RE = re.compile(
+IMAGE_REF_RE = lazy.compile(
     r"(?P<name>(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
     r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
     r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
     r"(?:@(?P<digest>[A-Za-z0-9]+:[^\s]*))?\Z"
 )
-DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}\Z")
-REPO_URL_RE = re.compile(r"(?:(?:https?|git|ssh|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+)\Z")
-PLATFORM_RE = re.compile(r"linux/(amd64|arm64|arm/v7|arm/v6|ppc64le|s390x|riscv64|386)\Z")
+DIGEST_RE = lazy.compile(r"sha256:[0-9a-f]{64}\Z")
+REPO_URL_RE = lazy.compile(r"(?:(?:https?|git|ssh|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+)\Z")
+PLATFORM_RE = lazy.compile(r"linux/(amd64|arm64|arm/v7|arm/v6|ppc64le|s390x|riscv64|386)\Z")
 
 # Build args the plan provides (not from versions.env).
 ARG_PARENT = "PARENT"
@@ -61,6 +62,8 @@ ARG_BUILD_ID = "IMAGEBUILD_BUILD_ID"  # refused: the build id derives from the s
 ARG_IMAGE = "IMAGEBUILD_IMAGE"
 ARG_STAGE = "IMAGEBUILD_STAGE"
 STAGE_ARG_PREFIX = "STAGE_"
+# Named build contexts the build provides (imagebuild-src, imagebuild-wheels, imagebuild-apt, ...).
+BUILD_CONTEXT_PREFIX = "imagebuild-"
 # Filled in by BuildKit itself from the platform (which is part of every key).
 BUILDKIT_ARGS = frozenset(
     f"{p}{s}" for p in ("TARGET", "BUILD") for s in ("PLATFORM", "OS", "ARCH", "VARIANT")
@@ -317,16 +320,22 @@ def _load_env(path: Path, display: str, c: _Collector) -> envfile.EnvFile | None
     if not path.is_file():
         c.err(display, "missing", hint="every image folder holds a versions.env with its pins")
         return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        c.err(display, "not valid UTF-8 text")
-        return None
-    except OSError as exc:
-        c.err(display, f"cannot read: {exc.strerror}", hint="check the file's permissions")
+    text = _read_text(path, display, c)
+    if text is None:
         return None
     # problems are collected into c.problems; keep going so every file is checked in one run
     return envfile.parse_text(text, path, display, c.problems)
+
+
+def _read_text(path: Path, display: str, c: _Collector) -> str | None:
+    """The file as UTF-8 text, or None with the problem (the line and column of a bad byte) collected."""
+    try:
+        return textfile.decode(path.read_bytes())
+    except textfile.TextError as exc:
+        c.err(display, exc.message, line=exc.line)
+    except OSError as exc:
+        c.err(display, f"cannot read: {exc.strerror}", hint="check the file's permissions")
+    return None
 
 
 def _load_yaml(path: Path, display: str, c: _Collector) -> yamlread.Node | None:
@@ -334,13 +343,8 @@ def _load_yaml(path: Path, display: str, c: _Collector) -> yamlread.Node | None:
         c.err(display, "missing", hint="every image folder holds an image.yaml listing its stages "
               "(see docs/image-definition.md)")
         return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        c.err(display, "not valid UTF-8 text")
-        return None
-    except OSError as exc:
-        c.err(display, f"cannot read: {exc.strerror}", hint="check the file's permissions")
+    text = _read_text(path, display, c)
+    if text is None:
         return None
     try:
         node = yamlread.load(text)
@@ -601,7 +605,9 @@ def _stage(node, yfile, root, d, env, sources, seen_names, done, images, all_nam
         df_disp = display_path(root, df_path)
         try:
             df_bytes = df_path.read_bytes()
-            parsed = dockerfile_mod.parse(df_bytes.decode("utf-8"))
+            parsed = dockerfile_mod.parse(textfile.decode(df_bytes))
+        except textfile.TextError as exc:
+            c.err(df_disp, exc.message, line=exc.line)
         except FileNotFoundError:
             c.err(yfile, f"stage {name!r}: Dockerfile {df_decl!r} not found", line=df_line,
                   key=f"{where}.dockerfile",
@@ -609,8 +615,6 @@ def _stage(node, yfile, root, d, env, sources, seen_names, done, images, all_nam
         except IsADirectoryError:
             c.err(yfile, f"stage {name!r}: {df_disp} is a folder, not a Dockerfile", line=df_line,
                   key=f"{where}.dockerfile")
-        except UnicodeDecodeError:
-            c.err(df_disp, "not valid UTF-8 text")
         except OSError as exc:
             c.err(df_disp, f"cannot read: {exc.strerror}", hint="check the file's permissions")
     else:
@@ -683,6 +687,7 @@ def _stage(node, yfile, root, d, env, sources, seen_names, done, images, all_nam
     if parsed is not None:
         ok &= _check_dockerfile(name, parsed, df_disp, env, earlier + sorted(broken), inputs, args, c,
                                 check_copies=inputs_ok)
+        ok &= _args_fit_command_line(name, parsed, df_disp, env, args, c)
     if not ok or parsed is None or parent is None:
         return None
     return Stage(name=name, dockerfile=df_path, dockerfile_display=df_disp, dockerfile_bytes=df_bytes,
@@ -717,10 +722,92 @@ def _input(item, kind, root: Path, d: Path, yfile: str, key: str, c: _Collector)
         if not (full.is_file() and full.name.startswith("patch_") and full.name.endswith(".py")):
             c.err(yfile, f"patch {value!r} must be a file named patch_*.py", line=item.line, key=key)
             return None
+        if not _compiles(full, display_path(root, full), c):
+            return None
         ctx = f"patches/{full.name}"
     else:
         ctx = PurePosixPath(rel).as_posix().rstrip("/")
     return InputFile(declared=str(value), path=full, context_path=ctx, kind=kind)
+
+
+# The build args of one stage all go on one docker command line. Linux allows ARG_MAX (usually
+# 2 MiB) for the arguments and the environment together; half of it is left to the environment.
+BUILD_ARGS_MAX = 1 << 20
+
+
+def _args_fit_command_line(name, parsed, df_disp, env, args, c) -> bool:
+    total = 0
+    for a in args:
+        if a.origin == "versions.env":
+            total += len("--build-arg") + len(f"{a.name}={env.get(a.name)}".encode()) + 2
+            if total > BUILD_ARGS_MAX:
+                line = next(x.line for x in parsed.args if x.name == a.name)
+                c.err(df_disp, f"stage {name!r}: its build args from versions.env reach {total} bytes at ARG "
+                      f"{a.name}: more than {BUILD_ARGS_MAX} bytes (half of Linux's usual 2 MiB ARG_MAX) on "
+                      "one docker command line", line=line, key=a.name,
+                      hint="pins are short: put long content in a file the stage lists under 'files:'")
+                return False
+    return True
+
+
+def _check_from_refs(parsed, df_disp, env, plan_args, aliases, earlier, c) -> bool:
+    """``COPY --from=X`` and ``RUN --mount=...,from=X``: X is a stage of this Dockerfile (its name or
+    index), a build context imagebuild provides, or exactly ${NAME} with NAME PARENT, an earlier
+    stage's STAGE_* arg or a versions.env key holding an image. Never a literal image: every image
+    pin lives in versions.env."""
+    ok = True
+    declared = set(parsed.arg_names())
+    refs = [(f"{cp.keyword} --from={cp.from_stage!r}", cp.from_stage, cp.line) for cp in parsed.copies
+            if cp.from_stage is not None]
+    refs += [(f"RUN --mount from={value!r}", value, line) for value, line in parsed.mount_froms]
+    for what, value, line in refs:
+        var = dockerfile_mod.variable(value)
+        if value in aliases or value.startswith(BUILD_CONTEXT_PREFIX) or \
+                (value.isdigit() and int(value) < len(parsed.froms)):
+            continue
+        if var is not None:
+            if var not in plan_args and env.get(var) is None:
+                c.err(df_disp, f"{what}: {var} is neither PARENT, an earlier stage's STAGE_* arg, nor a "
+                      "versions.env key", line=line, key=var)
+                ok = False
+            elif var not in declared:
+                c.err(df_disp, f"{what}: no 'ARG {var}' declares it", line=line, key=var,
+                      hint=f"add 'ARG {var}' before the first FROM")
+                ok = False
+            elif var not in plan_args:
+                _, msg = parse_image_ref(var, env.get(var))
+                if msg:
+                    c.err(env.display, msg, line=env.line_of(var), key=var)
+                    ok = False
+            continue
+        if value in earlier:
+            hint = (f"{value!r} is an imagebuild stage, not a stage of this Dockerfile: declare "
+                    f"'ARG {stage_arg(value)}' before the first FROM and write ${{{stage_arg(value)}}}")
+        else:
+            hint = ("every image pin lives in versions.env: add KEY=<image>@sha256:<digest> there, declare "
+                    "'ARG KEY' before the first FROM and write ${KEY}; or name a stage of this Dockerfile "
+                    "(FROM ... AS NAME)")
+        c.err(df_disp, f"{what} names an image outside versions.env", line=line, hint=hint)
+        ok = False
+    return ok
+
+
+def _compiles(path: Path, display: str, c: _Collector) -> bool:
+    """Compile a patch script without running it: a syntax error is reported with its line."""
+    text = _read_text(path, display, c)
+    if text is None:
+        return False
+    try:
+        compile(text, display, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        c.err(display, f"does not compile: {exc.msg}", line=exc.lineno,
+              hint="fix the patch script (imagebuild compiles every patch when it reads the definition, "
+              "and runs none)")
+        return False
+    except ValueError as exc:  # e.g. "source code string cannot contain null bytes"
+        c.err(display, f"does not compile: {exc}")
+        return False
+    return True
 
 
 def _check_dockerfile(name, parsed, df_disp, env, earlier, inputs, args_out, c, check_copies=True) -> bool:
@@ -770,6 +857,7 @@ def _check_dockerfile(name, parsed, df_disp, env, earlier, inputs, args_out, c, 
             ok = False
         if fr.alias:
             aliases.add(fr.alias)
+    ok &= _check_from_refs(parsed, df_disp, env, plan_args, aliases, earlier, c)
     if not uses_parent:
         c.err(df_disp, f"stage {name!r} never builds FROM ${{PARENT}}",
               line=parsed.froms[0].line, key=ARG_PARENT,

@@ -441,3 +441,19 @@ def test_busybox_image_without_python(engine_ready, state, tmp_path):
     out = {c["id"]: (c["outcome"], c["detail"]) for c in json.loads(r.out)["checks"]}
     assert [out[k][0] for k in ("sh", "busybox", "echo")] == ["passed"] * 3
     assert out["py"] == ("failed", "python3: not found in the image (set `python:` in the gate spec)")
+
+
+def test_junit_creates_missing_parent_folders(engine_ready, state, tmp_path, monkeypatch):
+    """--junit into folders that do not exist yet (absolute, and relative to the current folder)."""
+    from tests.conftest import BUSYBOX
+
+    spec = _write(tmp_path, "gate.yaml", "checks:\n  - {id: sh, kind: file, path: /bin/sh}\n")
+    junit = tmp_path / "reports" / "ci" / "gate" / "junit.xml"
+    r = run_cli("gate", BUSYBOX, "--spec", str(spec), "--junit", str(junit))
+    assert r.code == 0, r.err
+    assert 'name="sh"' in junit.read_text()
+    assert not list(junit.parent.glob(".*.tmp"))
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("gate", BUSYBOX, "--spec", str(spec), "--junit", "rel/out/junit.xml")
+    assert r.code == 0, r.err
+    assert (tmp_path / "rel" / "out" / "junit.xml").is_file()
