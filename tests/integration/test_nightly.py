@@ -1,8 +1,8 @@
 """imagebuild nightly end to end, on real parts: upstreams in a loopback git daemon (as
 https://github.com/example/... through git's url.insteadOf), a GitHub API on loopback, the real
-engine, and (when imagebuild has sync) a real peer: its own network namespace, sshd and engine.
+engine, and a real peer: its own network namespace, sshd and engine (tests/conftest.py start_peer).
 
-1. the first run pins, builds every stage, gates, promotes (and syncs everything);
+1. the first run pins, builds every stage, gates, promotes and syncs everything;
 2. one upstream PR head moves and one patch changes: the second run re-pins, rebuilds only from the
    affected stage on, syncs only the new layers, and the report shows all of it;
 3. the PR head moves to a commit that breaks the image: the gate fails, :local and the peer stay;
@@ -12,27 +12,18 @@ Every report is validated against docs/nightly-report.schema.json, and GITHUB_TO
 output, report or record. The first and second runs' times and their ratio are printed (measured,
 not asserted).
 
-Sync: with issue 12's ``imagebuild.sync`` installed, the real one runs, and the second run must send
-under a quarter of the first's bytes (only the new layers). Until then a stand-in with the same
-interface (``sync(root, peers, image=...) -> SyncReport``: identity check on the peer, else
-``docker save | ssh peer docker load``, all real) is plugged in as ``imagebuild.sync``, so the
-nightly's side (sync only after a passing gate, per-peer rows, the peer untouched by a failed gate)
-is still tested against a real peer."""
+Sync is issue 12's ``imagebuild sync`` to a real peer: the second run must send under a quarter of
+the first's bytes (only the new layers), and a failed gate leaves the peer untouched."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
-import shlex
 import shutil
 import subprocess
-import sys
 import threading
-import time
-import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -40,19 +31,15 @@ import jsonschema
 import pytest
 
 from tests.buildfixtures import image_id, remove_images
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, run_cli, start_peer
 from tests.gitfixtures import GitDaemon, UpstreamFactory, git
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "nightly-report.schema.json").read_text())
-HAVE_SYNC = importlib.util.find_spec("imagebuild.sync") is not None
 TOKEN = "ghp_nightlyE2Etoken_" + secrets.token_hex(8)
 NAME = f"nightly-e2e-{secrets.token_hex(3)}"
-# the peer of this test: its own names and addresses (the session's `peer` fixture uses the defaults)
-PEER_ENV = {"PEER_NS": "ibnight1", "PEER_ADDR": "10.77.13.2", "HOST_ADDR": "10.77.13.1", "PEER_VETH": "ibnight0",
-            "PEER_BRIDGE": "ibnightbr0", "PEER_BRIDGE_CIDR": "172.29.13.1/24"}
 
 # The C++ extension: a real compile that dominates a cold build, as vLLM's kernels do on the real
 # images (WORK_UNITS translation units using <regex>: several seconds of g++ -O2 each).
@@ -98,59 +85,6 @@ checks:
 
 def pkg_init(version: str) -> str:
     return f'"""greetpkg"""\nVERSION = "{version}"\n\n\ndef greet():\n    return "hello"\n'
-
-
-# --- the stand-in for issue 12's sync (same interface; real docker and ssh) ---------------------------
-
-
-@dataclass
-class PeerResult:
-    peer: str
-    status: str
-    bytes_sent: int
-    seconds: float
-    message: str
-    identity: str | None
-
-
-@dataclass
-class SyncReport:
-    image: str | None
-    ref: str
-    identity: str
-    peers: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(p.status in ("synced", "unchanged") for p in self.peers)
-
-
-def _stand_in_sync(root, peers, *, image=None, ref=None, jobs=4, force=False, dry_run=False) -> SyncReport:
-    from imagebuild.identity import from_inspect, inspect
-
-    ref = ref or f"{image}:local"
-    ident = inspect(ref).digest
-    ssh = shlex.split(os.environ.get("IMAGEBUILD_SSH", "ssh"))
-    rep = SyncReport(image, ref, ident)
-    for peer in peers:
-        t = time.monotonic()
-        r = subprocess.run([*ssh, peer, "docker", "image", "inspect", ref], capture_output=True, text=True)
-        if r.returncode == 0 and from_inspect(json.loads(r.stdout)[0]).digest == ident:
-            rep.peers.append(PeerResult(peer, "unchanged", 0, time.monotonic() - t, "peer has it", ident))
-            continue
-        save = subprocess.Popen(["docker", "save", ref], stdout=subprocess.PIPE)
-        load = subprocess.Popen([*ssh, peer, "docker", "load"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
-        sent = 0
-        while chunk := save.stdout.read(1 << 20):
-            load.stdin.write(chunk)
-            sent += len(chunk)
-        load.stdin.close()
-        out = load.stdout.read().decode(errors="replace")
-        ok = save.wait() == 0 and load.wait() == 0
-        rep.peers.append(PeerResult(peer, "synced" if ok else "failed", sent, time.monotonic() - t,
-                                    out.strip()[-200:], ident if ok else None))
-    return rep
 
 
 class _Api(BaseHTTPRequestHandler):
@@ -240,24 +174,19 @@ def world(tmp_path_factory, engine_info):
     mp.setenv("IMAGEBUILD_HEARTBEAT_S", "0")
     mp.delenv("IMAGEBUILD_STATE_DIR", raising=False)
 
-    if not HAVE_SYNC:  # plug the stand-in in as imagebuild.sync (see the module doc)
-        mp.setitem(sys.modules, "imagebuild.sync", types.SimpleNamespace(sync=_stand_in_sync))
-    peer_dir = base / "peer"
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "peer.sh"), "up", str(peer_dir)],
-                       capture_output=True, text=True, env={**os.environ, **PEER_ENV})
-    if r.returncode != 0:
+    try:
+        peer, stop_peer = start_peer(tmp_path_factory, "nightly-peer")  # its own slot (namespace, addresses)
+    except BaseException:
         mp.undo()
-        pytest.fail(f"could not start the test peer: {r.stderr.strip()[-800:]}")
-    vals = dict(ln.split("=", 1) for ln in r.stdout.splitlines() if "=" in ln)
-    addr, docker_host = vals["PEER_ADDR"], vals["PEER_DOCKER_HOST"]
-    mp.setenv("IMAGEBUILD_SSH", vals["IMAGEBUILD_SSH"].strip("'"))
+        raise
+    addr, docker_host = peer.addr, peer.docker_host
+    mp.setenv("IMAGEBUILD_SSH", peer.ssh_env)
     remove_images(f"imagebuild/{NAME}", NAME)
     try:
         yield World(root, base / "reports", greet, addr, docker_host, [], {})
     finally:
         mp.undo()
-        subprocess.run(["bash", str(ROOT / "scripts" / "peer.sh"), "down", str(peer_dir)], capture_output=True,
-                       env={**os.environ, **PEER_ENV})
+        stop_peer()
         remove_images(f"imagebuild/{NAME}", NAME)
         api.shutdown()
         api.server_close()
@@ -336,11 +265,10 @@ def test_nightly_end_to_end(world):
     assert second_local == im["identity"] != first_local
     (p2,) = im["sync"]["peers"]
     assert p2["status"] == "synced" and p2["bytes_sent"] > 0, im["sync"]
-    if HAVE_SYNC:  # the real sync sends only the layers the peer lacks
-        assert p2["bytes_sent"] < p["bytes_sent"] / 4, (p, p2)
+    assert p2["bytes_sent"] < p["bytes_sent"] / 4, (p, p2)  # only the layers the peer lacks
     assert local_identity(w.peer_docker) == second_local
     print(f"sync: first run {p['bytes_sent'] / 1e6:.1f} MB in {p['seconds']:.1f} s, second run "
-          f"{p2['bytes_sent'] / 1e6:.1f} MB in {p2['seconds']:.1f} s ({'imagebuild.sync' if HAVE_SYNC else 'stand-in'})")
+          f"{p2['bytes_sent'] / 1e6:.1f} MB in {p2['seconds']:.1f} s)")
     w.times["second"] = doc["seconds"]
     ratio = w.times["second"] / w.times["first"]
     print(f"\nnightly timings: first run {w.times['first']:.1f} s, second run (one PR moved, one patch changed) "

@@ -13,9 +13,7 @@ from tests.conftest import run_cli, tree_state
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # commands that are planned but not there yet: help never names them, docs say "planned"
-PLANNED = ("sync", "fleet")  # nightly landed (issue 13)
-# docs/nightly.md documents nightly's sync step, which runs through issue 12's interface (imagebuild.sync)
-PLANNED_OK_IN = {"nightly.md": ("sync",)}
+PLANNED = ("fleet",)  # sync (issue 12) and nightly (issue 13) landed
 
 
 def _commands() -> dict:
@@ -97,8 +95,6 @@ def test_docs_name_only_commands_that_exist_or_say_planned():
     for doc in sorted(DOCS.glob("*.md")):
         for n, line in enumerate(doc.read_text().splitlines(), start=1):
             for word in PLANNED:
-                if word in PLANNED_OK_IN.get(doc.name, ()):
-                    continue
                 if re.search(rf"(?<![\w-]){word}\b", line) and "planned" not in line:
                     pytest.fail(f"{doc.name}:{n} mentions {word!r} without saying it is planned: {line.strip()}")
 
