@@ -268,7 +268,7 @@ def test_nightly_end_to_end(world):
     assert p2["bytes_sent"] < p["bytes_sent"] / 4, (p, p2)  # only the layers the peer lacks
     assert local_identity(w.peer_docker) == second_local
     print(f"sync: first run {p['bytes_sent'] / 1e6:.1f} MB in {p['seconds']:.1f} s, second run "
-          f"{p2['bytes_sent'] / 1e6:.1f} MB in {p2['seconds']:.1f} s)")
+          f"{p2['bytes_sent'] / 1e6:.1f} MB in {p2['seconds']:.1f} s")
     w.times["second"] = doc["seconds"]
     ratio = w.times["second"] / w.times["first"]
     print(f"\nnightly timings: first run {w.times['first']:.1f} s, second run (one PR moved, one patch changed) "
