@@ -287,6 +287,10 @@ prefetch environment:
     sp.add_argument("--require-gpu", action="store_true",
                     help="fail, rather than skip, checks marked `requires: gpu` when this host has no GPU")
     sp.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report to FILE")
+    sp.add_argument("--check-receipt", action="store_true",
+                    help="run nothing: say whether the image (with IMAGE: IMAGE:local unless --ref) has a passing "
+                    "receipt of the definition's current gate spec, here or carried by imagebuild sync "
+                    "(exit 0 passed, 4 not)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
                     "version 1)")
     sp.set_defaults(func=cmd_gate)
@@ -327,6 +331,36 @@ prefetch environment:
                     "version 1; with --dry-run: imagebuild.build-plan)")
     sp.set_defaults(func=cmd_build)
 
+    sp = sub.add_parser("sync", help="put the gated image on peer nodes: only the layers they lack, verified",
+                        description="Copy IMAGE:local (or --image REF) to each PEER over ssh: ask the peer which "
+                        "layers it holds, send only the missing ones with rsync into its cache (an interrupted "
+                        "transfer resumes), load them with the peer's own docker load, check the image's "
+                        "store-independent identity there, and only then move the peer's tag (the old :local "
+                        "becomes :previous) and carry the gate receipt. Refuses (exit 3) an image without a "
+                        "passing receipt of its definition's current gate spec, a peer where a running container "
+                        "uses the tag, or a peer without enough disk, unless --force (disk: never). A peer that "
+                        "already holds the identity is skipped. Details: docs/sync.md.",
+                        epilog=EPILOG + """
+sync environment:
+  IMAGEBUILD_SSH              the ssh command (default ssh), e.g. 'ssh -F ~/.ssh/cluster_config'
+  IMAGEBUILD_SYNC_COMPRESS    auto (default) | none | zstd[:LEVEL]: compression on the wire
+  IMAGEBUILD_SYNC_CIPHERS     ssh ciphers preference (default ^aes128-gcm@openssh.com,...; empty: ssh's own)
+  IMAGEBUILD_PEER_MIN_FREE_GB disk that must stay free on the peer (default 1)
+  IMAGEBUILD_PEER_CACHE       (on the peer) its sync cache (default ~/.cache/imagebuild/peer)
+""", formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("peers", nargs="*", metavar="PEER",
+                    help="ssh destinations (dgx4, user@host, an ssh alias) or @LIST (peer_lists: in imagebuild.yaml); "
+                    "default: peers: in imagebuild.yaml")
+    sp.add_argument("--image", metavar="IMAGE|REF", help="a definition name (its :local) or any image reference "
+                    "(default: the project's only definition)")
+    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="peers synced in parallel (default 4)")
+    sp.add_argument("--force", action="store_true", help="sync an image without a passing receipt, or move a tag a "
+                    "running container uses (with a warning)")
+    sp.add_argument("--dry-run", action="store_true", help="probe the peers and say what would be sent; change "
+                    "nothing")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON (schema imagebuild.sync, version 1)")
+    sp.set_defaults(func=cmd_sync)
+
     sp = sub.add_parser("log", help="list build runs, or show one run's record and logs",
                         description="Without RUN: the recorded build runs (of IMAGE, or of every image), newest "
                         "first, with their status and build id. With RUN (a run id, a unique prefix of one, or "
@@ -351,9 +385,15 @@ prefetch environment:
                         "Retention: docs/build.md, 'Disk'.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
-    sp.add_argument("--keep", type=int, default=3, metavar="N", help="also keep the last N builds (default 3)")
+    sp.add_argument("--keep", type=int, default=None, metavar="N", help="also keep the last N builds (default 3; "
+                    "with --peer: the records and receipts of the last N synced images, default 5)")
     sp.add_argument("--dry-run", action="store_true", help="remove nothing; list what would go and the bytes freed")
-    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.gc, version 1)")
+    sp.add_argument("--peer", action="append", default=[], metavar="PEER",
+                    help="clean PEER's sync cache instead (repeatable): interrupted transfers older than a day, "
+                    "blobs no pending sync needs, staging images, leaked containerd leases of interrupted loads, "
+                    "records and receipts beyond the last --keep images (docs/sync.md)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.gc, version 1; with --peer: "
+                    "imagebuild.gc-peer)")
     sp.set_defaults(func=cmd_gc)
 
     sp = sub.add_parser("df", help="show what each image holds on disk",
@@ -387,6 +427,10 @@ prefetch environment:
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
+
+    from . import cli_nightly  # nightly, report, diff (docs/nightly.md)
+
+    cli_nightly.register(sub, EPILOG)
     return p
 
 
@@ -662,6 +706,8 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_gate(args) -> int:
+    if args.check_receipt:
+        return _check_receipt(args)
     from . import gate as gate_mod  # imports pytest: only when gating
 
     try:
@@ -678,6 +724,63 @@ def cmd_gate(args) -> int:
         print(gate_mod.render_table(receipt, target.root))
     if not receipt.passed:
         raise gate_mod.failure(receipt)
+    return EXIT_OK
+
+
+def _check_receipt(args) -> int:
+    """``gate --check-receipt``: a passing receipt for the image, in this project's state folder or
+    among those ``imagebuild sync`` carried to this node (receipts.synced_dir())."""
+    from pathlib import Path
+
+    from . import gatespec, receipts
+    from . import identity as identity_mod
+    from . import promote as promote_mod
+    from .errors import GateFailed
+
+    root = None
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        if args.root:
+            raise
+    is_defn = root is not None and defn_mod.NAME_RE.match(args.target) and \
+        (root / defn_mod.IMAGES_DIR / args.target / defn_mod.IMAGE_FILE).is_file()
+    if is_defn:
+        image, ref = args.target, args.ref or f"{args.target}:local"
+        spec = gatespec.digest(Path(args.spec)) if args.spec else promote_mod.current_spec_digest(root, image)
+        if spec is None:
+            raise UsageError(f"image {image!r} has no gate spec: no receipt can say it passed")
+    else:
+        if args.ref:
+            raise UsageError("--ref only goes with an IMAGE (a definition name)")
+        image, ref = None, args.target
+        spec = gatespec.digest(Path(args.spec)) if args.spec else None
+    ident = identity_mod.inspect(ref)
+    found, where = None, None
+    if root is not None and spec:
+        data = receipts.find_passing(root, ident.digest, spec)
+        if data:
+            found, where = data, receipts.receipt_path(root, ident.digest, spec)
+    if found is None:
+        hit = receipts.find_passing_synced(ident.digest, spec)
+        if hit:
+            found, where = hit
+    doc = {"schema": "imagebuild.receipt-check", "version": 1, "ref": ref, "identity": ident.digest, "spec": spec,
+           "passed": found is not None, "receipt": str(where) if where else None,
+           "synced": bool(where and receipts.synced_dir() in Path(where).parents),
+           "gpu_checks_skipped": bool(found and found.get("gpu_checks_skipped")),
+           "host": (found or {}).get("host", {}).get("hostname")}
+    if args.json:
+        _print_json(doc)
+    elif found:
+        print(f"PASSED  {ref}  identity {ident.digest}")
+        print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
+              f"; gated on {doc['host'] or '?'}" + ("; GPU checks skipped" if doc["gpu_checks_skipped"] else ""))
+    if found is None:
+        what = f"of {image}'s current gate spec ({spec[:19]})" if image else \
+            (f"of spec {spec[:19]}" if spec else "of any definition's gate spec")
+        raise GateFailed(f"{ref} ({ident.digest}) has no passing receipt {what}, here or carried by sync",
+                         hint=f"imagebuild gate {image or ref}" + ("" if image else " --spec FILE"))
     return EXIT_OK
 
 
@@ -779,6 +882,10 @@ def cmd_log(args) -> int:
 def cmd_gc(args) -> int:
     from . import gc as gc_mod
 
+    if args.peer:
+        return _cmd_gc_peer(args)
+    if args.keep is None:
+        args.keep = gc_mod.DEFAULT_KEEP
     ctx = _ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
@@ -848,6 +955,45 @@ def _print_patches(doc) -> None:
     for p in doc["patches"]:
         print(f"{p['outcome']:<16} {p['patch']}" + (f"  ({p['message']})" if p["message"] and
                                                    p["outcome"] != "failed" else ""))
+
+
+def _cmd_gc_peer(args) -> int:
+    from . import peergc
+
+    if args.image:
+        raise UsageError("gc --peer cleans a peer's sync cache: it takes no IMAGE")
+    keep = peergc.DEFAULT_KEEP if args.keep is None else args.keep
+    if keep < 0:
+        raise UsageError(f"--keep {keep}: expected 0 or more")
+    results = [peergc.gc_peer(host, keep=keep, dry_run=args.dry_run) for host in dict.fromkeys(args.peer)]
+    if args.json:
+        _print_json({"schema": "imagebuild.gc-peer", "version": 1, "dry_run": args.dry_run,
+                     "peers": [r.as_dict() for r in results]})
+    else:
+        for r in results:
+            print(peergc.render(r, args.dry_run))
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+
+
+# ------------------------------------------------------------------------------------------------ sync
+
+
+def cmd_sync(args) -> int:
+    from . import sync as sync_mod
+
+    root = None
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        if args.root:
+            raise
+    report = sync_mod.sync(root, args.peers, image=args.image, jobs=args.jobs, force=args.force,
+                           dry_run=args.dry_run)
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(sync_mod.render(report))
+    return report.exit_code
 
 
 def cmd_rollback(args) -> int:

@@ -1,6 +1,8 @@
 """Project settings: ``<root>/imagebuild.yaml`` (optional). Pins never live here (versions.env).
 
     peers: [dgx4]          # nodes that `doctor` checks and `sync` copies images to
+    peer_lists:            # named lists: `imagebuild sync @rack2`
+      rack2: [dgx5, dgx6]
 
 Unknown keys are errors with file, line and a suggestion, like every definition file.
 """
@@ -15,13 +17,14 @@ from . import yamlread
 from .errors import DefinitionError, Problem
 
 CONFIG_FILE = "imagebuild.yaml"
-KEYS = ("peers",)
+KEYS = ("peers", "peer_lists")
 
 
 @dataclass(frozen=True)
 class ProjectConfig:
     peers: tuple[str, ...] = ()
     path: Path | None = None
+    peer_lists: dict[str, tuple[str, ...]] | None = None
 
 
 def load(root: Path | None) -> ProjectConfig:
@@ -56,6 +59,20 @@ def load(root: Path | None) -> ProjectConfig:
                                     key="peers"))
         else:
             peers = [p.value for p in pn.value]
+    lists: dict[str, tuple[str, ...]] = {}
+    if "peer_lists" in node.value:
+        ln = node.value["peer_lists"]
+        if not isinstance(ln.value, dict):
+            problems.append(Problem(shown, "expected a mapping of list names to host lists "
+                                    "(peer_lists: {rack2: [dgx5, dgx6]})", line=ln.line, key="peer_lists"))
+        else:
+            for name, hosts in ln.value.items():
+                if not isinstance(hosts.value, list) or not all(isinstance(h.value, str) and h.value.strip()
+                                                                and " " not in h.value for h in hosts.value):
+                    problems.append(Problem(shown, "expected a list of host names (user@host works)",
+                                            line=hosts.line, key=f"peer_lists.{name}"))
+                else:
+                    lists[str(name)] = tuple(h.value for h in hosts.value)
     if problems:
         raise DefinitionError(problems)
-    return ProjectConfig(tuple(peers), path)
+    return ProjectConfig(tuple(peers), path, lists)

@@ -170,6 +170,41 @@ def check_peer(host: str) -> list[Check]:
                          f"install rsync on {host} (apt-get install rsync)"))
     else:
         out.append(Check(f"peer {host} rsync", "ok", rs.stdout.decode().splitlines()[0][:80]))
+    out += check_peer_sync(host)
+    return out
+
+
+def check_peer_sync(host: str) -> list[Check]:
+    """What ``imagebuild sync`` needs on the peer (one read-only probe through the sync agent)."""
+    from . import peer as peer_mod
+
+    conn = peer_mod.Connection(host)
+    try:
+        st = peer_mod.probe(conn, "imagebuild-doctor/none:none", "imagebuild-doctor/none:none", "0" * 64, None)
+    except OperationFailed as exc:
+        return [Check(f"peer {host} sync", "fail", exc.message, "imagebuild doctor --debug shows the agent's output")]
+    finally:
+        conn.close()
+    out = []
+    need = ["flock", "tar", "stat", "df", "sha256sum", "base64", "mktemp"]
+    missing = [t for t in need if t not in st.tools and t not in ("base64", "mktemp")]
+    out.append(Check(f"peer {host} sync tools", "fail" if missing else "ok",
+                     f"missing: {', '.join(missing)}" if missing else "flock, tar, stat, df, sha256sum",
+                     f"install them on {host} (apt-get install util-linux coreutils tar)" if missing else None))
+    if st.docker_error is None:
+        out.append(Check(f"peer {host} image store", "ok",
+                         f"{st.store} store (Docker {st.server_version}); sync sends only the layers it lacks"))
+        if st.containerd_store and "ctr" not in st.tools:
+            out.append(Check(f"peer {host} leases", "warn", "ctr not found: gc --peer cannot remove the leases a "
+                             "docker load interrupted on the peer leaves",
+                             f"install containerd's ctr on {host} (it ships with containerd)"))
+    cache_ok = st.df_cache is not None
+    free = st.df_cache.available if st.df_cache else 0
+    detail = f"{st.cache or '?'}: {free / GIB:.1f} GiB free" + ("" if cache_ok else " (cannot check)")
+    status = "ok" if cache_ok and free / GIB >= DISK_FAIL_GIB else "warn"
+    out.append(Check(f"peer {host} sync cache", status, detail,
+                     None if status == "ok" else f"free disk on {host}: sync needs room for the layers it sends "
+                     "and for the load"))
     return out
 
 

@@ -23,6 +23,7 @@ Format (schema ``imagebuild.receipt``, version 2): docs/gate.md.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,3 +150,50 @@ def find_passing(ctx, identity_digest: str, spec_digest: str, *, require_gpu: bo
     if require_gpu and data.get("gpu_checks_skipped"):
         return None
     return data
+
+
+# ------------------------------------------------------------------------------------------ synced receipts
+
+
+def synced_dir() -> Path:
+    """Where ``imagebuild sync`` carries receipts on a peer: the peer's sync cache
+    (``$IMAGEBUILD_PEER_CACHE``, default ``$XDG_CACHE_HOME/imagebuild/peer``) ``/receipts/``, laid out
+    like ``<state>/receipts/``. ``imagebuild gate IMAGE --check-receipt`` reads it."""
+    explicit = os.environ.get("IMAGEBUILD_PEER_CACHE")
+    base = Path(explicit) if explicit else \
+        Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "imagebuild" / "peer"
+    return base / "receipts"
+
+
+def _passing(data: dict | None) -> bool:
+    if data is None or data.get("result") != "passed" or data.get("authority") != AUTHORITY_DEFINITION:
+        return False
+    if any(c.get("outcome") == "failed" and c.get("severity") != "warn" for c in data.get("checks", [])):
+        return False
+    return bool(data.get("checks"))
+
+
+def find_passing_synced(identity_digest: str, spec_digest: str | None) -> tuple[dict, Path] | None:
+    """A passing ``definition`` receipt for the identity among the receipts sync carried here: of
+    exactly ``spec_digest``, or (None) of any spec, newest first."""
+    try:
+        d = synced_dir() / _hex(identity_digest)
+    except ValueError:
+        return None
+    paths = [d / f"{_hex(spec_digest, 'spec')}.json"] if spec_digest else sorted(d.glob("*.json"))
+    found = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("version") != VERSION:
+            continue
+        if (data.get("identity") or {}).get("digest") != identity_digest:
+            continue
+        if spec_digest and (data.get("spec") or {}).get("sha256") != spec_digest:
+            continue
+        if _passing(data):
+            found.append((data, path))
+    found.sort(key=lambda x: (x[0].get("run") or {}).get("finished") or "", reverse=True)
+    return found[0] if found else None

@@ -92,7 +92,8 @@ KILL_GRACE_S = 10.0
 
 
 def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None,
-           cwd: Path | str | None = None, hint: str | None = None) -> int:
+           cwd: Path | str | None = None, hint: str | None = None, split_cr: bool = False,
+           die_with_parent: bool = False) -> int:
     """Run ``argv``, calling ``on_line(text)`` for each line of its combined output; return its
     exit code.
 
@@ -100,10 +101,16 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
     SIGTERM/SIGHUP, which the CLI turns into the same ``KeyboardInterrupt``), the whole group
     gets SIGTERM, then SIGKILL after ``KILL_GRACE_S``: a killed build leaves no ``docker buildx
     build`` (or BuildKit session) behind.
+
+    ``split_cr``: a carriage return also ends a line (progress meters such as rsync's).
+    ``die_with_parent``: the child gets SIGKILL when this process dies, even by ``kill -9`` (through
+    util-linux ``setpriv --pdeathsig``, when installed): a killed sync leaves no rsync sending on.
     """
     import signal
     import time
 
+    if die_with_parent and which("setpriv"):
+        argv = ["setpriv", "--pdeathsig", "KILL", "--", *argv]
     argv = _announce(argv)
     try:
         proc = subprocess.Popen(argv, cwd=cwd, env=_environ(env), stdin=subprocess.DEVNULL,
@@ -112,8 +119,19 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
         raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
     try:
         assert proc.stdout is not None
-        for raw in iter(proc.stdout.readline, b""):
-            on_line(raw.decode("utf-8", "replace"))
+        if not split_cr:
+            for raw in iter(proc.stdout.readline, b""):
+                on_line(raw.decode("utf-8", "replace"))
+            return proc.wait()
+        buf = b""
+        fd = proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            buf += chunk
+            *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+            for raw in lines:
+                on_line(raw.decode("utf-8", "replace") + "\n")
+        if buf:
+            on_line(buf.decode("utf-8", "replace"))
         return proc.wait()
     except BaseException:
         try:

@@ -1,0 +1,170 @@
+"""sync's pure parts: agent output parsing, chain ids, names, peer lists, the gc plan, the report."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from imagebuild import config, localblobs, peer, peergc, sync
+from imagebuild.errors import DefinitionError, UsageError
+
+
+def test_chain_ids_follow_the_oci_rule():
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    import hashlib
+
+    assert peer.chain_ids([a]) == [a]
+    assert peer.chain_ids([a, b]) == [a, "sha256:" + hashlib.sha256(f"{a} {b}".encode()).hexdigest()]
+    # the same layer on another base is another chain
+    assert peer.chain_ids([b, b])[1] != peer.chain_ids([a, b])[1]
+
+
+def test_parse_sections_and_errors():
+    text = "@@meta\ncache /c\n@@info\n{\"x\": 1}\n@@rc 0\n@@error busy the lock is held\n"
+    sections, err = peer.parse_sections(text)
+    assert sections["meta"] == "cache /c"
+    assert sections["info"].splitlines() == ['{"x": 1}', "@@rc 0"]
+    assert err == ("busy", "the lock is held")
+    assert sync._rc(sections["info"]) == 0
+
+
+def test_probe_parsing_of_a_peer_without_docker():
+    res = peer.AgentResult("h", 0, "", {"meta": "cache /c\ntool rsync /usr/bin/rsync"}, 0)
+    st = peer.parse_probe("h", res)
+    assert st.docker_error and "docker: command not found" in st.docker_error
+    assert st.cache == "/c"
+
+
+def test_known_blobs_only_of_images_still_there():
+    st = peer.PeerState("h")
+    st.images = [peer.PeerImage("sha256:1", [], [])]
+    st.records = [{"image_id": "sha256:1", "blobs": ["sha256:x"]}, {"image_id": "sha256:gone", "blobs": ["sha256:y"]}]
+    assert st.known_blobs() == {"sha256:x"}
+
+
+@pytest.mark.parametrize("ref,prev", [("glm53:local", "glm53:previous"), ("reg:5000/a/b:local", "reg:5000/a/b:previous"),
+                                      ("glm53:candidate", None), ("glm53@sha256:" + "0" * 64, None)])
+def test_previous_ref(ref, prev):
+    assert sync.previous_ref(ref) == prev
+
+
+def test_staging_ref_is_our_own_name():
+    assert sync.staging_ref("sha256:" + "ab" * 32).startswith("imagebuild-incoming:abab")
+
+
+def test_resolve_image(tmp_path):
+    (tmp_path / "docker-images" / "one").mkdir(parents=True)
+    (tmp_path / "docker-images" / "one" / "image.yaml").write_text("stages: []\n")
+    assert sync.resolve_image(tmp_path, None, None) == ("one", "one:local")
+    assert sync.resolve_image(tmp_path, "one", None) == ("one", "one:local")
+    assert sync.resolve_image(tmp_path, "one:b-123", None) == ("one", "one:b-123")
+    assert sync.resolve_image(tmp_path, "other/x:tag", None) == (None, "other/x:tag")
+    with pytest.raises(UsageError, match="no image definition 'two'"):
+        sync.resolve_image(tmp_path, "two", None)
+    (tmp_path / "docker-images" / "two").mkdir()
+    (tmp_path / "docker-images" / "two" / "image.yaml").write_text("stages: []\n")
+    with pytest.raises(UsageError, match="which image"):
+        sync.resolve_image(tmp_path, None, None)
+
+
+def test_peer_lists_from_the_config(tmp_path):
+    (tmp_path / "imagebuild.yaml").write_text("peers: [dgx4]\npeer_lists:\n  rack2: [dgx5, root@dgx6]\n")
+    assert sync.resolve_peers(tmp_path, []) == ["dgx4"]
+    assert sync.resolve_peers(tmp_path, ["@rack2", "dgx4", "dgx5"]) == ["dgx5", "root@dgx6", "dgx4"]
+    with pytest.raises(UsageError, match="no peer list '@rack9'"):
+        sync.resolve_peers(tmp_path, ["@rack9"])
+    (tmp_path / "imagebuild.yaml").write_text("peer_lists:\n  rack2: dgx5\n")
+    with pytest.raises(DefinitionError) as exc:
+        config.load(tmp_path)
+    assert "peer_lists.rack2" in exc.value.render()
+    (tmp_path / "imagebuild.yaml").write_text("")
+    with pytest.raises(UsageError, match="no peer to sync to"):
+        sync.resolve_peers(tmp_path, [])
+
+
+def test_unpacked_estimate_reads_the_gzip_trailer(tmp_path):
+    data = b"hello world\n" * 100000
+    p = tmp_path / "blob"
+    p.write_bytes(gzip.compress(data))
+    layer = localblobs.Layer("sha256:" + "0" * 64, p.stat().st_size, "application/vnd.oci.image.layer.v1.tar+gzip",
+                             "", "")
+    assert localblobs.unpacked_estimate(layer, p) == len(data)
+    plain = localblobs.Layer("sha256:" + "0" * 64, 1234, "application/vnd.oci.image.layer.v1.tar", "", "")
+    assert localblobs.unpacked_estimate(plain, None) == 1234
+    unknown = localblobs.Layer("sha256:" + "0" * 64, 1000, "application/vnd.oci.image.layer.v1.tar+zstd", "", "")
+    assert localblobs.unpacked_estimate(unknown, None) == 3000
+
+
+def test_report_schema_and_exit_codes():
+    ok = sync.PeerResult("a", "synced", 10, 1.0, "m", "sha256:x")
+    ref = sync.PeerResult("b", "refused", 0, 0.1, "disk", None)
+    bad = sync.PeerResult("c", "failed", 0, 0.1, "unreachable", None)
+    r = sync.SyncReport("img", "img:local", "sha256:x", [ok, ref])
+    d = r.as_dict()
+    assert d["schema"] == "imagebuild.sync" and d["version"] == 1 and d["ok"] is False
+    assert d["have_image"] == ["a"] and r.exit_code == 3
+    assert sync.SyncReport("img", "img:local", "sha256:x", [ok, ref, bad]).exit_code == 1
+    assert sync.SyncReport("img", "img:local", "sha256:x", [ok]).exit_code == 0
+    text = sync.render(r)
+    assert "refused" in text and "the image is on: a" in text
+    json.dumps(d)
+
+
+def _gc_listing(now: int, lease_created: str, lease_labels: str) -> peer.AgentResult:
+    pend_old = json.dumps({"run": "old", "ref": "x:local", "identity": "sha256:" + "1" * 64,
+                           "blobs": ["sha256:" + "a" * 64]})
+    pend_new = json.dumps({"run": "new", "ref": "x:local", "identity": "sha256:" + "2" * 64,
+                           "blobs": ["sha256:" + "b" * 64]})
+    attempt = json.dumps({"run": "old", "started": now - 100, "finished": None, "status": "running"})
+    text = "\n".join([
+        "@@meta", "cache /c", f"now {now}",
+        "@@incoming", f"10 {now} /c/incoming/{'a' * 64}", f"20 {now} /c/incoming/{'b' * 64}",
+        f"5 {now} /c/incoming/.{'c' * 64}.XyZ12",
+        "@@stage", "8 /c/stage/old",
+        "@@tmp",
+        "@@pending", f"{now - 90000} {pend_old}", f"{now - 60} {pend_new}",
+        "@@records",
+        "@@attempts", f"{now - 100} {attempt}",
+        "@@receipts",
+        "@@images", f"sha256:9\t[\"imagebuild-incoming:{'1' * 24}\"]\t[]",
+        f"sha256:8\t[\"imagebuild-incoming:{'2' * 24}\"]\t[]",
+        "@@containerd", "overlayfs\t{}\t/d",
+        "@@leases", "address /run/c.sock", "ID CREATED AT LABELS",
+        f"123-abcd {lease_created} {lease_labels}",
+        "@@end"])
+    sections, _ = peer.parse_sections(text)
+    return peer.AgentResult("h", 0, text, sections, 0)
+
+
+def test_gc_plan_keeps_a_young_pending_sync_and_removes_the_rest():
+    import time
+    from datetime import UTC, datetime
+
+    now = int(time.time())
+    created = datetime.fromtimestamp(now - 50, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    g = peergc.plan("h", _gc_listing(now, created, "containerd.io/gc.expire=2030-01-01T00:00:00Z"), keep=5)
+    removed = {(a.kind, a.what) for a in g.remove}
+    assert ("incoming", f"/c/incoming/{'a' * 64}") in removed  # its sync is a day old
+    assert not any(w.endswith("b" * 64) for _, w in removed)  # the young pending sync resumes it
+    assert ("incoming", f"/c/incoming/.{'c' * 64}.XyZ12") in removed  # a partial nobody resumes
+    assert ("stage", "/c/stage/old") in removed
+    assert ("pending", "/c/pending/old.json") in removed
+    assert ("staging-image", f"imagebuild-incoming:{'1' * 24}") in removed
+    assert ("staging-image", f"imagebuild-incoming:{'2' * 24}") not in removed
+    assert ("lease", "123-abcd") in removed
+    assert any("pending sync new" in k for k in g.kept)
+
+
+def test_gc_plan_never_touches_other_leases():
+    import time
+    from datetime import UTC, datetime
+
+    now = int(time.time())
+    long_ago = datetime.fromtimestamp(now - 5000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    g = peergc.plan("h", _gc_listing(now, long_ago, "containerd.io/gc.expire=2030-01-01T00:00:00Z"), keep=5)
+    assert not [a for a in g.remove if a.kind == "lease"]  # created outside every load attempt of ours
+    created = datetime.fromtimestamp(now - 50, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    g = peergc.plan("h", _gc_listing(now, created, "buildkit/lease.temporary=x,containerd.io/gc.expire=y"), keep=5)
+    assert not [a for a in g.remove if a.kind == "lease"]  # BuildKit's
