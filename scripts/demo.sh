@@ -20,6 +20,10 @@ mkdir -p "$project/docker-images" "$work"
 cp -r docker-images/example "$project/docker-images/example"
 echo "demo: the built-in definition docker-images/example, copied to ${project#"$root"/} (prefetch pins it there)"
 
+# the example's image is under 1 GB: the build's disk guard (10 GiB by default, sized for the real
+# images) asks for 3 GiB here unless the caller set it
+export IMAGEBUILD_MIN_FREE_GB="${IMAGEBUILD_MIN_FREE_GB:-3}"
+
 peers=(--peers)
 peer_dir="$work/peer"
 # names and addresses of the demo's own peer (distinct from the tests' peer)
