@@ -91,6 +91,7 @@ class Connection:
         self._lines: queue.Queue = queue.Queue()
         self._seq = 0
         self._early: list[str] = []
+        self.timings: list[tuple[str, float]] = []  # (what, seconds) of the session start and each call
 
     # -- the ssh command line
 
@@ -113,6 +114,7 @@ class Connection:
 
     def open(self, timeout: float = 60) -> None:
         """Start the session. Raises PeerUnreachable with ssh's own words."""
+        t_open = time.monotonic()
         boot = (peer_agent.AGENT + peer_agent.LOOP).encode()
         argv = self.ssh_argv(f"sh -c 'eval \"$(head -c {len(boot)})\"'")
         log.debug("+ %s", shlex.join(argv))
@@ -138,6 +140,7 @@ class Connection:
                 raise self._unreachable(text, rc) if rc == 255 or not text.startswith("@@") else \
                     AgentFailed(self.host, "start", f"the agent did not start: {text[-300:]}")
             if line.startswith("@@ready"):
+                self.timings.append(("ssh session", round(time.monotonic() - t_open, 3)))
                 return
             self._early.append(line)
 
@@ -202,7 +205,8 @@ class Connection:
         except (BrokenPipeError, OSError):
             raise PeerUnreachable(f"the ssh session to {self.host} ended", hint="rerun imagebuild sync") from None
         self.bytes_sent += len(frame)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        t_call = time.monotonic()
+        deadline = None if timeout is None else t_call + timeout
         out: list[str] = []
         rc = None
         while True:
@@ -214,6 +218,7 @@ class Connection:
                 rc = int(line.split()[2])
                 break
             out.append(line)
+        self.timings.append((what or "step", round(time.monotonic() - t_call, 3)))
         text = "\n".join(out)
         sections, error = parse_sections(text)
         if error is not None:

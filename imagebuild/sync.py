@@ -470,6 +470,8 @@ def _sync_peer(shared: _Shared, host: str) -> PeerResult:
     finally:
         sess.close()
         res.bytes_sent += conn.bytes_sent
+        if res.status != "refused" or conn.timings:
+            res.details["timings"] = conn.timings
         res.seconds = time.monotonic() - t0
     level = logging.INFO if res.status in ("synced", "unchanged", "dry-run") else logging.WARNING
     log.log(level, "%s: %s: %s", host, res.status, res.message)
@@ -669,7 +671,7 @@ class _PeerSync:
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats", "-e", self.conn.rsync_shell(),
                 *comp.args, *files, f"{self.host}:{st.cache}/incoming/"]
-        last = [0.0]
+        last: list = [0.0, False]  # when the last line was printed; whether 100% was
         stats: dict[str, int] = {}
         tail: list[str] = []
 
@@ -680,8 +682,9 @@ class _PeerSync:
             m = _PROGRESS.match(line)
             if m:
                 now = time.monotonic()
-                if now - last[0] >= PROGRESS_EVERY_S or m.group(2) == "100":
-                    last[0] = now
+                done_now = m.group(2) == "100"
+                if (now - last[0] >= PROGRESS_EVERY_S and not last[1]) or (done_now and not last[1]):
+                    last[0], last[1] = now, done_now
                     done = int(m.group(1).replace(",", "").replace(".", ""))
                     self.say("sent %s of %s (%s%%), %s, ETA %s", human(done), human(total), m.group(2), m.group(3),
                              m.group(4))
@@ -695,7 +698,9 @@ class _PeerSync:
             tail.append(line)
             del tail[:-20]
 
+        t0 = time.monotonic()
         rc = run_mod.stream(argv, on_line, split_cr=True, die_with_parent=True, hint="install rsync")
+        self.conn.timings.append(("rsync", round(time.monotonic() - t0, 3)))
         self.res.bytes_sent += stats.get("Total bytes sent", 0)
         self.res.details["rsync_bytes_sent"] = self.res.details.get("rsync_bytes_sent", 0) + \
             stats.get("Total bytes sent", 0)
