@@ -49,7 +49,7 @@ def _setup():
         build_mod.make_context(root, st, ctx, st.source_date_epoch)
         src = tmp / "src" / st.name
         src.mkdir(parents=True)
-        for vf in build_mod.verify_sources(root, defn, st):
+        for vf in build_mod.verify_sources(defn, st):
             shutil.copy(vf.path, src / vf.name)
         tag = f"imagebuild-bench/{IMAGE}:{st.name}"
         argv = ["docker", "buildx", "build", "--progress", "plain", "--provenance=false", "--network", "none",
@@ -84,12 +84,16 @@ def _baseline():
 
 CHAIN = "bench-chain"
 CHAIN_STAGES = ("one", "two", "three")
-# ~300 MB a stage: 150 MB that does not compress (like compiled kernels) and 150 MB of text
+# ~300 MB a stage: 150 MB that does not compress (like compiled kernels; pseudo-random from a fixed
+# seed, so that two builds have the same content) and 150 MB of text
 CHAIN_DOCKERFILE = """\
 ARG PARENT
 FROM ${PARENT}
 ARG N
-RUN mkdir -p /data/$N && head -c 150M /dev/urandom > /data/$N/blob && seq 1 21000000 > /data/$N/text
+RUN mkdir -p /data/$N \\
+    && python3 -c "import random, sys; random.seed('$N'); sys.stdout.buffer.write(random.randbytes(150 << 20))" \\
+       > /data/$N/blob \\
+    && seq 1 21000000 > /data/$N/text
 """
 
 
@@ -134,8 +138,10 @@ def _chain_teardown():
     remove_images(f"imagebuild/{CHAIN}", CHAIN, f"imagebuild-bench/{CHAIN}")
     shutil.rmtree(_state["ctmp"], ignore_errors=True)
     ids = _state.get("identities") or []
-    if len(set(ids)) > 1:
-        raise SystemExit(f"bench-chain: --no-cache builds gave different identities: {ids}")
+    if len(set(ids)) != 1:
+        print(f"bench-chain: NOT REPRODUCIBLE: the --no-cache builds gave identities {ids}", file=sys.stderr)
+    else:
+        print(f"bench-chain: every --no-cache build gave identity {ids[0]}", file=sys.stderr)
 
 
 def _chain_ours():

@@ -44,7 +44,7 @@ def _baseline():
     from imagebuild.packages import wheel_platform_tags
 
     argv = [sys.executable, "-m", "pip", "download", "--isolated", "--only-binary=:all:", "--implementation", "cp",
-            "--python-version", "3.11", "--abi", "cp311", "--index-url", "https://pypi.org/simple",
+            "--python-version", "3.11", "--abi", "cp311",  # pip's default index, as the fixture asks
             "-d", str(_tmp["root"] / "deps-src" / IMG / "wheels" / "pydeps"), "jinja2==3.1.4", "markupsafe==2.1.5"]
     for t in wheel_platform_tags("linux/amd64", "2.36"):
         argv += ["--platform", t]

@@ -1,6 +1,7 @@
 """plan -> staged BuildKit builds, offline, reproducible, cached by key, with safe promotion.
 
-``build(root, image, options)`` runs one image's plan (docs/build.md):
+``build(ctx, image, options)`` runs one image's plan (docs/build.md); ``ctx`` is the command's
+``context.Context`` (project root, state folder, engine, output):
 
 1. **Checks before anything runs**: definition + plan, the ``--from``/``--until`` range, every
    prefetched input the stages to build need (sha256 against the lock, lock against
@@ -41,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from . import context as context_mod
 from . import definition as defn_mod
 from . import engine as engine_mod
 from . import guards, patching, source_mounts, state
@@ -66,7 +68,11 @@ RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
 LOG_TAIL_LINES = 30
 PROGRESS_CHOICES = ("auto", "plain", "quiet")
 LABEL_PREFIX = "io.imagebuild"
-RELEASE_DOCKERFILE = "ARG PARENT\nFROM ${PARENT}\nCOPY opt/ /opt/\n"
+# The release's files arrive as one deterministic tar, extracted by ADD: unlike COPY (which gives
+# a folder it creates the build's wall-clock time), every entry, folders included, keeps the tar's
+# SOURCE_DATE_EPOCH, so the release layer is the same bytes for the same inputs.
+RELEASE_TAR = "release.tar"
+RELEASE_DOCKERFILE = f"ARG PARENT\nFROM ${{PARENT}}\nADD {RELEASE_TAR} /\n"
 # one compression for every stage (a chain that mixes them reuses blobs and changes digests)
 STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},rewrite-timestamp=true,compression=zstd," \
                "force-compression=false"
@@ -121,9 +127,9 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def runs_dir(root: Path, image: str) -> Path:
+def runs_dir(ctx: context_mod.Context, image: str) -> Path:
     """Where the records of an image's runs live: one folder per run."""
-    return state.state_dir(root) / "builds" / image
+    return ctx.state / "builds" / image
 
 
 def new_run_id() -> str:
@@ -132,8 +138,8 @@ def new_run_id() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(3)
 
 
-def tmp_root(root: Path) -> Path:
-    return state.state_dir(root) / "tmp"
+def tmp_root(ctx: context_mod.Context) -> Path:
+    return ctx.state / "tmp"
 
 
 def _select(plan: plan_mod.Plan, opts: Options) -> tuple[int, int]:
@@ -156,12 +162,13 @@ class VerifiedFile:
     path: Path
 
 
-def verify_sources(root: Path, defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> list[VerifiedFile]:
+def verify_sources(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> list[VerifiedFile]:
     """Check every tarball mounted into a stage (its sources and their FetchContent dependencies)
     against the lock, and the lock against versions.env; raise before docker starts."""
     if not stage.mounts:
         return []
-    lock_disp = defn_mod.display_path(root, lock_mod.lock_path(defn.dir))
+    root = defn.root
+    lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
     out = []
     for m in stage.mounts:
         if m.stale:
@@ -212,10 +219,9 @@ def _lock_files_for(lock: dict | None, section: str, stage: str) -> dict[str, st
     return None
 
 
-def verify_package_dir(root: Path, defn: defn_mod.Definition, lock: dict | None, kind: str,
-                       stage: str) -> Path | None:
+def verify_package_dir(defn: defn_mod.Definition, lock: dict | None, kind: str, stage: str) -> Path | None:
     """``deps-src/<image>/<kind>/<stage>/`` when it exists, its files checked against the lock."""
-    d = state.deps_dir(root, defn.name) / kind / stage
+    d = state.deps_dir(defn.root, defn.name) / kind / stage
     if not d.is_dir():
         return None
     want = _lock_files_for(lock, kind, stage)
@@ -223,11 +229,11 @@ def verify_package_dir(root: Path, defn: defn_mod.Definition, lock: dict | None,
         for name, sha in sorted(want.items()):
             p = d / name
             if not p.is_file():
-                raise OperationFailed(f"{defn_mod.display_path(root, p)}: listed in the lock ({kind}.{stage}) but "
+                raise OperationFailed(f"{defn.rel(p)}: listed in the lock ({kind}.{stage}) but "
                                       "missing", hint=f"imagebuild prefetch {defn.name}")
             got = sha256_file(p)
             if got != sha:
-                raise OperationFailed(f"{defn_mod.display_path(root, p)}: sha256 {got} does not match the lock "
+                raise OperationFailed(f"{defn.rel(p)}: sha256 {got} does not match the lock "
                                       f"({sha}); refusing to build stage {stage!r}",
                                       hint=f"re-create it with `imagebuild prefetch {defn.name}`")
     return d
@@ -346,14 +352,23 @@ class Progress:
 
 def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: dict, labels: dict,
                 network: str | None, platform: str, no_cache: bool, output: str | None, tag: str | None,
-                metadata: Path | None) -> list[str]:
-    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``)."""
+                metadata: Path | None, rerun: str | None = None) -> list[str]:
+    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``).
+
+    ``rerun`` (imagebuild's ``--no-cache``): every RUN step runs again, but cache mounts (a compiler
+    cache) are kept. BuildKit's own ``--no-cache`` empties every cache mount a step uses, so it is
+    not used; instead a host entry unique to the run (``--add-host imagebuild-rerun-<id>``) is part
+    of each RUN step's cache key. It lives in the build container's /etc/hosts only: no layer, no
+    config, no history holds it, so the output is the same bytes. ``no_cache``: BuildKit's own.
+    """
     argv = ["docker", "buildx", "build", "--progress=plain", "--provenance=false", "--sbom=false",
             "--platform", platform, "--file", str(dockerfile)]
     if network:
         argv += ["--network", network]
     if no_cache:
         argv.append("--no-cache")
+    if rerun:
+        argv += ["--add-host", f"imagebuild-rerun-{rerun}:127.0.0.1"]
     if metadata is not None:
         argv += ["--metadata-file", str(metadata)]
     for k, v in build_args.items():
@@ -425,7 +440,7 @@ def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
 
 @dataclass
 class Build:
-    root: Path
+    ctx: context_mod.Context
     defn: defn_mod.Definition
     plan: plan_mod.Plan
     opts: Options
@@ -439,8 +454,12 @@ class Build:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def root(self) -> Path:
+        return self.ctx.root
+
+    @property
     def dir(self) -> Path:
-        return runs_dir(self.root, self.defn.name) / self.run_id
+        return runs_dir(self.ctx, self.defn.name) / self.run_id
 
     @property
     def epoch(self) -> int:
@@ -455,15 +474,16 @@ class Build:
         return r.manifest
 
 
-def prepare(root: Path, image: str, opts: Options) -> Build:
+def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
     """Everything that can be checked without starting docker builds (guards excepted)."""
+    root = ctx.root
     if opts.jobs is not None and opts.jobs < 1:
         raise UsageError(f"--jobs {opts.jobs}: expected a positive number")
     if opts.progress not in PROGRESS_CHOICES:
         raise UsageError(f"--progress {opts.progress!r}: expected one of {', '.join(PROGRESS_CHOICES)}")
     defn = defn_mod.load(root, image)
-    lock = lock_mod.read(defn.dir, defn_mod.display_path(root, lock_mod.lock_path(defn.dir)))
-    info = engine_mod.probe()
+    lock = lock_mod.read(defn.dir, ctx.show(lock_mod.lock_path(defn.dir)))
+    info = ctx.engine
     if not info.reachable and not opts.dry_run:
         raise OperationFailed(f"no Docker engine reachable: {info.detail}",
                               hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
@@ -495,7 +515,7 @@ def prepare(root: Path, image: str, opts: Options) -> Build:
             r.manifest = ref.manifest
             r.patches = ref.patches
         runs.append(r)
-    return Build(root, defn, plan, opts, lock, store, runs, first, last, new_run_id(), info.id)
+    return Build(ctx, defn, plan, opts, lock, store, runs, first, last, new_run_id(), info.id)
 
 
 def _check_inputs(b: Build) -> dict[str, dict]:
@@ -506,9 +526,9 @@ def _check_inputs(b: Build) -> dict[str, dict]:
             continue
         st = b.plan.stage(r.name)
         out[r.name] = {
-            "src": verify_sources(b.root, b.defn, st),
-            "wheels": verify_package_dir(b.root, b.defn, b.lock, "wheels", st.name),
-            "apt": verify_package_dir(b.root, b.defn, b.lock, "apt", st.name),
+            "src": verify_sources(b.defn, st),
+            "wheels": verify_package_dir(b.defn, b.lock, "wheels", st.name),
+            "apt": verify_package_dir(b.defn, b.lock, "apt", st.name),
         }
     return out
 
@@ -518,6 +538,9 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
     if warn:
         b.warnings.append(warn)
+    if info.get("reachable"):  # a local base of another platform: refused before anything runs (exit 2)
+        for note in guards.check_base_platforms(b.defn):
+            log.debug("%s", note)
     if lock is not None:
         lock.acquire(command="imagebuild build " + b.defn.name)
     if not info.get("reachable"):
@@ -527,7 +550,7 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
         b.warnings.append(warn)
     to_build = [r.name for r in b.stages if r.action == "build"]
     if to_build:
-        paths = [state.state_dir(b.root)]
+        paths = [b.ctx.state]
         if info.get("root_dir") and Path(info["root_dir"]).exists():
             paths.append(Path(info["root_dir"]))
         warn = guards.check_disk(paths, force=b.opts.force,
@@ -561,14 +584,14 @@ def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, 
               f"{LABEL_PREFIX}.stage-key": st.key}
     return buildx_argv(context=ctx, dockerfile=b.root / st.dockerfile, build_args=args, contexts=contexts,
                        labels=labels, network=None if st.network else "none", platform=b.plan.platform,
-                       no_cache=b.opts.no_cache, output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
+                       no_cache=False, rerun=b.run_id.rsplit("-", 1)[-1] if b.opts.no_cache else None,
+                       output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
                        tag=None, metadata=meta)
 
 
-def build(root: Path, image: str, opts: Options) -> dict:
+def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """Run the build; returns the build record (also written under the run's folder)."""
-    root = Path(root).resolve()
-    b = prepare(root, image, opts)
+    b = prepare(context_mod.of(ctx), image, opts)
     named = _check_inputs(b)  # before the lock and before docker: a tampered input stops here
     blk = guards.BuildLock(guards.build_lock_path(b.engine_id, b.defn.name), b.defn.name)
     try:
@@ -584,7 +607,7 @@ def build(root: Path, image: str, opts: Options) -> dict:
 def _remove_stale_tmp(b: Build) -> None:
     """Temporary folders of this image's earlier runs: with the image's lock held, no other run
     of it is alive, so whatever they left (a kill -9, a power cut) goes now."""
-    top = tmp_root(b.root)
+    top = tmp_root(b.ctx)
     for p in sorted(top.glob(f"build-{b.defn.name}-*")) if top.is_dir() else ():
         log.info("removing %s (left by an earlier run that did not end cleanly)", p)
         shutil.rmtree(p, ignore_errors=True)
@@ -632,7 +655,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
     progress = Progress(b.opts.progress)
     jobs = guards.host_jobs(b.opts.jobs)
     total = len(b.stages)
-    top = tmp_root(b.root)
+    top = tmp_root(b.ctx)
     top.mkdir(parents=True, exist_ok=True)
     b.dir.mkdir(parents=True, exist_ok=True)
     _record(b, "running", started, release=None, promotion=None)
@@ -675,11 +698,11 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     r.args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
               **_parallel_args(st, jobs, b.opts.jobs is not None)}
     r.contexts = {NAMED_SRC: sorted(p.name for p in src_dir.iterdir()),
-                  NAMED_WHEELS: defn_mod.display_path(b.root, inputs["wheels"]) if inputs["wheels"] else None,
-                  NAMED_APT: defn_mod.display_path(b.root, inputs["apt"]) if inputs["apt"] else None,
+                  NAMED_WHEELS: b.ctx.show(inputs["wheels"]) if inputs["wheels"] else None,
+                  NAMED_APT: b.ctx.show(inputs["apt"]) if inputs["apt"] else None,
                   **{k: v.split("@", 1)[1] for k, v in _stage_contexts(b, st).items()}}
     log_path = b.dir / "logs" / f"{st.name}.log"
-    r.log = defn_mod.display_path(b.root, log_path)
+    r.log = b.ctx.show(log_path)
     progress.info("%s: building (%s, network %s), log: %s", head, r.reason, r.network, r.log)
     t0 = time.monotonic()
     b.store.dir.mkdir(parents=True, exist_ok=True)
@@ -770,18 +793,37 @@ def _source_provenance(b: Build) -> dict:
     for n, s in sorted(((b.lock or {}).get("sources") or {}).items()):
         if not isinstance(s, dict) or not s.get("commit"):
             continue
-        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": s.get("prs") or [],
+        prs = plan_mod.pr_pins(s.get("prs"))
+        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": prs,
                  "tree": s.get("tree"), "tarball_sha256": s.get("sha256")}
-        if s.get("prs"):
+        if prs:
             entry["local_only"] = True
-            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (offline from its mirror cache with --offline): "
-                                 f"{s.get('ref')} with PR heads {', '.join(str(p) for p in s.get('prs') or [])} "
-                                 "merged in that order, fixed identity and date (docs/prefetch.md); the result's "
-                                 "tree must equal 'tree'")
+            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (--offline from its mirror cache): "
+                                 f"{s.get('ref')} with PR heads {', '.join(prs)} merged in that order, with a fixed "
+                                 "identity and date (docs/prefetch.md); the result's tree must equal 'tree'")
         else:
             entry["local_only"] = False
         out[n] = entry
     return out
+
+
+def release_tar(files: dict[str, bytes], epoch: int) -> bytes:
+    """``/opt/imagebuild/<name>`` for each of ``files``, as a tar whose bytes depend on nothing else:
+    sorted entries, owner root, mode 0755/0644, every mtime ``epoch``."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for d in ("opt", IMAGE_META_DIR.lstrip("/")):
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, epoch
+            tf.addfile(ti)
+        for name in sorted(files):
+            ti = tarfile.TarInfo(f"{IMAGE_META_DIR.lstrip('/')}/{name}")
+            ti.size, ti.mode, ti.mtime = len(files[name]), 0o644, epoch
+            tf.addfile(ti, io.BytesIO(files[name]))
+    return buf.getvalue()
 
 
 def release_ref(image: str, build_id: str) -> str:
@@ -801,11 +843,11 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
         built = False
     else:
         ctx = tmp / "context"
-        meta = ctx / "opt" / "imagebuild"
-        meta.mkdir(parents=True)
+        files = {"build.json": (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()}
         if lock_bytes is not None:
-            (meta / "lock.json").write_bytes(lock_bytes)
-        (meta / "build.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            files["lock.json"] = lock_bytes
+        ctx.mkdir(parents=True)
+        (ctx / RELEASE_TAR).write_bytes(release_tar(files, b.epoch))
         _fix_mtimes(ctx, b.epoch)
         df = tmp / "Dockerfile.release"
         df.write_text(RELEASE_DOCKERFILE)
@@ -855,32 +897,32 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
     cand = promote_mod.ref(name, promote_mod.CANDIDATE)
     gated = False
     try:
-        if receipts.find_passing(b.root, release["identity"], spec_digest):
+        if receipts.find_passing(b.ctx, release["identity"], spec_digest):
             log.info("gate: identity %s already passed this gate spec (%s): not gating again",
                      release["identity"], spec_digest[:19])
         else:
             from . import gate as gate_mod  # imports pytest: only when a gate runs
 
-            gate_mod.run_gate(b.root, name, release["image_id"] or cand)
+            gate_mod.run_gate(b.ctx.root, name, release["image_id"] or cand)
             gated = True
     except GateFailed as exc:
         _record(b, "gate-failed", started, release=release,
                 promotion={"status": "gate-failed", "reason": exc.message})
         raise
-    p = promote_mod.promote(b.root, name, release["image_id"] or cand, spec_digest=spec_digest)
+    p = promote_mod.promote(b.ctx, name, release["image_id"] or cand, spec_digest=spec_digest)
     return {"status": "promoted" if p.moved else "unchanged", "gated": gated, **p.as_dict()}
 
 
-def dry_run(root: Path, image: str, opts: Options) -> dict:
+def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """What ``build`` would do, with every docker command it would run (nothing is built)."""
-    b = prepare(root, image, opts)
+    b = prepare(context_mod.of(ctx), image, opts)
     _check_inputs(b)
     _guards(b, lock=None)
     for w in b.warnings:
         log.warning("warning: %s", w)
     jobs = guards.host_jobs(opts.jobs)
     stages = []
-    tmp = tmp_root(b.root) / "<run>"
+    tmp = tmp_root(b.ctx) / "<run>"
     for r in b.stages:
         st = b.plan.stage(r.name)
         d = r.as_dict()
@@ -913,14 +955,14 @@ def patch_set(defn: defn_mod.Definition, stage: str | None = None) -> list[Path]
     return [i.path for s in stages for i in s.inputs if i.kind == "patch"]
 
 
-def patch(root: Path, image: str, src: Path, *, check: bool, stage: str | None = None) -> dict:
+def patch(ctx: context_mod.Context | Path, image: str, src: Path, *, check: bool, stage: str | None = None) -> dict:
     """Apply (or with ``check`` only check) an image's patch set to a checkout ``src``."""
-    defn = defn_mod.load(root, image)
+    defn = defn_mod.load(context_mod.of(ctx).root, image)
     if not Path(src).is_dir():
         raise UsageError(f"--src {src}: not a folder", hint="a checkout of the source the patches apply to")
     paths = patch_set(defn, stage)
     if not paths:
-        raise DefinitionError([Problem(defn_mod.display_path(root, defn.dir / defn_mod.IMAGE_FILE),
+        raise DefinitionError([Problem(defn.rel(defn.dir / defn_mod.IMAGE_FILE),
                                        "no stage declares patches" + (f" ({stage})" if stage else ""),
                                        key="patches")], image=image)
     results = patching.apply_all(paths, Path(src), write=not check)

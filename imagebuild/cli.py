@@ -7,18 +7,12 @@ output is data, documented exit codes, no traceback unless ``--debug``.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import importlib
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 
 from . import __version__
-from . import definition as defn_mod
-from . import doctor as doctor_mod
-from . import engine as engine_mod
-from . import plan as plan_mod
 from .errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -31,7 +25,37 @@ from .errors import (
     UsageError,
 )
 
-log = logging.getLogger("imagebuild")
+
+class _Lazy:
+    """A module imported on first use: ``--version``, ``list``, ``validate`` and ``plan --no-engine``
+    must start fast (docs/cli.md, "Start-up"), so each command imports only what it uses."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name, __package__), attr)
+
+
+defn_mod = _Lazy(".definition")
+doctor_mod = _Lazy(".doctor")
+engine_mod = _Lazy(".engine")
+plan_mod = _Lazy(".plan")
+json = _Lazy("json")
+traceback = _Lazy("traceback")
+
+
+class _Log:
+    """The "imagebuild" logger, looked up when first used (importing logging costs start-up time)."""
+
+    def __getattr__(self, attr: str):
+        import logging
+
+        return getattr(logging.getLogger("imagebuild"), attr)
+
+
+log = _Log()
+
 
 EPILOG = f"""\
 exit codes:
@@ -52,27 +76,104 @@ docs: docs/cli.md, docs/image-definition.md
 
 
 class _Parser(argparse.ArgumentParser):
+    """Exit 2 with usage on bad flags, as documented; options are never abbreviated (``--fo`` is not
+    ``--force``); the global options work before and after the command."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
+    def _get_formatter(self):
+        # argparse asks shutil for the width (importing shutil, bz2, lzma: ~5 ms) on every add_argument
+        return self.formatter_class(prog=self.prog, width=_terminal_width())
+
     def error(self, message: str):  # exit 2 with usage, as documented
         self.print_usage(sys.stderr)
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _terminal_width() -> int:
+    """shutil.get_terminal_size().columns without importing shutil."""
+    try:
+        return int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 80
+
+
+def _global_options(p: argparse.ArgumentParser, *, after_command: bool = False) -> None:
+    """--root, --debug, -v, -q: on the main parser, and again on every command's parser so that
+    ``imagebuild plan X --debug`` works too. After the command they default to SUPPRESS: a value
+    given before the command is then kept."""
+    unset = {"default": argparse.SUPPRESS} if after_command else {}
+    g = p.add_argument_group("global options (before or after the command)") if after_command else p
+    g.add_argument("--root", metavar="DIR", **(unset or {"default": os.environ.get("IMAGEBUILD_ROOT")}),
+                   help="project root holding docker-images/ (default: $IMAGEBUILD_ROOT, else the nearest "
+                   "folder at or above the current one that has docker-images/)")
+    g.add_argument("--debug", action="store_true", **unset,
+                   help="show tracebacks and debug logs (every command run)")
+    g.add_argument("-v", "--verbose", action="store_true", **unset,
+                   help="more on stderr: every command run (+ docker ...) and, for build, each stage's log lines")
+    g.add_argument("-q", "--quiet", action="store_true", **unset,
+                   help="only warnings and errors on stderr (not with -v)")
+
+
+class _SubParsers(argparse._SubParsersAction):
+    only: str | None = None  # build_parser(only=...): the other commands get a stand-in
+
+    def add_parser(self, name, **kw):
+        if self.only is not None and name != self.only:
+            real, self._parser_class = self._parser_class, _Unused
+            try:
+                return super().add_parser(name, **kw)
+            finally:
+                self._parser_class = real
+        sp = super().add_parser(name, **kw)
+        _global_options(sp, after_command=True)
+        return sp
+
+
+class _Unused:
+    """A command's parser when another command runs: its options are never parsed or shown, and
+    building them costs start-up time (argparse looks up translations for every option)."""
+
+    def __init__(self, **kw):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: self
+
+
+def _command_in(argv: Sequence[str]) -> str:
+    """The command named in ``argv`` (the first word that is not an option or --root's value), or
+    "" when there is none (``--version``, ``--help``, a usage error: no command parser is needed)."""
+    it = iter(argv)
+    for word in it:
+        if word == "--root":
+            next(it, None)
+        elif word in ("-h", "--help"):
+            return ""
+        elif not word.startswith("-"):
+            return word
+    return ""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, that command's options are built and the others' are not."""
     p = _Parser(
         prog="imagebuild",
         description="Reproducible, offline, staged builds of vLLM serving images for DGX Spark (GB10) "
-        "clusters: definitions -> plan -> prefetch -> build -> gate -> sync.",
+        "clusters: definitions -> plan -> prefetch -> build -> gate -> promotion to IMAGE:local.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"imagebuild {__version__}")
-    p.add_argument("--root", metavar="DIR", default=os.environ.get("IMAGEBUILD_ROOT"),
-                   help="project root holding docker-images/ (default: $IMAGEBUILD_ROOT, else the nearest "
-                   "folder at or above the current one that has docker-images/)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs (every command run)")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="more on stderr: every command run (+ docker ...) and, for build, each stage's log lines")
-    p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    _global_options(p)
+    p.register("action", "parsers", _SubParsers)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    sub.only = only
 
     sp = sub.add_parser("list", help="list the image definitions under docker-images/",
                         description="List the image definitions under docker-images/ with their platform, "
@@ -326,17 +427,58 @@ sync environment:
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
+
+    from . import cli_nightly  # nightly, report, diff (docs/nightly.md)
+
+    cli_nightly.register(sub, EPILOG)
     return p
 
 
 def _setup_logging(args) -> None:
+    """Configure the "imagebuild" logger: now if logging is loaded, else when something first imports
+    it (``list``, ``validate`` and ``plan --no-engine`` never do: ~10 ms saved on each start)."""
+    if "logging" in sys.modules:
+        _configure_logging(args)
+    elif not any(isinstance(f, _WhenImported) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenImported("logging", lambda: _configure_logging(args)))
+
+
+class _WhenImported:
+    """A meta path entry that runs ``then()`` right after module ``name`` is first imported."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        from importlib.util import find_spec
+
+        spec = find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then(module):
+            exec_module(module)
+            self.then()
+
+        spec.loader.exec_module = exec_then
+        return spec
+
+
+def _configure_logging(args) -> None:
+    import logging
+
     # -v: also every command run ("+ docker ...") and the build logs as they come; --debug: and tracebacks
     level = logging.DEBUG if (args.debug or args.verbose) else logging.WARNING if args.quiet else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    log.handlers[:] = [handler]
-    log.setLevel(level)
-    log.propagate = False
+    logger = logging.getLogger("imagebuild")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
 
 
 def _print_json(obj) -> None:
@@ -345,6 +487,14 @@ def _print_json(obj) -> None:
 
 def _root(args):
     return defn_mod.find_root(explicit=args.root)
+
+
+def _ctx(args):
+    """The command's context (context.Context): project root, settings, state, engine, output."""
+    from .context import Context
+
+    return Context.for_root(_root(args), progress=getattr(args, "progress", "auto"),
+                            verbose=bool(getattr(args, "verbose", False)))
 
 
 # ------------------------------------------------------------------------------------------------ list
@@ -411,17 +561,19 @@ def cmd_validate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    root = _root(args)
-    dfn = defn_mod.load(root, args.image)
     from .stagestore import StageStore
 
+    root = _root(args)
+    # the engine is asked first and answers while the definition is read (engine.EngineQuery)
+    query = None if args.no_engine else engine_mod.EngineQuery()
+    dfn = defn_mod.load(root, args.image)
+    store = StageStore.for_image(root, dfn.name)  # built stages: read from the stage store, no engine needed
     engine_info = None
-    if not args.no_engine:
-        info = engine_mod.probe()
+    if query is not None:
+        info = query.result()
         engine_info = info.as_dict()
         if not info.reachable:
             log.info("no Docker engine reachable (%s)", info.detail)
-    store = StageStore.for_image(root, dfn.name)  # built stages: read from the stage store, no engine needed
     plan = plan_mod.make_plan(dfn, exists=lambda key: store.lookup(key) is not None, engine=engine_info)
     if args.json:
         _print_json(plan.as_dict())
@@ -638,12 +790,12 @@ def _check_receipt(args) -> int:
 def cmd_build(args) -> int:
     from . import build as build_mod
 
-    root = _root(args)
+    ctx = _ctx(args)
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
                              gate=not args.no_gate, progress=args.progress)
     if args.dry_run:
-        doc = build_mod.dry_run(root, args.image, opts)
+        doc = build_mod.dry_run(ctx, args.image, opts)
         if args.json:
             _print_json(doc)
         else:
@@ -659,7 +811,7 @@ def cmd_build(args) -> int:
             print("then: release image, :b-<build id>, :candidate" if doc["release"] else
                   "then: stop (--until), no release image")
         return EXIT_OK
-    rec = build_mod.build(root, args.image, opts)
+    rec = build_mod.build(ctx, args.image, opts)
     if args.json:
         _print_json(rec)
     else:
@@ -679,11 +831,11 @@ def cmd_build(args) -> int:
 def cmd_log(args) -> int:
     from . import runs as runs_mod
 
-    root = _root(args)
+    ctx = _ctx(args)
     if args.image:
         defn_mod.check_image_name(args.image)
     if args.run is None and args.stage is None:
-        runs = runs_mod.list_runs(root, args.image)
+        runs = runs_mod.list_runs(ctx, args.image)
         if args.json:
             _print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
             return EXIT_OK
@@ -698,7 +850,7 @@ def cmd_log(args) -> int:
         return EXIT_OK
     if not args.image:
         raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
-    run = runs_mod.find_run(root, args.image, args.run)
+    run = runs_mod.find_run(ctx, args.image, args.run)
     if args.stage:
         path = run.dir / "logs" / f"{args.stage}.log"
         if not path.is_file():
@@ -709,7 +861,7 @@ def cmd_log(args) -> int:
         return EXIT_OK
     if args.json:
         _print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
-                     "logs": [defn_mod.display_path(root, p) for p in run.logs()]})
+                     "logs": [ctx.show(p) for p in run.logs()]})
         return EXIT_OK
     s = run.summary()
     print(f"run       {run.run_id}  ({args.image}, {s['status']})")
@@ -723,7 +875,7 @@ def cmd_log(args) -> int:
     if s["promotion"]:
         print(f"promotion {s['promotion']}")
     for p in run.logs():
-        print(f"log       {defn_mod.display_path(root, p)}")
+        print(f"log       {ctx.show(p)}")
     return EXIT_OK
 
 
@@ -734,12 +886,12 @@ def cmd_gc(args) -> int:
         return _cmd_gc_peer(args)
     if args.keep is None:
         args.keep = gc_mod.DEFAULT_KEEP
-    root = _root(args)
+    ctx = _ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
-    plan = gc_mod.plan_gc(root, args.image, args.keep)
+    plan = gc_mod.plan_gc(ctx, args.image, args.keep)
     if not args.dry_run:
-        gc_mod.apply(plan, root)
+        gc_mod.apply(plan, ctx)
     if args.json:
         _print_json(plan.as_dict(args.dry_run))
         return EXIT_OK
@@ -762,8 +914,8 @@ def cmd_gc(args) -> int:
 def cmd_df(args) -> int:
     from . import gc as gc_mod
 
-    root = _root(args)
-    doc = gc_mod.disk_usage(root, args.image)
+    ctx = _ctx(args)
+    doc = gc_mod.disk_usage(ctx, args.image)
     if args.json:
         _print_json(doc)
         return EXIT_OK
@@ -783,9 +935,9 @@ def cmd_df(args) -> int:
 def cmd_patch(args) -> int:
     from . import build as build_mod
 
-    root = _root(args)
+    ctx = _ctx(args)
     try:
-        doc = build_mod.patch(root, args.image, args.src, check=args.check, stage=args.stage)
+        doc = build_mod.patch(ctx, args.image, args.src, check=args.check, stage=args.stage)
     except build_mod.PatchFailed as exc:
         if args.json:
             _print_json(exc.doc)
@@ -847,8 +999,8 @@ def cmd_sync(args) -> int:
 def cmd_rollback(args) -> int:
     from . import promote as promote_mod
 
-    root = _root(args)
-    doc = promote_mod.rollback(args.image, root)
+    ctx = _ctx(args)
+    doc = promote_mod.rollback(args.image, ctx)
     if args.json:
         _print_json(doc)
     else:
@@ -859,6 +1011,32 @@ def cmd_rollback(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ main
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, with a suggestion for an unknown option and -v/-q refused together (exit 2)."""
+    args, extra = parser.parse_known_args(argv)
+    sp = _command_parsers(parser).get(getattr(args, "command", None), parser)
+    if extra:
+        msg = f"unrecognized arguments: {' '.join(extra)}"
+        known = [o for a in sp._actions for o in a.option_strings if o.startswith("--")]
+        for tok in extra:
+            name = tok.split("=", 1)[0]
+            starts = [o for o in known if name.startswith("--") and o.startswith(name)]
+            if starts:
+                msg += f" (options are never abbreviated: did you mean {' or '.join(starts)}?)"
+                break
+        sp.error(msg)
+    if args.verbose and args.quiet:
+        sp.error("-v/--verbose and -q/--quiet cannot be used together")
+    return args
+
+
+def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
 
 
 def _signals_as_interrupt() -> None:
@@ -877,8 +1055,9 @@ def _signals_as_interrupt() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_command_in(argv))
+    args = _parse(parser, argv)
     _setup_logging(args)
     _signals_as_interrupt()
     try:

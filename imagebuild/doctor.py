@@ -50,8 +50,10 @@ def check_engine() -> tuple[list[Check], engine_mod.EngineInfo]:
         return out, engine_mod.EngineInfo(False, detail="no docker CLI")
     info = engine_mod.probe()
     if not info.reachable:
+        host = os.environ.get("DOCKER_HOST")
         out.append(Check("engine", "fail", f"not reachable: {info.detail}",
-                         "start dockerd (or set DOCKER_HOST); on a test machine: scripts/testbed.sh"))
+                         f"start dockerd listening at DOCKER_HOST={host}, or unset DOCKER_HOST" if host
+                         else "start dockerd (or set DOCKER_HOST); on a test machine: scripts/testbed.sh"))
         return out, info
     v = _version_tuple(info.server_version or "")
     status = "ok" if v and v[0] >= MIN_ENGINE else "warn"

@@ -7,10 +7,13 @@ this module is called during planning that could change the engine's state.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
 
-from . import run as run_mod
+from . import lazy
 from .errors import OperationFailed
+from .records import dataclass
+
+run_mod = lazy.module(".run", __package__)  # plan on a local socket starts no process (ImageQuery)
 
 PROBE_TIMEOUT_S = 8
 
@@ -43,19 +46,33 @@ def probe() -> EngineInfo:
     except OperationFailed as exc:
         return EngineInfo(False, detail=exc.message)
     text = proc.stdout.decode("utf-8", "replace")
-    try:
-        info = json.loads(text.strip().splitlines()[-1]) if text.strip() else {}
-    except json.JSONDecodeError:
-        info = {}
+    info: dict = {}
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                info = json.loads(line)
+            except json.JSONDecodeError:
+                pass
     if proc.returncode != 0 or not info.get("ServerVersion"):
-        reason = next((ln for ln in text.splitlines() if "Cannot connect" in ln or "error" in ln.lower()),
-                      text.strip()[:200] or "docker info failed")
-        return EngineInfo(False, detail=reason)
+        return EngineInfo(False, detail=unreachable_reason(text, info))
     status = dict(info.get("DriverStatus") or [])
     containerd = info.get("Driver", "").startswith("overlayfs") or "io.containerd" in status.get(
         "driver-type", "")
     return EngineInfo(True, info.get("ServerVersion"), info.get("Driver"), containerd,
                       info.get("Architecture"), info.get("DockerRootDir"), id=info.get("ID") or info.get("Name"))
+
+
+def unreachable_reason(output: str, info: dict | None = None) -> str:
+    """Why ``docker info`` got no engine, in the CLI's own words (never its JSON document)."""
+    errors = [str(e) for e in ((info or {}).get("ServerErrors") or []) if e]
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip() and not ln.lstrip().startswith("{")]
+    reason = (errors or [ln for ln in lines if "connect" in ln.lower() or "error" in ln.lower()] or lines
+              or ["docker info failed without saying why"])[0]
+    reason = reason.removeprefix("ERROR: ").removeprefix("error: ")
+    host = os.environ.get("DOCKER_HOST")
+    if host and host not in reason:
+        reason += f" (DOCKER_HOST={host})"
+    return reason[:300]
 
 
 def existing_tags(repository: str) -> set[str]:
@@ -64,3 +81,95 @@ def existing_tags(repository: str) -> set[str]:
     text = run_mod.output(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", repository],
                           timeout=PROBE_TIMEOUT_S, hint="is the Docker engine healthy? (imagebuild doctor)")
     return {line.strip() for line in text.splitlines() if line.strip()}
+
+
+# ------------------------------------------------------------------------------------------ plan's query
+
+_UNAME_ARCH = {"amd64": "x86_64", "arm64": "aarch64", "386": "i686", "arm": "armv7l"}
+
+
+def local_socket() -> str | None:
+    """The engine's Unix socket when the docker CLI would use one directly (DOCKER_HOST unset or
+    unix://, no docker context selected); None otherwise (tcp://, ssh://, a context)."""
+    host = os.environ.get("DOCKER_HOST")
+    if host:
+        return host[len("unix://"):] if host.startswith("unix://") else None
+    if os.environ.get("DOCKER_CONTEXT", "default") != "default":
+        return None
+    config = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            current = json.load(f).get("currentContext")
+    except (OSError, ValueError, AttributeError):
+        current = None
+    return None if current and current != "default" else "/var/run/docker.sock"
+
+
+class EngineQuery:
+    """Is the engine there, and its version: what ``plan`` asks (built stages come from the stage
+    store, not the engine).
+
+    On a local Unix socket the question goes to the engine's API as soon as the query is made,
+    without a docker CLI process (``docker info`` alone takes ~70 ms), and the answer is read by
+    ``result()``, after the definition was read meanwhile. Anywhere else (tcp://, ssh://, a docker
+    context) ``result()`` runs ``probe``. Read only."""
+
+    def __init__(self):
+        self.path = local_socket()
+        self._sock = None
+        self._error: OSError | None = None
+        if self.path is None:
+            return
+        import _socket  # the C module: socket.py would add selectors, enum flags, ... (~2 ms)
+
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
+            sock.settimeout(PROBE_TIMEOUT_S)
+            sock.connect(self.path)
+            sock.sendall(b"GET /version HTTP/1.0\r\nHost: docker\r\n\r\n")
+            self._sock = sock
+        except OSError as exc:
+            sock.close()
+            self._error = exc
+
+    def result(self) -> EngineInfo:
+        if self.path is None:
+            return probe()
+        if self._error is not None:
+            return EngineInfo(False, detail=self._unreachable(self._error))
+        try:
+            status, version = _read_json(self._sock)
+            if status != 200 or not isinstance(version, dict):
+                raise ValueError(f"HTTP {status} for /version")
+        except (OSError, ValueError) as exc:
+            return EngineInfo(False, detail=f"the engine at unix://{self.path} did not answer: {exc}")
+        finally:
+            self._sock.close()
+        arch = str(version.get("Arch") or "")
+        return EngineInfo(True, version.get("Version"), architecture=_UNAME_ARCH.get(arch, arch) or None)
+
+    def _unreachable(self, exc: OSError) -> str:
+        if isinstance(exc, PermissionError):
+            reason = (f"permission denied while trying to connect to the Docker daemon socket at "
+                      f"unix://{self.path}")
+        else:
+            reason = (f"Cannot connect to the Docker daemon at unix://{self.path}. Is the docker daemon "
+                      f"running? ({exc.strerror or exc})")
+        host = os.environ.get("DOCKER_HOST")
+        return reason + (f" (DOCKER_HOST={host})" if host and host not in reason else "")
+
+
+def _read_json(sock) -> tuple[int, object]:
+    """(HTTP status, the JSON body) of an HTTP/1.0 answer, read to its end."""
+    chunks = []
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            break
+        chunks.append(data)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if len(status) < 2 or not status[1].isdigit():
+        raise ValueError("not an HTTP answer")
+    return int(status[1]), json.loads(body) if body.strip() else None
+

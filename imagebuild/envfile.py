@@ -9,19 +9,28 @@ expansion, no command substitution, no escapes. Accepted lines:
     KEY='anything but a single quote'
     KEY=                 # empty value
 
-Anything else is a problem reported with file and line; all problems are collected.
+Anything else is a problem reported with file and line; all problems are collected. So are bytes
+bash would read differently: a NUL byte, a carriage return (a CRLF line ending makes bash read
+``$'1.2.0\r'``), other control characters, text that is not UTF-8, and a ``KEY=value`` longer
+than one command-line argument may be (Linux: 131072 bytes), since every pin ends up as one.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import lazy
 from .errors import DefinitionError, Problem
 from .fsutil import atomic_write_text
+from .records import dataclass, field
+from .textfile import TextError, decode
 
-KEY_RE = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
+KEY_RE = lazy.compile(r"[A-Z_][A-Z0-9_]*\Z")
+# Linux's MAX_ARG_STRLEN (32 pages of 4 KiB): the longest single command-line argument, NUL included.
+# A pin reaches docker as one argument (--build-arg KEY=value), git or a label: longer ones fail with
+# "Argument list too long" in the middle of a build.
+MAX_ARG_STRLEN = 131072
 _UNQUOTED_BAD = set(" \t\"'$`\\;&|<>(){}*?[]~")
 _DQ_BAD = set('$`\\"')
 
@@ -126,10 +135,53 @@ def _split_value(raw: str) -> tuple[str, str, str]:
     return value, "", raw[len(value) :]
 
 
+def split_lines(text: str) -> list[str]:
+    """Lines as bash sees them: split at ``\n`` only (``str.splitlines`` also splits at ``\r``,
+    form feeds and Unicode separators, which would shift every line number after them)."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _control_characters(line: str) -> list[str]:
+    return [ch for ch in line if (ord(ch) < 32 and ch != "\t") or ord(ch) == 0x7F or ch in "\x85\u2028\u2029"]
+
+
+def _check_bytes(lines: list[str], display: str, problems: list[Problem]) -> list[str]:
+    """Report NUL, carriage returns and other control characters by line; return the lines without
+    them, so that the rest of the file is still checked (and no follow-up problem is invented)."""
+    crlf = [n for n, line in enumerate(lines, start=1) if line.endswith("\r")]
+    if crlf:
+        more = f" (and {len(crlf) - 1} more line{'s' if len(crlf) > 2 else ''})" if len(crlf) > 1 else ""
+        pins = [lines[n - 1].rstrip("\r") for n in crlf if "=" in lines[n - 1] and
+                not lines[n - 1].lstrip().startswith("#")]
+        shown = pins[0].split("=", 1)[1].split(" ", 1)[0] if pins else ""
+        problems.append(Problem(
+            display, f"CRLF line ending{more}: bash keeps the carriage return in the value" +
+            (f" (it reads $'{shown}\\r', not '{shown}')" if pins else ""), line=crlf[0],
+            hint="save the file with Unix line endings (LF), e.g. sed -i 's/\\r$//' versions.env"))
+    out = []
+    for n, line in enumerate(lines, start=1):
+        body = line[:-1] if line.endswith("\r") else line
+        bad = _control_characters(body)
+        if "\x00" in bad:
+            problems.append(Problem(display, "a NUL byte (\\x00): bash drops it, so the value would not be "
+                                    "what this file says", line=n, hint="remove it"))
+        elif "\r" in bad:
+            problems.append(Problem(display, "a carriage return (\\r) inside the line: bash keeps it in the "
+                                    "value", line=n, hint="remove it"))
+        elif bad:
+            problems.append(Problem(display, f"control character {bad[0]!r} in the line: a pin is plain "
+                                    "printable text", line=n, hint="remove it"))
+        out.append("".join(ch for ch in body if ch not in bad) if bad else body)
+    return out
+
+
 def parse_text(text: str, path: Path, display: str, problems: list[Problem]) -> EnvFile:
     """Parse ``text``; append every problem found to ``problems``."""
-    env = EnvFile(path=path, display=display, lines=text.splitlines())
-    for lineno, line in enumerate(env.lines, start=1):
+    env = EnvFile(path=path, display=display, lines=split_lines(text))
+    for lineno, line in enumerate(_check_bytes(env.lines, display, problems), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
@@ -163,6 +215,15 @@ def parse_text(text: str, path: Path, display: str, problems: list[Problem]) -> 
                                     line=lineno, key=key,
                                     hint="quote values that contain spaces; comments need a space before '#'"))
             continue
+        size = len(f"{key}={value}".encode()) + 1
+        if size > MAX_ARG_STRLEN:
+            env.broken.add(key)
+            problems.append(Problem(
+                display, f"KEY=value is {size} bytes: longer than one command-line argument may be "
+                f"({MAX_ARG_STRLEN} bytes on Linux, MAX_ARG_STRLEN); the build would fail with 'Argument "
+                "list too long' when it passes it to docker (--build-arg KEY=value)", line=lineno, key=key,
+                hint="a pin is short: put long content in a file the stage lists under 'files:'"))
+            continue
         if key in env.entries:
             first = env.entries[key].line
             problems.append(Problem(display, f"duplicate key (first set on line {first})", line=lineno, key=key,
@@ -176,9 +237,9 @@ def load(path: Path, display: str) -> EnvFile:
     """Read and parse ``path``; raise DefinitionError listing every problem."""
     problems: list[Problem] = []
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise DefinitionError([Problem(display, "not valid UTF-8 text")]) from None
+        text = decode(path.read_bytes())
+    except TextError as exc:
+        raise DefinitionError([Problem(display, exc.message, line=exc.line)]) from None
     except OSError as exc:
         raise DefinitionError([Problem(display, f"cannot read: {exc.strerror}")]) from None
     env = parse_text(text, path, display, problems)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
 from pathlib import Path
+
+from . import lazy
+
+# imported on first use: `list` and `validate` need none of them (docs/cli.md, "Start-up time")
+hashlib = lazy.module("hashlib")
+json = lazy.module("json")
+tempfile = lazy.module("tempfile")
 
 _CHUNK = 1 << 20
 

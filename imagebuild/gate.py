@@ -37,7 +37,7 @@ from . import definition as defn_mod
 from . import identity as identity_mod
 from . import run as run_mod
 from .errors import GateFailed, OperationFailed, UsageError
-from .fsutil import atomic_write_text, sha256_file
+from .fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 
 log = logging.getLogger("imagebuild")
 
@@ -291,7 +291,9 @@ def _sigterm_as_interrupt():
 
 
 def _start_container(name: str, ref: str, identity_digest: str, gpu: bool) -> None:
+    # the owner label says which process gated (to find a leftover's owner: host and pid)
     argv = ["docker", "run", "-d", "--name", name, "--label", f"{CONTAINER_LABEL}={identity_digest}",
+            "--label", f"{CONTAINER_LABEL}.owner={socket.gethostname()}:{os.getpid()}",
             "--pull", "never", "--network", "none", "--entrypoint", "/bin/sh"]
     if gpu:
         argv += ["--gpus", "all"]
@@ -346,14 +348,19 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
                 with tempfile.TemporaryDirectory(prefix="imagebuild-gate-") as tmp, _clean_pytest_env():
                     ini = Path(tmp) / "pytest.ini"
                     ini.write_text("[pytest]\n", encoding="utf-8")
-                    if junit is not None:
-                        Path(junit).parent.mkdir(parents=True, exist_ok=True)
-                    exit_code = pytest.main(_pytest_args(spec.path, ini, Path(junit) if junit else None),
-                                            plugins=[plugin])
+                    # pytest writes the report beside its ini; it reaches --junit whole, in one rename,
+                    # creating the missing parent folders, and not at all when the run was interrupted
+                    tmp_junit = Path(tmp) / "junit.xml" if junit is not None else None
+                    exit_code = pytest.main(_pytest_args(spec.path, ini, tmp_junit), plugins=[plugin])
+                    if tmp_junit is not None and tmp_junit.is_file() and \
+                            exit_code != pytest.ExitCode.INTERRUPTED:
+                        atomic_write_bytes(Path(junit), tmp_junit.read_bytes())
                 if exit_code == pytest.ExitCode.INTERRUPTED:
                     raise KeyboardInterrupt
         finally:
             watchdog.cancel()
+            if watchdog.is_alive():  # a timeout is removing the container right now: let it finish
+                watchdog.join(120)
             container_log = _container_log(name)
             _remove_container(name)
         if exit_code == pytest.ExitCode.NO_TESTS_COLLECTED or plugin.collected == 0:

@@ -8,24 +8,23 @@ documented in docs/gate.md.
 
 from __future__ import annotations
 
-import difflib
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
-from . import yamlread
+from . import lazy, yamlread
 from .errors import DefinitionError, Problem
+from .records import dataclass, field
+
+difflib = lazy.module("difflib")  # error hints only
 
 SPEC_VERSION = 1
 TOP_KEYS = ("version", "description", "python", "timeout", "checks")
 COMMON_KEYS = ("id", "kind", "description", "requires", "severity")
 SEVERITIES = ("error", "warn")
 REQUIRES = ("gpu",)
-ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-SHA256_RE = re.compile(r"[0-9a-f]{64}\Z")
-MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+ID_RE = lazy.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+SHA256_RE = lazy.compile(r"[0-9a-f]{64}\Z")
+MODULE_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 DEFAULT_PYTHON = "python3"
 DEFAULT_TIMEOUT_S = 600
 
@@ -300,6 +299,8 @@ def _p_version(p, m, label):
         out["distribution"] = d.value
     s = m.get("specifier")
     if s is not None:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet  # only here: ~5 ms to import
+
         text = s.value
         if isinstance(text, int | float) and not isinstance(text, bool):
             text = None  # a bare number is almost surely a forgotten operator

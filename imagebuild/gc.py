@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import definition as defn_mod
-from . import engine as engine_mod
 from . import guards, runs, state
 from . import lock as lock_mod
 from . import promote as promote_mod
 from . import run as run_mod
+from .context import Context, of
 from .stagestore import StageStore
 
 log = logging.getLogger("imagebuild")
@@ -223,7 +223,8 @@ def _lock_files(root: Path, lock: dict | None) -> set[Path]:
     return out
 
 
-def plan_image(root: Path, image: str, keep_n: int, engine_id: str | None, in_use: set[str]) -> ImagePlan:
+def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_use: set[str]) -> ImagePlan:
+    root = ctx.root
     p = ImagePlan(image)
     imgs = engine_images(image)
     by_ref = {i.ref: i for i in imgs}
@@ -235,7 +236,7 @@ def plan_image(root: Path, image: str, keep_n: int, engine_id: str | None, in_us
     for im in imgs:
         if im.id in in_use and im.labels.get(LABEL_BUILD_ID):
             p.kept_builds.setdefault(im.labels[LABEL_BUILD_ID], "used by a container")
-    all_runs = runs.list_runs(root, image)
+    all_runs = runs.list_runs(ctx, image)
     recent: list[str] = []
     for r in all_runs:
         bid = r.record.get("build_id")
@@ -282,7 +283,7 @@ def plan_image(root: Path, image: str, keep_n: int, engine_id: str | None, in_us
             kept_keys.update(s.get("key") for s in r.record.get("stages") or [] if s.get("key"))
     for r in all_runs:
         if r.run_id not in kept_runs:
-            p.remove.append(Item("run", defn_mod.display_path(root, r.dir), tree_bytes(r.dir),
+            p.remove.append(Item("run", ctx.show(r.dir), tree_bytes(r.dir),
                                  f"run of build {r.record.get('build_id') or '?'} (not kept)", path=str(r.dir)))
 
     # -- the current definition (its plan's keys are what the next build skips to)
@@ -314,21 +315,21 @@ def plan_image(root: Path, image: str, keep_n: int, engine_id: str | None, in_us
     if src.is_dir() and lock is not None:
         for f in sorted(src.glob("*.tar.gz")):
             if f.resolve() not in keep_files:
-                p.remove.append(Item("tarball", defn_mod.display_path(root, f), tree_bytes(f),
+                p.remove.append(Item("tarball", ctx.show(f), tree_bytes(f),
                                      "no kept lock names it", path=str(f)))
     if stage_names is not None:
         for kind in ("wheels", "apt"):
             kd = deps / kind
             for d in sorted(kd.iterdir()) if kd.is_dir() else ():
                 if d.is_dir() and d.name not in stage_names:
-                    p.remove.append(Item("package-dir", defn_mod.display_path(root, d), tree_bytes(d),
+                    p.remove.append(Item("package-dir", ctx.show(d), tree_bytes(d),
                                          f"stage {d.name!r} is not in the definition", path=str(d)))
 
     # -- temporary folders of dead runs
-    tmp = state.state_dir(root) / "tmp"
+    tmp = ctx.state / "tmp"
     for d in sorted(tmp.glob(f"build-{image}-*")) if tmp.is_dir() else ():
         if _lock_free(image_lock):
-            p.remove.append(Item("tmp", defn_mod.display_path(root, d), tree_bytes(d),
+            p.remove.append(Item("tmp", ctx.show(d), tree_bytes(d),
                                  "left by a run that did not end cleanly", path=str(d)))
         else:
             p.skipped.append(f"{d}: a build of {image} is running")
@@ -373,36 +374,37 @@ def plan_mirror_cache() -> list[Item]:
     return out
 
 
-def images_of(root: Path, image: str | None) -> list[str]:
+def images_of(ctx: Context, image: str | None) -> list[str]:
     if image:
         defn_mod.check_image_name(image)
         return [image]
-    names = set(defn_mod.list_images(root))
+    names = set(defn_mod.list_images(ctx.root))
     sd = state.stages_dir()
     if sd.is_dir():
         names.update(p.name for p in sd.iterdir() if p.is_dir() and defn_mod.NAME_RE.match(p.name))
-    bd = runs.builds_dir(root)
+    bd = runs.builds_dir(ctx)
     if bd.is_dir():
         names.update(p.name for p in bd.iterdir() if p.is_dir())
     return sorted(names)
 
 
-def plan_gc(root: Path, image: str | None = None, keep_n: int = DEFAULT_KEEP) -> GcPlan:
-    info = engine_mod.probe()
+def plan_gc(ctx: Context | Path, image: str | None = None, keep_n: int = DEFAULT_KEEP) -> GcPlan:
+    ctx = of(ctx)
+    info = ctx.engine
     if not info.reachable:
         from .errors import OperationFailed
 
         raise OperationFailed(f"no Docker engine reachable: {info.detail}",
                               hint="gc needs the engine to know which builds :local, :previous and :candidate hold")
     in_use = container_image_ids()
-    plans = [plan_image(Path(root), name, keep_n, info.id, in_use) for name in images_of(Path(root), image)]
+    plans = [plan_image(ctx, name, keep_n, info.id, in_use) for name in images_of(ctx, image)]
     return GcPlan(keep_n, plans, plan_mirror_cache())
 
 
 # --------------------------------------------------------------------------------------------- removing
 
 
-def apply(plan: GcPlan, root: Path) -> None:
+def apply(plan: GcPlan, ctx: Context | Path) -> None:
     for ip in plan.images:
         refs = [i.ref for i in ip.remove if i.ref]
         if refs:
@@ -411,7 +413,7 @@ def apply(plan: GcPlan, root: Path) -> None:
             if it.path:
                 _remove(Path(it.path))
         if ip.store_index is not None:
-            _rewrite_index(StageStore.for_image(root, ip.image), set(ip.store_index))
+            _rewrite_index(StageStore.for_image(of(ctx).root, ip.image), set(ip.store_index))
     for it in plan.shared:
         if it.path:
             _remove(Path(it.path))
@@ -443,11 +445,13 @@ def _rewrite_index(store: StageStore, keep: set[str]) -> None:
 # --------------------------------------------------------------------------------------------- df
 
 
-def disk_usage(root: Path, image: str | None = None) -> dict:
+def disk_usage(ctx: Context | Path, image: str | None = None) -> dict:
     """What each image holds on disk: engine images, stage store, prefetched files, run records."""
-    info = engine_mod.probe()
+    ctx = of(ctx)
+    root = ctx.root
+    info = ctx.engine
     rows = []
-    for name in images_of(Path(root), image):
+    for name in images_of(ctx, image):
         imgs = engine_images(name) if info.reachable else []
         seen, engine_bytes = set(), 0
         for im in imgs:
@@ -455,13 +459,13 @@ def disk_usage(root: Path, image: str | None = None) -> dict:
                 seen.add(im.id)
                 engine_bytes += im.unique
         store = StageStore.for_image(root, name)
-        rs = runs.list_runs(root, name)
+        rs = runs.list_runs(ctx, name)
         rows.append({
             "image": name,
             "engine": {"tags": len(imgs), "images": len(seen), "bytes": engine_bytes,
                        "releases": sum(1 for im in imgs if ":release-" in im.ref)},
             "stage_store": {"path": str(store.dir), "stages": len(store.refs()), "bytes": tree_bytes(store.dir)},
-            "prefetched": {"path": defn_mod.display_path(root, state.deps_dir(root, name)),
+            "prefetched": {"path": ctx.show(state.deps_dir(root, name)),
                            "bytes": tree_bytes(state.deps_dir(root, name))},
             "runs": {"count": len(rs), "bytes": sum(tree_bytes(r.dir) for r in rs)},
         })

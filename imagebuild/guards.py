@@ -3,6 +3,10 @@
 - **Platform**: the definition's target platform must match the host's architecture; a
   foreign platform needs ``--emulate`` (QEMU must then be set up by the operator). No silent
   emulated builds.
+- **Base platforms** (``check_base_platforms``): every base image a stage uses that is local must
+  be of the definition's platform. BuildKit takes a local linux/amd64 base for ``--platform
+  linux/arm64`` with exit 0 and labels the result arm64 while it runs x86-64 code; ``--emulate``
+  does not change that (it runs foreign code, it cannot turn an amd64 base into an arm64 one).
 - **Serving containers**: building while a model is served OOM-kills one of them on GB10's
   128 GB of unified memory. A running container counts as *serving* when any of the patterns
   below matches it. Exit 3; ``--force`` overrides with a warning.
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import run as run_mod
-from .errors import GuardRefused, OperationFailed
+from .errors import DefinitionError, GuardRefused, OperationFailed, Problem
 
 log = logging.getLogger("imagebuild")
 
@@ -73,6 +77,74 @@ def check_platform(target: str, *, emulate: bool, engine_arch: str | None = None
     raise GuardRefused(f"the definition targets {target} but this host builds linux/{have}",
                        hint="build on a host of that architecture (DGX Spark is linux/arm64), or pass "
                        "--emulate to build under QEMU deliberately")
+
+
+def base_images(defn) -> dict[str, str]:
+    """versions.env key -> image reference, for every base image the stages use: the ``from:``
+    parents, and ``${KEY}`` in a Dockerfile's FROM, ``COPY --from`` or ``RUN --mount from=``."""
+    from .dockerfile import variable
+
+    out = {key: ref.value for key, ref in defn.images.items()}
+    for st in defn.stages:
+        p = st.parsed
+        names = [fr.variable for fr in p.froms] + [variable(c.from_stage) for c in p.copies if c.from_stage]
+        names += [variable(v) for v, _ in p.mount_froms]
+        plan_args = {a.name for a in st.args if a.origin == "plan"}
+        for name in names:
+            if name and name not in plan_args and defn.env.get(name) is not None:
+                out.setdefault(name, defn.env.get(name))
+    return out
+
+
+def image_platform(ref: str, target: str | None = None) -> str | None:
+    """``os/arch[/variant]`` of the local image ``ref`` (``docker image inspect``), None when it is not
+    local. When the engine can (API >= 1.49) and the image holds ``target`` too, ``target``."""
+    fmt = "{{.Os}}/{{.Architecture}}/{{.Variant}}"
+    proc = run_mod.run(["docker", "image", "inspect", "--format", fmt, ref], check=False, timeout=30)
+    text = proc.stdout.decode("utf-8", "replace").strip()
+    if proc.returncode != 0:
+        if "no such image" in text.lower() or "not found" in text.lower():
+            return None
+        raise OperationFailed(f"docker image inspect {ref} failed: {text.splitlines()[-1] if text else ''}",
+                              hint="is the Docker engine healthy? (imagebuild doctor)")
+    have = text.splitlines()[0].rstrip("/")
+    if target and not _same_platform(have, target):
+        # a multi-platform image in the containerd store shows one platform; ask for the target's
+        alt = run_mod.run(["docker", "image", "inspect", "--platform", target, "--format", fmt, ref],
+                          check=False, timeout=30)
+        if alt.returncode == 0 and _same_platform(alt.stdout.decode().strip().rstrip("/"), target):
+            return target
+    return have
+
+
+def _same_platform(have: str, want: str) -> bool:
+    h, w = have.split("/"), want.split("/")
+    return h[:2] == w[:2] and (len(w) < 3 or (h[2:3] or [""])[0] == w[2])
+
+
+def check_base_platforms(defn, engine=None) -> list[str]:
+    """Refuse (exit 2, naming versions.env:line) a local base image whose platform is not the
+    definition's. Returns notes for base images that are not local (BuildKit resolves them for the
+    platform when it pulls). ``engine``: an ``engine.EngineInfo``; an unreachable engine checks
+    nothing (the build stops on it anyway)."""
+    if engine is not None and not getattr(engine, "reachable", True):
+        return []
+    problems, notes = [], []
+    for key, ref in sorted(base_images(defn).items()):
+        have = image_platform(ref, defn.platform)
+        if have is None:
+            notes.append(f"{key}: {ref} is not local: BuildKit resolves it for {defn.platform} when it pulls")
+        elif not _same_platform(have, defn.platform):
+            problems.append(Problem(
+                defn.env.display, f"base image {ref!r} is {have} (docker image inspect), but image.yaml's "
+                f"platform is {defn.platform}: the build would label {defn.platform} an image that runs "
+                f"{have} code", line=defn.env.line_of(key), key=key,
+                hint=f"pin the {defn.platform} image (imagebuild prefetch pulls the pinned digest for the "
+                "definition's platform) or change 'platform:'; --emulate does not help: it runs foreign "
+                f"code under QEMU, it cannot turn a {have} base into {defn.platform}"))
+    if problems:
+        raise DefinitionError(problems, image=defn.name)
+    return notes
 
 
 # ------------------------------------------------------------------------------------------ serving
@@ -240,16 +312,22 @@ EXPORT_SPACE_FACTOR = 2.0
 
 
 def export_space_gib(store, stages: list[str]) -> float:
-    """Temporary space the reproducible export of ``stages`` needs, estimated from the size of
-    the last build of each stage in the stage store (0 for a stage never built)."""
+    """Temporary space the reproducible export of ``stages`` needs, estimated from the last build of
+    each stage in the stage store (0 for a stage never built): its own layers, i.e. those beyond the
+    longest other stage image in the store whose layers are a prefix of its own (its parent)."""
+    layers: dict[str, list[tuple[str, int]]] = {}
+    for ref in store.refs():
+        m = store.read_json_blob(ref.manifest) or {}
+        layers[ref.manifest] = [(la.get("digest"), int(la.get("size") or 0)) for la in m.get("layers") or []]
     last: dict[str, int] = {}
     for ref in store.refs():
-        if ref.stage in stages:
-            m = store.read_json_blob(ref.manifest) or {}
-            parent_layers = 0
-            size = sum(int(la.get("size") or 0) for la in m.get("layers") or [])
-            # only the stage's own layers are new; the parent's are in the store already
-            last[ref.stage] = max(last.get(ref.stage, 0), size - parent_layers)
+        if ref.stage not in stages:
+            continue
+        mine = layers.get(ref.manifest) or []
+        parent = max((len(v) for k, v in layers.items() if k != ref.manifest and len(v) < len(mine)
+                      and mine[:len(v)] == v), default=0)
+        own = sum(size for _, size in mine[parent:])
+        last[ref.stage] = max(last.get(ref.stage, 0), own)
     return EXPORT_SPACE_FACTOR * sum(last.values()) / (1 << 30)
 
 

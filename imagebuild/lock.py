@@ -21,9 +21,9 @@ run that fails or is interrupted writes no lock at all: the previous one stays a
 
 from __future__ import annotations
 
+import _thread  # threading's RLock itself, without importing threading (start-up time)
 import copy
 import json
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,7 +45,7 @@ def serialise(data: dict) -> str:
 
 
 _batches: dict[Path, dict] = {}
-_batch_lock = threading.RLock()
+_batch_lock = _thread.RLock()
 
 
 def _key(image_dir: Path) -> Path:

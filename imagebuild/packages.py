@@ -27,24 +27,25 @@ packages and base images").
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-import shlex
-import shutil
 import sys
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import definition as d
+from . import lazy, pkgspec, state
 from . import lock as lock_mod
-from . import pkgspec, state
-from . import run as run_mod
 from .errors import OperationFailed
 from .fsutil import atomic_write_text, canonical_json, sha256_bytes, sha256_file
+from .records import dataclass, field
 
-log = logging.getLogger("imagebuild")
+# `plan` reads this module's digests only: what prefetch uses is imported when it runs
+# (docs/cli.md, "Start-up time")
+log = lazy.logger()
+run_mod = lazy.module(".run", __package__)
+shlex = lazy.module("shlex")
+shutil = lazy.module("shutil")
+tempfile = lazy.module("tempfile")
 
 FORMAT = 1  # raise when the layout of wheels/ or apt/ changes (part of every inputs digest)
 WHEELS_CONTEXT = "imagebuild-wheels"
@@ -59,7 +60,7 @@ APT_TIMEOUT_S = 3600
 
 _ARCH = {"linux/amd64": ("x86_64", "amd64"), "linux/arm64": ("aarch64", "arm64"),
          "linux/ppc64le": ("ppc64le", "ppc64el"), "linux/s390x": ("s390x", "s390x")}
-_WHEEL_RE = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?-(?P<py>[^-]+)"
+_WHEEL_RE = lazy.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?-(?P<py>[^-]+)"
                        r"-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl\Z")
 
 
@@ -154,8 +155,8 @@ def wheel_inputs(defn: d.Definition, stage: d.Stage) -> dict:
     index = req.index or py.index
     extras = req.extra_indexes if req.extra_indexes is not None else py.extra_indexes
     return {"format": FORMAT, "requirements_sha256": req.sha256, "python": py.version, "glibc": py.glibc,
-            "platform": defn.platform, "index_url": pkgspec.redact_url(index.url),
-            "extra_index_urls": [pkgspec.redact_url(i.url) for i in extras]}
+            "platform": defn.platform, "index_url": index.shown,
+            "extra_index_urls": [i.shown for i in extras]}
 
 
 def apt_inputs(defn: d.Definition, stage: d.Stage) -> dict:
@@ -346,8 +347,38 @@ def _ensure_present(defn: d.Definition, key: str, name: str, digest: str, report
 
 
 def _pip_env() -> dict[str, str]:
-    # only the definition's indexes count: no pip.conf, no PIP_* from the host
+    # only the definition's indexes count: no pip.conf, no PIP_* from the host (pip's configured
+    # index, where the definition asks for it, is read once and passed as a URL: pip_index_args)
     return {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+
+
+_configured: list = []
+
+
+def configured_index_url() -> str | None:
+    """pip's configured index URL for downloads (``pip config list``: PIP_INDEX_URL, then the
+    [download] and [global] sections), None when nothing is configured (pip's own default)."""
+    if not _configured:
+        proc = run_mod.run([sys.executable, "-m", "pip", "config", "list"], check=False, timeout=60)
+        found = {}
+        for line in proc.stdout.decode("utf-8", "replace").splitlines():
+            key, eq, value = line.partition("=")
+            if eq:
+                found[key.strip()] = value.strip().strip("'\"")
+        _configured.append(next((found[k] for k in (":env:.index-url", "download.index-url", "global.index-url")
+                                 if found.get(k)), None))
+    return _configured[0]
+
+
+def pip_index_args(index: pkgspec.Index, extras: tuple) -> list[str]:
+    """``--index-url`` / ``--extra-index-url`` for the definition's indexes. pip's configured index
+    (an Index without URL) becomes the configured URL; when none is configured, pip's own default is
+    the main index (no --index-url) and every other index an extra one (pip ranks them all alike)."""
+    urls = [ix.url if ix.url is not None else configured_index_url() for ix in (index, *extras)]
+    if None in urls:
+        return [a for u in dict.fromkeys(u for u in urls if u) for a in ("--extra-index-url", u)]
+    urls = list(dict.fromkeys(urls))
+    return ["--index-url", urls[0]] + [a for u in urls[1:] for a in ("--extra-index-url", u)]
 
 
 def _pip_download(defn: d.Definition, stage: d.Stage, specs: list[str], dest: Path, *, no_deps: bool) -> str:
@@ -358,11 +389,9 @@ def _pip_download(defn: d.Definition, stage: d.Stage, specs: list[str], dest: Pa
     argv = [sys.executable, "-m", "pip", "download", "--isolated", "--disable-pip-version-check",
             "--only-binary=:all:", "--implementation", "cp", "--python-version", py.version, "--abi", py.abi,
             "--progress-bar", "off", "--cache-dir", str(state.state_dir(defn.root) / "pip-cache"),
-            "--index-url", index.url, "-d", str(dest)]
+            *pip_index_args(index, extras), "-d", str(dest)]
     for tag in wheel_platform_tags(defn.platform, py.glibc):
         argv += ["--platform", tag]
-    for ix in extras:
-        argv += ["--extra-index-url", ix.url]
     if no_deps:
         argv.append("--no-deps")
     spec_file = dest / ".imagebuild-requirements.in"

@@ -105,9 +105,20 @@ class PatchOutcome:
                 "sha256": self.sha256, "edits": [e.as_dict() for e in self.edits]}
 
 
-def _short(text: str, n: int = 60) -> str:
-    one = text.strip().splitlines()[0] if text.strip() else text
-    return repr(one if len(one) <= n else one[:n] + "...")
+def _short(text: str, n: int = 160) -> str:
+    """``text`` as ``repr`` shows it: whitespace visible (``'\\t'``, ``'\\n'``, trailing blanks), cut at ``n``."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + "..."
+
+
+def _near(anchor: str, text: str) -> str:
+    """Where the anchor's first line occurs with other whitespace, to show the difference."""
+    first = next((ln for ln in anchor.split("\n") if ln.strip()), "")
+    if not first.strip():
+        return ""
+    for n, line in enumerate(text.split("\n"), start=1):
+        if line.strip() == first.strip() and line != first:
+            return f" (line {n} has {line!r}, the anchor's first line is {first!r})"
+    return ""
 
 
 def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
@@ -120,7 +131,8 @@ def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
                                f"upstream already has the change (found {_short(eq)})"), text
     count = text.count(edit.anchor)
     if count != 1:
-        found = "not found" if count == 0 else f"found {count} times (must be exactly once)"
+        found = "not found" + _near(edit.anchor, text) if count == 0 else \
+            f"found {count} times (must be exactly once)"
         raise PatchError(f"patch {patch}: file {edit.file}: anchor {_short(edit.anchor)} {found}; "
                          f"no marker {edit.marker!r} and no recognised upstream equivalent either "
                          "-- upstream moved: update the patch's anchor (imagebuild patch IMAGE --src DIR --check)")

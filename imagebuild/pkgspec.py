@@ -10,7 +10,8 @@ image.yaml, top level::
     python:                          # the target interpreter of stages that install wheels
       version: "3.12"                # CPython X.Y (a bare `python: "3.12"` also works)
       glibc: "2.39"                  # newest manylinux glibc the base has (default 2.17)
-      index_url: PIP_INDEX_URL       # versions.env key holding the index URL (default: PyPI)
+      index_url: PIP_INDEX_URL       # versions.env key holding the index URL (default, or an empty
+                                     # value: pip's configured index)
       extra_index_urls: [TORCH_INDEX_URL]
     apt_snapshot: APT_SNAPSHOT       # optional versions.env key: snapshot date 20250101T000000Z
 
@@ -26,25 +27,27 @@ A requirements file holds exact pins only (``name==version``, optional ``[extras
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from . import lazy
 from .fsutil import sha256_bytes
+from .records import dataclass
 
-DEFAULT_INDEX_URL = "https://pypi.org/simple"
+# No index host is written here: without index_url (or with an empty versions.env value) wheels come
+# from pip's configured index (`pip config`, PIP_INDEX_URL, else pip's own default), read at prefetch.
 DEFAULT_GLIBC = "2.17"
 
-PY_VERSION_RE = re.compile(r"3\.(?:[0-9]|[1-9][0-9])\Z")
-GLIBC_RE = re.compile(r"2\.(?:[0-9]|[1-9][0-9])\Z")
-SNAPSHOT_RE = re.compile(r"[0-9]{8}T[0-9]{6}Z\Z")
-URL_RE = re.compile(r"(?:https?|file)://\S+\Z")
+PY_VERSION_RE = lazy.compile(r"3\.(?:[0-9]|[1-9][0-9])\Z")
+GLIBC_RE = lazy.compile(r"2\.(?:[0-9]|[1-9][0-9])\Z")
+SNAPSHOT_RE = lazy.compile(r"[0-9]{8}T[0-9]{6}Z\Z")
+URL_RE = lazy.compile(r"(?:https?|file)://\S+\Z")
 # PEP 508 name, optional extras, ==version (PEP 440 public + optional local label)
-REQ_RE = re.compile(
+REQ_RE = lazy.compile(
     r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)"
     r"(?:\[(?P<extras>[A-Za-z0-9._,\s-]*)\])?"
     r"\s*==\s*(?P<version>[A-Za-z0-9][A-Za-z0-9.!+_-]*)\Z")
-HASH_RE = re.compile(r"--hash[=\s]sha256:(?P<hex>[0-9a-f]{64})\Z")
-APT_RE = re.compile(r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?="
+HASH_RE = lazy.compile(r"--hash[=\s]sha256:(?P<hex>[0-9a-f]{64})\Z")
+APT_RE = lazy.compile(r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?="
                     r"(?P<version>(?:[0-9]+:)?[A-Za-z0-9][A-Za-z0-9.+~-]*)\Z")
 
 PYTHON_KEYS = ("version", "glibc", "index_url", "extra_index_urls")
@@ -59,7 +62,15 @@ def normalise(name: str) -> str:
 @dataclass(frozen=True)
 class Index:
     key: str | None  # versions.env key, None for the default
-    url: str
+    url: str | None  # None: pip's configured index (resolved by prefetch, packages.pip_index_args)
+
+    @property
+    def shown(self) -> str | None:
+        """The URL without credentials, None for pip's configured index (what keys and locks hold)."""
+        return redact_url(self.url) if self.url is not None else None
+
+
+PIP_CONFIGURED = Index(None, None)
 
 
 @dataclass(frozen=True)
@@ -159,7 +170,7 @@ def top_level(m: dict, yfile: str, env, err) -> tuple[PythonTarget | None, str |
             err(yfile, f"invalid glibc {glibc!r}: expected 2.N, the newest manylinux level the base image "
                 "supports (e.g. \"2.39\" for Ubuntu 24.04)", line=gline, key="python.glibc")
             ok = False
-        index = Index(None, DEFAULT_INDEX_URL)
+        index = PIP_CONFIGURED
         if "index_url" in fields:
             index = _index(fields["index_url"], yfile, "python.index_url", env, err)
             ok &= index is not None
@@ -189,10 +200,12 @@ def _index(value_line, yfile, key, env, err) -> Index | None:
     value, line = value_line
     if not isinstance(value, str) or env.get(value) is None:
         err(yfile, f"{value!r} is not a versions.env key", line=line, key=key,
-            hint="index URLs live in versions.env (e.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130); "
-            "name the key here")
+            hint="index URLs live in versions.env (e.g. TORCH_INDEX_URL=https://<index host>/whl/cu130, or "
+            "PYPI_INDEX_URL= empty for pip's configured index); name the key here")
         return None
     url = env.get(value)
+    if url == "":
+        return Index(value, None)  # an empty value: pip's configured index
     if not URL_RE.match(url):
         err(env.display, f"invalid index URL {redact_url(url)!r}: expected https://, http:// or file://",
             line=env.line_of(value), key=value)

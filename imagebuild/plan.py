@@ -22,15 +22,14 @@ The build id names one build's inputs: the lock, every stage key, and the releas
 
 from __future__ import annotations
 
-import platform as _platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from . import definition as d
 from . import lock as lock_mod
 from . import packages as packages_mod
 from . import provenance, source_mounts
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
+from .records import dataclass, field
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 2
@@ -172,9 +171,8 @@ PRIMITIVE_DISPLAY = "<imagebuild>/patching.py"
 def _primitive_sha256() -> str:
     from pathlib import Path
 
-    from . import patching
-
-    return sha256_tree(Path(patching.__file__))
+    # the file imagebuild/patching.py, found without importing it (start-up time)
+    return sha256_tree(Path(__file__).with_name("patching.py"))
 
 
 def stage_image(image: str, stage: str, key: str) -> str:
@@ -196,6 +194,8 @@ def _buildkit_value(name: str, target: str) -> str:
 
 
 def _host_platform() -> str:
+    import platform as _platform  # here: importing it costs every plan ~2 ms (docs/cli.md, "Start-up time")
+
     m = _platform.machine().lower()
     arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(m, m)
     return f"linux/{arch}"
@@ -229,7 +229,7 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
             stale = "not in the lock (imagebuild prefetch packs it)"
         elif src is not None:
             want = src.pins()
-            have = _pr_pins(entry.get("prs"))
+            have = pr_pins(entry.get("prs"))
             if entry.get("repo") != want["repo"] or entry.get("ref") != want["ref"] or have != want["prs"]:
                 stale = (f"the lock has {entry.get('ref')!r} {have} from {entry.get('repo')!r}, "
                          f"versions.env says {want['ref']!r} {want['prs']} from {want['repo']!r}")
@@ -242,7 +242,7 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
     return out
 
 
-def _pr_pins(prs) -> list[str]:
+def pr_pins(prs) -> list[str]:
     """The lock's PR list (``[{"number", "sha"}]``) in versions.env's ``N@sha`` form."""
     out = []
     for p in prs or []:
@@ -360,6 +360,6 @@ def _build_id_from(lock_sha: str | None) -> str:
 
 
 def _with_exists(ps: PlannedStage, value: bool | None) -> PlannedStage:
-    from dataclasses import replace
+    from .records import replace
 
     return replace(ps, exists=value)

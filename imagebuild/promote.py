@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import identity as identity_mod
 from . import run as run_mod
@@ -85,14 +84,16 @@ class Promotion:
                             "result": self.receipt.get("result")}}
 
 
-def current_spec_digest(root: Path, image: str) -> str | None:
+def current_spec_digest(ctx, image: str) -> str | None:
     """The digest of the definition's gate spec now (None: no definition or no spec)."""
     from . import definition as defn_mod
     from . import gatespec
+    from .context import of
 
-    if not (Path(root) / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
+    root = of(ctx).root
+    if not (root / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
         return None
-    dfn = defn_mod.load(Path(root), image)
+    dfn = defn_mod.load(root, image)
     return gatespec.digest(dfn.gate) if dfn.gate is not None else None
 
 
@@ -103,7 +104,7 @@ def _identity_or_none(reference: str) -> identity_mod.ImageIdentity | None:
         return None
 
 
-def promote(root: Path, image: str, candidate: str | None = None, *, spec_digest: str | None = None) -> Promotion:
+def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str | None = None) -> Promotion:
     """Move ``image:local`` to ``candidate`` (default ``image:candidate``) if a passing receipt of the
     definition's current gate spec (``spec_digest``) exists for exactly its identity; the old
     ``:local`` becomes ``:previous``. When ``:local`` already holds that identity nothing moves,
@@ -111,12 +112,12 @@ def promote(root: Path, image: str, candidate: str | None = None, *, spec_digest
     from . import receipts
 
     candidate = candidate or ref(image, CANDIDATE)
-    spec_digest = spec_digest or current_spec_digest(root, image)
+    spec_digest = spec_digest or current_spec_digest(ctx, image)
     if spec_digest is None:
         raise GateFailed(f"{image} has no gate spec: nothing can authorize a promotion of {candidate}",
                          hint="add a gate spec (docs/gate.md)")
     ident = identity_mod.inspect(candidate)
-    receipt = receipts.find_passing(Path(root), ident.digest, spec_digest)
+    receipt = receipts.find_passing(ctx, ident.digest, spec_digest)
     if not receipt:
         raise GateFailed(f"{candidate} ({ident.digest}) has no passing receipt of {image}'s current gate spec "
                          f"({spec_digest[:19]}): :local stays where it is",
@@ -139,7 +140,7 @@ def promote(root: Path, image: str, candidate: str | None = None, *, spec_digest
     return Promotion(image, ident.digest, cand_id, previous, receipt)
 
 
-def rollback(image: str, root: Path | None = None) -> dict:
+def rollback(image: str, ctx=None) -> dict:
     """Swap ``image:local`` and ``image:previous``; warn when the image that becomes ``:local``
     has no passing receipt of the definition's current gate spec."""
     from . import receipts
@@ -150,10 +151,10 @@ def rollback(image: str, root: Path | None = None) -> dict:
         raise OperationFailed(f"{image}:previous does not exist: nothing to roll back to",
                               hint="a :previous exists after a second successful promotion")
     warning = None
-    if root is not None:
-        spec = current_spec_digest(root, image)
+    if ctx is not None:
+        spec = current_spec_digest(ctx, image)
         prev = _identity_or_none(prev_id)
-        if spec is not None and prev is not None and not receipts.find_passing(Path(root), prev.digest, spec):
+        if spec is not None and prev is not None and not receipts.find_passing(ctx, prev.digest, spec):
             warning = (f"{image}:previous ({prev.digest}) has no passing receipt of the current gate spec "
                        f"({spec[:19]}): it passed an older gate or none; rolling back anyway "
                        f"(imagebuild gate {image} --ref {image}:local checks it)")

@@ -12,12 +12,14 @@ whose tree does not hold what was built. Read-only: only ``git log`` and ``git s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import definition as d
-from . import run as run_mod
+from . import lazy
 from .fsutil import canonical_json, sha256_bytes, sha256_tree
+from .records import dataclass
+
+run_mod = lazy.module(".run", __package__)  # git, only when a build records provenance
 
 DIRTY_SUFFIX = "-dirty"
 
@@ -48,16 +50,49 @@ def definition_sha256(defn: d.Definition) -> str:
     return "sha256:" + sha256_bytes(canonical_json(parts))
 
 
+def _in_git(root: Path) -> bool:
+    return (Path(root) / ".git").exists() and run_mod.which("git") is not None
+
+
+def _git(root: Path, *commands: list[str]) -> list[tuple[int, str]]:
+    """Run independent git commands at once (plan runs three: ~3x faster than one after the other);
+    (exit code, stdout) of each."""
+    import subprocess
+
+    procs = [run_mod.popen(["git", "-C", str(root), *args], stdin=False) for args in commands]
+    out = []
+    for proc in procs:
+        try:
+            stdout, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+        out.append((proc.returncode, stdout.decode("utf-8", "replace").strip()))
+    return out
+
+
+def _log_args(paths) -> list[str]:
+    return ["log", "-1", "--format=%H", "--", *paths]
+
+
+def _status_args(paths) -> list[str]:
+    return ["status", "--porcelain", "--untracked-files=all", "--", *paths]
+
+
+_REMOTE_ARGS = ["remote", "get-url", "origin"]
+
+
 def revision(root: Path, paths: list[str]) -> str | None:
-    if not (Path(root) / ".git").exists() or run_mod.which("git") is None:
+    if not _in_git(root):
         return None
-    proc = run_mod.run(["git", "-C", str(root), "log", "-1", "--format=%H", "--", *paths], check=False, timeout=10)
-    rev = proc.stdout.decode().strip()
-    if proc.returncode != 0:
+    return _revision(*_git(root, _log_args(paths), _status_args(paths)))
+
+
+def _revision(log: tuple[int, str], status: tuple[int, str]) -> str | None:
+    (code, rev), (status_code, changes) = log, status
+    if code != 0:
         return None
-    status = run_mod.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all", "--", *paths],
-                         check=False, timeout=10)
-    dirty = status.returncode != 0 or bool(status.stdout.strip())
+    dirty = status_code != 0 or bool(changes)
     if len(rev) != 40:  # never committed: there is no commit to name
         return None if not dirty else "uncommitted" + DIRTY_SUFFIX
     return rev + (DIRTY_SUFFIX if dirty else "")
@@ -65,11 +100,14 @@ def revision(root: Path, paths: list[str]) -> str | None:
 
 def source_url(root: Path) -> str | None:
     """The project's ``origin`` remote, without credentials (never put a token into a label)."""
-    if not (Path(root) / ".git").exists() or run_mod.which("git") is None:
+    if not _in_git(root):
         return None
-    proc = run_mod.run(["git", "-C", str(root), "remote", "get-url", "origin"], check=False, timeout=10)
-    url = proc.stdout.decode().strip()
-    if proc.returncode != 0 or not url:
+    return _source_url(*_git(root, _REMOTE_ARGS))
+
+
+def _source_url(remote: tuple[int, str]) -> str | None:
+    code, url = remote
+    if code != 0 or not url:
         return None
     if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
         scheme, rest = url.split("://", 1)
@@ -79,4 +117,8 @@ def source_url(root: Path) -> str | None:
 
 def of(defn: d.Definition) -> Provenance:
     paths = [d.display_path(defn.root, p) for p in _paths(defn)]
-    return Provenance(definition_sha256(defn), revision(defn.root, paths), tuple(paths), source_url(defn.root))
+    rev = url = None
+    if _in_git(defn.root):
+        log, status, remote = _git(defn.root, _log_args(paths), _status_args(paths), _REMOTE_ARGS)
+        rev, url = _revision(log, status), _source_url(remote)
+    return Provenance(definition_sha256(defn), rev, tuple(paths), url)

@@ -11,7 +11,8 @@ and ``authority`` says where that spec came from:
 - ``definition``: the definition's own gate spec (``gate:`` in image.yaml);
 - ``ad-hoc``: any other spec (``imagebuild gate IMAGE --spec FILE``, or an image reference).
 
-Promotion and sync ask ``find_passing(root, identity, spec_digest)`` with the digest of the
+Promotion and sync ask ``find_passing(ctx, identity, spec_digest)`` (``ctx``: a ``context.Context``
+or a project root) with the digest of the
 definition's CURRENT spec: only a passing ``definition`` receipt for exactly that image and
 exactly that spec counts. An ad-hoc run never authorizes a promotion, and adding a check to
 gate.yaml makes every earlier receipt irrelevant.
@@ -26,7 +27,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import state
 from .fsutil import atomic_write_json
 
 SCHEMA = "imagebuild.receipt"
@@ -36,8 +36,11 @@ AUTHORITY_DEFINITION = "definition"
 AUTHORITY_AD_HOC = "ad-hoc"
 
 
-def receipts_dir(root: Path) -> Path:
-    return state.state_dir(root) / "receipts"
+def receipts_dir(ctx) -> Path:
+    """``<state>/receipts`` of a ``context.Context`` (or of a project root)."""
+    from .context import of
+
+    return of(ctx).state / "receipts"
 
 
 def _hex(digest: str, what: str = "identity") -> str:
@@ -47,12 +50,12 @@ def _hex(digest: str, what: str = "identity") -> str:
     return hexpart
 
 
-def receipt_path(root: Path, identity_digest: str, spec_digest: str) -> Path:
-    return receipts_dir(root) / _hex(identity_digest) / f"{_hex(spec_digest, 'spec')}.json"
+def receipt_path(ctx, identity_digest: str, spec_digest: str) -> Path:
+    return receipts_dir(ctx) / _hex(identity_digest) / f"{_hex(spec_digest, 'spec')}.json"
 
 
-def log_path(root: Path, identity_digest: str, spec_digest: str) -> Path:
-    return receipt_path(root, identity_digest, spec_digest).with_suffix(".log")
+def log_path(ctx, identity_digest: str, spec_digest: str) -> Path:
+    return receipt_path(ctx, identity_digest, spec_digest).with_suffix(".log")
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class Receipt:
         return bool(self.data.get("gpu_checks_skipped"))
 
 
-def write(root: Path, data: dict) -> Receipt:
+def write(ctx, data: dict) -> Receipt:
     """Validate the shape and write ``data`` atomically to its (identity, spec) receipt file."""
     if data.get("schema") != SCHEMA or data.get("version") != VERSION:
         raise ValueError("not a receipt document")
@@ -94,15 +97,15 @@ def write(root: Path, data: dict) -> Receipt:
     for c in data["checks"]:
         if c["outcome"] not in OUTCOMES:
             raise ValueError(f"bad outcome {c['outcome']!r} for check {c['id']!r}")
-    path = receipt_path(root, data["identity"]["digest"], data["spec"]["sha256"])
+    path = receipt_path(ctx, data["identity"]["digest"], data["spec"]["sha256"])
     atomic_write_json(path, data)
     return Receipt(data, path)
 
 
-def read(root: Path, identity_digest: str, spec_digest: str) -> dict | None:
+def read(ctx, identity_digest: str, spec_digest: str) -> dict | None:
     """The latest receipt for that identity and spec, or None (also for an unreadable or foreign file)."""
     try:
-        path = receipt_path(root, identity_digest, spec_digest)
+        path = receipt_path(ctx, identity_digest, spec_digest)
         data = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, OSError):
         return None
@@ -114,10 +117,10 @@ def read(root: Path, identity_digest: str, spec_digest: str) -> dict | None:
     return data
 
 
-def for_identity(root: Path, identity_digest: str) -> list[dict]:
+def for_identity(ctx, identity_digest: str) -> list[dict]:
     """Every receipt of that image (any spec), newest run first."""
     try:
-        d = receipts_dir(root) / _hex(identity_digest)
+        d = receipts_dir(ctx) / _hex(identity_digest)
     except ValueError:
         return []
     out = []
@@ -131,13 +134,13 @@ def for_identity(root: Path, identity_digest: str) -> list[dict]:
     return sorted(out, key=lambda x: (x.get("run") or {}).get("finished") or "", reverse=True)
 
 
-def find_passing(root: Path, identity_digest: str, spec_digest: str, *, require_gpu: bool = False) -> dict | None:
+def find_passing(ctx, identity_digest: str, spec_digest: str, *, require_gpu: bool = False) -> dict | None:
     """The passing receipt of the definition's spec ``spec_digest`` for exactly this image, or None.
 
     Only the latest run counts: a failed run after a pass returns None. An ad-hoc receipt never
     counts. With ``require_gpu``, a pass whose GPU checks were skipped does not count either.
     """
-    data = read(root, identity_digest, spec_digest)
+    data = read(ctx, identity_digest, spec_digest)
     if data is None or data.get("result") != "passed" or data.get("authority") != AUTHORITY_DEFINITION:
         return None
     if any(c.get("outcome") == "failed" and c.get("severity") != "warn" for c in data.get("checks", [])):

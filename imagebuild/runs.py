@@ -11,12 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import state
+from .context import Context, of
 from .errors import UsageError
 
 
-def builds_dir(root: Path) -> Path:
-    return state.state_dir(root) / "builds"
+def builds_dir(ctx: Context | Path) -> Path:
+    return of(ctx).state / "builds"
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def _read(d: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def list_runs(root: Path, image: str | None = None) -> list[Run]:
+def list_runs(ctx: Context | Path, image: str | None = None) -> list[Run]:
     """Runs, newest first (of one image, or of every image)."""
-    top = builds_dir(root)
+    top = builds_dir(ctx)
     images = [image] if image else sorted(p.name for p in top.iterdir() if p.is_dir()) if top.is_dir() else []
     out = []
     for img in images:
@@ -66,10 +66,10 @@ def list_runs(root: Path, image: str | None = None) -> list[Run]:
     return sorted(out, key=lambda r: r.run_id, reverse=True)
 
 
-def find_run(root: Path, image: str, run_id: str | None) -> Run:
-    runs = list_runs(root, image)
+def find_run(ctx: Context | Path, image: str, run_id: str | None) -> Run:
+    runs = list_runs(ctx, image)
     if not runs:
-        raise UsageError(f"no build runs of {image!r} recorded in {builds_dir(root) / image}",
+        raise UsageError(f"no build runs of {image!r} recorded in {builds_dir(ctx) / image}",
                          hint=f"imagebuild build {image}")
     if run_id in (None, "latest"):
         return runs[0]

@@ -29,9 +29,9 @@ import json
 import re
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from .fsutil import sha256_bytes
+from .records import dataclass, field
 
 CONTEXT = "imagebuild-src"  # the named build context
 MOUNT = "/imagebuild/src"  # where a Dockerfile binds it (read-only)

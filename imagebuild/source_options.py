@@ -8,13 +8,14 @@ sources and FetchContent dependencies"); what prefetch does with it in docs/pref
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from . import envfile, yamlread
+from . import envfile, lazy, yamlread
+from .records import dataclass
+
+difflib = lazy.module("difflib")  # error hints only
 
 SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules", "exclude")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

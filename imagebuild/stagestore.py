@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import state
 from .fsutil import atomic_write_json
+from .records import dataclass
 
 REF_SCHEMA = "imagebuild.stage-ref"
 REF_VERSION = 1

@@ -6,24 +6,31 @@ Node, or a scalar (str, int, float, bool, None); ``.line`` is the 1-based line o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from .lazy import import_yaml
+from .records import dataclass
 
-import yaml
+yaml = import_yaml()  # PyYAML without compiling its import-time patterns (lazy.py)
 
 
 @dataclass
 class Node:
-    value: Any
+    value: object  # dict[str, Node] | list[Node] | a scalar
     line: int
     key_lines: dict[str, int] | None = None  # for mappings: key -> line of the key
 
-    def plain(self) -> Any:
+    def plain(self) -> object:
         if isinstance(self.value, dict):
             return {k: v.plain() for k, v in self.value.items()}
         if isinstance(self.value, list):
             return [v.plain() for v in self.value]
         return self.value
+
+
+# Bounds (docs/image-definition.md, "YAML"): a definition file is small and plain. Anchors and
+# aliases are refused: nested aliases expand exponentially (9 levels took 2.4 GB and 90 s).
+MAX_BYTES = 1 << 20
+MAX_NODES = 100_000
+MAX_DEPTH = 64
 
 
 class YamlError(ValueError):
@@ -32,13 +39,83 @@ class YamlError(ValueError):
         self.line = line
 
 
-def load(text: str) -> Node | None:
+class _Loader(yaml.SafeLoader):
+    """SafeLoader's composer, refusing anchors and aliases and bounding the node count and depth."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self._nodes = 0
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
+            raise YamlError(f"YAML {what}: anchors and aliases are not supported here (a few nested aliases "
+                            "expand to gigabytes); write the value out", line)
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise YamlError(f"more than {MAX_NODES} YAML nodes: a definition file is small (limit {MAX_NODES})",
+                            line)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise YamlError(f"YAML nested more than {MAX_DEPTH} levels deep (limit {MAX_DEPTH})", line)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _check_events(text: str) -> None:
+    """With libyaml (C): the same refusals as ``_Loader``, from the event stream, before composing."""
+    nodes = depth = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        if isinstance(event, (yaml.CollectionEndEvent, yaml.DocumentEndEvent, yaml.StreamEndEvent)):
+            depth -= isinstance(event, yaml.CollectionEndEvent)
+            continue
+        if not isinstance(event, yaml.NodeEvent):
+            continue
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent) or event.anchor:
+            what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
+            raise YamlError(f"YAML {what}: anchors and aliases are not supported here (a few nested aliases "
+                            "expand to gigabytes); write the value out", line)
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise YamlError(f"more than {MAX_NODES} YAML nodes: a definition file is small (limit {MAX_NODES})",
+                            line)
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH - 1:
+                raise YamlError(f"YAML nested more than {MAX_DEPTH} levels deep (limit {MAX_DEPTH})", line)
+
+
+def _compose(text: str):
+    if getattr(yaml, "__with_libyaml__", False):  # the C parser: several times faster to start and run
+        _check_events(text)
+        return yaml.compose(text, Loader=yaml.CSafeLoader)
+    loader = _Loader(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        return loader.get_single_node()
+    finally:
+        loader.dispose()
+
+
+def load(text: str) -> Node | None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_BYTES:
+        raise YamlError(f"the file is {size} bytes: larger than {MAX_BYTES} bytes (1 MiB), the limit for a "
+                        "definition file", None)
+    try:
+        root = _compose(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise YamlError(f"invalid YAML: {problem}", mark.line + 1 if mark else None) from None
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc)
+        line = mark.line + 1 if mark else None
+        if line is None and isinstance(getattr(exc, "position", None), int):  # a ReaderError (a bad character)
+            line = text.count("\n", 0, exc.position) + 1
+        raise YamlError(f"invalid YAML: {problem}", line) from None
     if root is None:
         return None
     return _convert(root)
@@ -63,11 +140,12 @@ def _convert(node: yaml.Node) -> Node:
     return Node(_scalar(node), line)
 
 
-def _scalar(node: yaml.Node) -> Any:
+def _scalar(node: yaml.Node) -> object:
     if not isinstance(node, yaml.ScalarNode):
         raise YamlError("expected a plain value here", node.start_mark.line + 1)
-    return yaml.SafeLoader.construct_scalar(_CONSTRUCTOR, node) if node.tag.endswith(":str") else \
+    return _CONSTRUCTOR.construct_scalar(node) if node.tag.endswith(":str") else \
         _CONSTRUCTOR.construct_object(node)
 
 
-_CONSTRUCTOR = yaml.SafeLoader("")
+# scalars only: a constructor needs no reader or scanner (a SafeLoader("") would run its reader)
+_CONSTRUCTOR = yaml.constructor.SafeConstructor()

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Make sure the real parts the test suite needs are here, then exit 0.
 #
-#   scripts/testbed.sh            engine + base images (idempotent; fast when all is there)
-#   scripts/testbed.sh --check    only report what is missing (exit 1 if anything is)
+#   scripts/testbed.sh                 engine + base images (idempotent; fast when all is there)
+#   scripts/testbed.sh --check         only report what is missing (exit 1 if anything is)
+#   scripts/testbed.sh --print-mirror  print the Debian mirror it would use, and exit
+#
+# The Debian mirror is this machine's own: the first main-suite URI in apt's sources
+# (/etc/apt/sources.list.d/*.sources, then /etc/apt/sources.list), or $IMAGEBUILD_DEBIAN_MIRROR.
+# No mirror host is written in this project.
 #
 # What it provides (recipe: ../shared/ENVIRONMENT.md, sections 1-2):
 #   - a Docker engine with BuildKit (buildx) and the containerd image store;
@@ -18,7 +23,9 @@ set -euo pipefail
 CACHE=${IMAGEBUILD_TESTBED_CACHE:-$HOME/.cache/imagebuild-testbed}
 DEBIAN_IMAGE=imagebuild-test/debian:bookworm
 BUSYBOX_IMAGE=imagebuild-test/busybox:1
-DEBIAN_PKGS=python3,cmake,g++,make,git
+DEBIAN_PKGS=python3,cmake,g++,make,git,ccache
+# the cached root-fs tarball and the imported image are named by this list: adding a package rebuilds both
+DEBIAN_PKGS_ID=$(printf %s "$DEBIAN_PKGS" | sha256sum | cut -c1-12)
 LOG=${IMAGEBUILD_TESTBED_LOG:-/var/log/imagebuild-dockerd.log}
 check_only=0
 [ "${1:-}" = "--check" ] && check_only=1
@@ -29,6 +36,33 @@ die() { echo "testbed: error: $*" >&2; exit 1; }
 have() { command -v "$1" >/dev/null 2>&1; }
 engine_up() { docker info >/dev/null 2>&1; }
 buildx_ok() { docker buildx version >/dev/null 2>&1; }
+
+# The Debian mirror apt uses here: the first URI of a deb822 stanza (or a one-line "deb" entry)
+# whose suite has no "-" (bookworm, not bookworm-security / bookworm-updates).
+debian_mirror() {
+  if [ -n "${IMAGEBUILD_DEBIAN_MIRROR:-}" ]; then echo "${IMAGEBUILD_DEBIAN_MIRROR%/}"; return 0; fi
+  local m="" f parts=${IMAGEBUILD_APT_SOURCE_PARTS:-/etc/apt/sources.list.d} list=${IMAGEBUILD_APT_SOURCE_LIST:-/etc/apt/sources.list}
+  for f in "$parts"/*.sources; do
+    [ -f "$f" ] || continue
+    m=$(awk '
+      function flush() { if (uri != "" && main) { print uri; found = 1; exit } uri = ""; main = 0; deb = 0 }
+      /^[[:space:]]*$/ { flush(); next }
+      /^[[:space:]]*#/ { next }
+      tolower($1) == "types:" { for (i = 2; i <= NF; i++) if ($i == "deb") deb = 1 }
+      tolower($1) == "uris:" { uri = $2 }
+      tolower($1) == "suites:" { for (i = 2; i <= NF; i++) if ($i !~ /-/) main = 1 }
+      END { if (!found && uri != "" && main && deb) print uri }' "$f")
+    [ -n "$m" ] && break
+  done
+  if [ -z "$m" ] && [ -f "$list" ]; then
+    m=$(awk '$1 == "deb" { i = 2; if ($i ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
+                           if ($(i + 1) !~ /-/) { print $i; exit } }' "$list")
+  fi
+  [ -n "$m" ] || die "no Debian mirror in apt's sources ($parts/*.sources, $list); set IMAGEBUILD_DEBIAN_MIRROR"
+  echo "${m%/}"
+}
+
+if [ "${1:-}" = "--print-mirror" ]; then debian_mirror; exit 0; fi
 
 apt_updated=0
 apt_install() {
@@ -54,16 +88,48 @@ ensure_tools() {
   fi
 }
 
-# Debian 13's engine (26.x, BuildKit 0.13) and buildx on top of bookworm's containerd/runc.
-install_engine() {
-  say "installing a Docker engine (bookworm docker.io, then trixie's engine + buildx)"
-  apt_install docker.io
-  local t=/tmp/imagebuild-trixie
-  mkdir -p "$t/lists/partial" "$t/debs"
-  echo "deb http://deb.debian.org/debian trixie main" > "$t/sources.list"
+# The engine: Debian unstable's dockerd 28.x (BuildKit 0.2x) with its containerd 2.x and buildx 0.29,
+# unpacked (dpkg -x) into $ENGINE_DIR and linked from /usr/local/bin; bookworm's docker.io provides
+# runc, iptables and the rest. Why this engine: imagebuild exports every stage reproducibly
+# (rewrite-timestamp), and BuildKit 0.13 (Debian 13's engine 26.1) also rewrites the base image's
+# layers there and is about twice as slow (docs/build.md, "Reproducibility"). When unstable's engine
+# does not run here (a newer libc than this machine's), Debian 13's 26.1 is installed instead.
+ENGINE_DIR=/usr/local/lib/imagebuild-engine
+
+_suite_debs() {  # _suite_debs SUITE DIR PACKAGE...: download PACKAGEs from SUITE of this machine's mirror
+  local suite=$1 t=$2; shift 2
+  rm -rf "$t"; mkdir -p "$t/lists/partial" "$t/debs"
+  echo "deb $(debian_mirror) $suite main" > "$t/sources.list"
   local o=(-o Dir::Etc::SourceList="$t/sources.list" -o Dir::Etc::SourceParts=/dev/null -o Dir::State::Lists="$t/lists")
   apt-get "${o[@]}" update -qq >&2
-  (cd "$t/debs" && apt-get "${o[@]}" download docker.io docker-cli docker-buildx >&2)
+  (cd "$t/debs" && apt-get "${o[@]}" download "$@" >&2)
+}
+
+install_engine() {
+  say "installing a Docker engine (bookworm docker.io for runc, then unstable's engine 28 + buildx)"
+  apt_install docker.io
+  local t=/tmp/imagebuild-engine-debs
+  _suite_debs sid "$t" docker.io containerd docker-buildx
+  rm -rf "$t/x" && mkdir -p "$t/x"
+  for d in "$t"/debs/*.deb; do dpkg -x "$d" "$t/x"; done
+  if ! "$t/x/usr/sbin/dockerd" --version >/dev/null 2>&1 || ! "$t/x/usr/bin/containerd" --version >/dev/null 2>&1; then
+    say "unstable's engine does not run on this machine's libc: installing Debian 13's engine 26 instead"
+    install_engine_trixie
+    return
+  fi
+  mkdir -p "$ENGINE_DIR" /usr/local/lib/docker/cli-plugins
+  for b in sbin/dockerd sbin/docker-proxy bin/containerd bin/containerd-shim-runc-v2 bin/ctr; do
+    cp -a "$t/x/usr/$b" "$ENGINE_DIR/"
+    ln -sf "$ENGINE_DIR/$(basename "$b")" "/usr/local/bin/$(basename "$b")"
+  done
+  cp "$t/x/usr/libexec/docker/cli-plugins/docker-buildx" /usr/local/lib/docker/cli-plugins/
+  say "engine: $("$ENGINE_DIR/dockerd" --version), containerd $("$ENGINE_DIR/containerd" --version | awk '{print $3}')"
+}
+
+# Debian 13's engine (26.x, BuildKit 0.13) and buildx on top of bookworm's containerd/runc.
+install_engine_trixie() {
+  local t=/tmp/imagebuild-trixie
+  _suite_debs trixie "$t" docker.io docker-cli docker-buildx
   dpkg -i "$t"/debs/docker.io_*.deb "$t"/debs/docker-cli_*.deb >&2
   rm -rf "$t/bx" && dpkg -x "$t"/debs/docker-buildx_*.deb "$t/bx"
   mkdir -p /usr/local/lib/docker/cli-plugins
@@ -89,10 +155,14 @@ start_engine() {
 ensure_engine() {
   if engine_up; then
     buildx_ok || { [ $check_only = 1 ] && { say "engine up but no buildx"; return 1; }; install_engine; }
+    if ! docker version --format '{{.Server.Version}}' 2>/dev/null | grep -qE '^(2[89]|[3-9][0-9])\.'; then
+      say "note: the running engine is older than 28: reproducible stage exports work, but about twice as slow"
+      say "      (stop it and re-run this script to get engine 28; a running engine is never replaced)"
+    fi
     return 0
   fi
   [ $check_only = 1 ] && { say "no Docker engine answers 'docker info'"; return 1; }
-  if ! have dockerd || ! buildx_ok || ! dockerd --version | grep -qE 'version (2[6-9]|[3-9][0-9])'; then
+  if ! have dockerd || ! buildx_ok || ! dockerd --version | grep -qE 'version (2[89]|[3-9][0-9])'; then
     install_engine
   fi
   start_engine
@@ -100,21 +170,22 @@ ensure_engine() {
 }
 
 import_debian() {
-  docker image inspect "$DEBIAN_IMAGE" >/dev/null 2>&1 && return 0
-  [ $check_only = 1 ] && { say "missing base image $DEBIAN_IMAGE"; return 1; }
+  local have; have=$(docker image inspect --format '{{index .Config.Labels "io.imagebuild.testbed"}}' "$DEBIAN_IMAGE" 2>/dev/null)
+  [ "$have" = "$DEBIAN_PKGS_ID" ] && return 0
+  [ $check_only = 1 ] && { say "missing base image $DEBIAN_IMAGE (with $DEBIAN_PKGS)"; return 1; }
   mkdir -p "$CACHE"
-  local tarball="$CACHE/debian-bookworm-minbase.tar"
+  local tarball="$CACHE/debian-bookworm-minbase-$DEBIAN_PKGS_ID.tar"
   if [ ! -s "$tarball" ]; then
     local root; root=$(mktemp -d "$CACHE/rootfs.XXXXXX")
     say "debootstrap bookworm minbase with $DEBIAN_PKGS (a few minutes, once)"
-    debootstrap --variant=minbase --include="$DEBIAN_PKGS" bookworm "$root" http://deb.debian.org/debian >&2 \
+    debootstrap --variant=minbase --include="$DEBIAN_PKGS" bookworm "$root" "$(debian_mirror)" >&2 \
       || { rm -rf "$root"; die "debootstrap failed"; }
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
     tar -C "$root" --sort=name --numeric-owner -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
     rm -rf "$root"
   fi
   say "importing $DEBIAN_IMAGE"
-  docker import -c 'CMD ["bash"]' "$tarball" "$DEBIAN_IMAGE" >/dev/null
+  docker import -c 'CMD ["bash"]' -c "LABEL io.imagebuild.testbed=$DEBIAN_PKGS_ID" "$tarball" "$DEBIAN_IMAGE" >/dev/null
 }
 
 import_busybox() {

@@ -289,8 +289,11 @@ def test_foreign_platform_refused_unless_emulate(built, tmp_path):
     y.write_text(y.read_text().replace("platform: linux/amd64", "platform: linux/riscv64"))
     res, _ = _build(root)
     assert res.code == 3 and "linux/riscv64" in res.err and "--emulate" in res.err
+    # with --emulate the host may run it, but the local bases are amd64: labelling the result riscv64 would
+    # lie, so the build is refused before anything runs, naming the pin (issue 9, item 8)
     res = run_cli("--root", str(root), "build", IMAGE, "--emulate", "--dry-run")
-    assert res.code == 0 and "emulation" in res.err
+    assert res.code == 2, res.err
+    assert "versions.env" in res.err and "BASE_IMAGE" in res.err and "linux/amd64" in res.err
 
 
 def test_from_until_and_dry_run(built, tmp_path):
@@ -312,3 +315,34 @@ def test_from_until_and_dry_run(built, tmp_path):
     assert len(cmds) == len(STAGES) and all("--network none" in c for c in cmds)
     assert all("rewrite-timestamp=true" in c for c in cmds)
     assert sum("imagebuild-parent=oci-layout://" in c for c in cmds) == len(STAGES) - 1
+
+
+def test_provenance_names_an_uncommitted_definition_as_dirty(built, tmp_path):
+    """Issue 9, item 5: the revision label never names a commit whose tree lacks what was built."""
+    root = staged_project(tmp_path / "p")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "definitions"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    res, rec = _build(root)
+    assert res.code == 0, res.err
+    lab = labels(f"{IMAGE}:candidate")
+    assert lab["org.opencontainers.image.revision"] == head  # the lock came with the commit: clean
+    clean_digest = lab["io.imagebuild.definition-sha256"]
+    motd = root / "docker-images" / IMAGE / "files" / "motd.txt"
+    motd.write_text("not committed\n")
+    res, rec2 = _build(root)
+    assert res.code == 0, res.err
+    lab = labels(f"{IMAGE}:candidate")
+    assert lab["org.opencontainers.image.revision"] == head + "-dirty"
+    assert lab["io.imagebuild.definition-sha256"] != clean_digest
+    assert rec2["build_id"] != rec["build_id"]
+    doc = json.loads(cat(f"{IMAGE}:candidate", "/opt/imagebuild/build.json"))
+    assert doc["provenance"]["dirty"] is True and doc["provenance"]["revision"] == head + "-dirty"
+    # every patch in the record carries the sha256 of its script
+    import hashlib
+
+    script = (root / "docker-images" / IMAGE / "patch_greet.py").read_bytes()
+    rec_patch = json.loads(cat(f"{IMAGE}:candidate", "/opt/imagebuild/patches.json"))["patches"]["patch_greet.py"]
+    assert rec_patch["sha256"] == "sha256:" + hashlib.sha256(script).hexdigest()

@@ -32,6 +32,9 @@ target_link_libraries(fastext PRIVATE mathdep)
 """
 
 
+UPSTREAMS: dict = {}  # the fixture's upstream repositories, for tests that move a pin
+
+
 @pytest.fixture(scope="module")
 def mirror_project(git_daemon, tmp_path_factory, engine_info):  # noqa: F811
     factory = UpstreamFactory(git_daemon.base, git_daemon)
@@ -49,7 +52,9 @@ def mirror_project(git_daemon, tmp_path_factory, engine_info):  # noqa: F811
     greet.pull_request(2, {"greetpkg/__init__.py":
                            '"""greetpkg"""\nVERSION = "1.0+pr2"\n\n\ndef greet():\n    return "hello"\n'})
 
+    UPSTREAMS.update(mathdep=mathdep, greet=greet)
     base = tmp_path_factory.mktemp("mirror")
+    UPSTREAMS["cache"] = base / "cache"
     root = base / "project"
     shutil.copytree(FIXTURES / "project", root, symlinks=True)
     env = root / "docker-images" / IMAGE / "versions.env"
@@ -90,6 +95,11 @@ def test_mirror_builds_end_to_end_offline(mirror_project):
     # SOURCE_DATE_EPOCH: the newest pinned source commit
     newest = max(s["source_date_epoch"] for s in lock["sources"].values())
     assert rec["source_date_epoch"] == newest
+    # the composed fork is a local-only commit, and the image says how to make it again
+    doc = json.loads(cat(cand, "/opt/imagebuild/build.json"))
+    assert doc["sources"]["GREETPKG"]["local_only"] is True and "PR heads 1@" in doc["sources"]["GREETPKG"]["recreate"]
+    assert doc["sources"]["GREETPKG"]["tree"] == lock["sources"]["GREETPKG"]["tree"]
+    assert doc["sources"]["MATHDEP"]["local_only"] is False
 
 
 def test_mirror_tampered_prefetched_tarball_refused(mirror_project):
@@ -106,3 +116,33 @@ def test_mirror_tampered_prefetched_tarball_refused(mirror_project):
         assert image_id(f"{IMAGE}:candidate") == before
     finally:
         tb.write_bytes(good)
+
+
+def test_a_dependency_pin_change_rebuilds_the_stage_and_the_image_matches_its_lock(mirror_project):
+    """Issue 9, item 1, as seen: DEPA_REF moved, prefetch, build printed `src skipped` and the image held
+    the old dependency while its lock named the new commit. The key covers every mounted tarball."""
+    root = mirror_project  # last test of the module: it moves the fixture's MATHDEP pin
+    res = run_cli("--root", str(root), "build", IMAGE, "--json")
+    assert res.code == 0, res.err
+    before = {s["name"]: s["key"] for s in json.loads(res.out)["stages"]}
+    new = UPSTREAMS["mathdep"].commit({"include/mathdep.h": "inline int triple(int x) { return 3 * x + 1000; }\n"},
+                                      "mathdep v2")
+    env = root / "docker-images" / IMAGE / "versions.env"
+    text = env.read_text()
+    old = next(ln for ln in text.splitlines() if ln.startswith("MATHDEP_REF="))
+    env.write_text(text.replace(old, f"MATHDEP_REF={new}"))
+    r = run_cli("--root", str(root), "prefetch", IMAGE, "--cache", str(UPSTREAMS["cache"]))
+    assert r.code == 0, r.err
+    res = run_cli("--root", str(root), "build", IMAGE, "--json")
+    assert res.code == 0, res.err
+    rec = json.loads(res.out)
+    status = {s["name"]: s["status"] for s in rec["stages"]}
+    assert status == {"base": "skipped", "toolchain": "skipped", "ext": "built", "pkg": "built",
+                      "patches": "built", "runner": "built"}
+    assert {s["name"]: s["key"] for s in rec["stages"]}["ext"] != before["ext"]
+    cand = f"{IMAGE}:candidate"
+    out = subprocess.run(["docker", "run", "--rm", "--network", "none", cand, "python3", "/opt/mirror/smoke.py"],
+                         capture_output=True, text=True)
+    assert out.stdout.split()[:2] == ["hello", "1042"], out.stdout + out.stderr  # the new dependency's code
+    in_image = json.loads(cat(cand, "/opt/imagebuild/lock.json"))
+    assert in_image["sources"]["MATHDEP"]["commit"] == new

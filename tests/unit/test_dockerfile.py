@@ -40,3 +40,21 @@ def test_run_mounts():
     df = dockerfile.parse("FROM scratch\nRUN --mount=type=bind,from=imagebuild-src,target=/s --network=none ls\n")
     ins = df.instructions[1]
     assert dockerfile.run_mounts(ins) == [{"type": "bind", "from": "imagebuild-src", "target": "/s"}]
+
+
+def test_word_split_fast_path_matches_shlex():
+    """Lines without quotes or escapes skip shlex (start-up time); the words must be the same."""
+    import random
+    import shlex
+
+    from imagebuild import dockerfile
+
+    rnd = random.Random(9)
+    chars = "ab =\t-\"'\\$x{}#\x0b\xa0"
+    for _ in range(5000):
+        s = "".join(rnd.choice(chars) for _ in range(rnd.randint(0, 24)))
+        try:
+            want = shlex.split(s, posix=True)
+        except ValueError:
+            want = s.split()
+        assert dockerfile._split(s) == want, repr(s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def test_wheels_without_python_is_an_error(pkproject):
 
 def test_index_url_must_be_a_url_and_is_never_shown_with_credentials(pkproject):
     env = _idir(pkproject) / "versions.env"
-    env.write_text(env.read_text().replace("PYPI_INDEX_URL=https://pypi.org/simple", "PYPI_INDEX_URL=pypi.org"))
+    env.write_text(env.read_text().replace("PYPI_INDEX_URL=\n", "PYPI_INDEX_URL=idx.example\n"))
     (p,) = _problems(pkproject)
     assert p.key == "PYPI_INDEX_URL" and "invalid index URL" in p.message
     assert pkgspec.redact_url("https://user:s3cret@idx.example/simple") == "https://***@idx.example/simple"
@@ -159,7 +160,7 @@ def test_changing_one_requirement_changes_only_its_stage_and_descendants(pkproje
 def test_index_and_python_target_are_in_the_key(pkproject):
     before = _keys(pkproject)
     env = _idir(pkproject) / "versions.env"
-    env.write_text(env.read_text().replace("https://pypi.org/simple", "https://mirror.example/simple"))
+    env.write_text(env.read_text().replace("PYPI_INDEX_URL=\n", "PYPI_INDEX_URL=https://mirror.example/simple\n"))
     after = _keys(pkproject)
     assert after["base"] == before["base"] and after["pydeps"] != before["pydeps"]
     _yaml(pkproject, 'glibc: "2.36"', 'glibc: "2.28"')
@@ -201,3 +202,34 @@ def test_plan_prints_declared_network_stage(pkproject):
     r = run_cli("--root", str(pkproject), "plan", IMG, "--no-engine")
     assert "NEEDS NETWORK (declared 'network: true')" in r.out
     assert "\033[31m" not in r.out  # captured stdout is not a terminal
+
+
+def test_empty_or_omitted_index_means_pips_configured_index(pkproject, monkeypatch):
+    """No index host is written in a definition's defaults: an omitted index_url, or a versions.env
+    key set to an empty value, is pip's configured index, read from pip itself at prefetch."""
+    from imagebuild.pkgspec import PIP_CONFIGURED, Index
+
+    defn = d.load(pkproject, IMG)
+    assert defn.python.index == Index("PYPI_INDEX_URL", None)
+    _yaml(pkproject, "  index_url: PYPI_INDEX_URL\n", "")
+    assert d.load(pkproject, IMG).python.index == PIP_CONFIGURED
+    monkeypatch.setenv("PIP_INDEX_URL", "https://idx.example/simple")
+    packages._configured.clear()
+    assert packages.pip_index_args(PIP_CONFIGURED, ()) == ["--index-url", "https://idx.example/simple"]
+    torch = Index("TORCH_INDEX_URL", "https://torch.example/whl/cu130")
+    assert packages.pip_index_args(torch, (PIP_CONFIGURED,)) == [
+        "--index-url", "https://torch.example/whl/cu130", "--extra-index-url", "https://idx.example/simple"]
+    # nothing configured: pip's own default stays the main index, the others are extra ones
+    monkeypatch.delenv("PIP_INDEX_URL")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    packages._configured.clear()
+    try:
+        assert packages.configured_index_url() is None
+        assert packages.pip_index_args(PIP_CONFIGURED, ()) == []
+        assert packages.pip_index_args(torch, (PIP_CONFIGURED,)) == [
+            "--extra-index-url", "https://torch.example/whl/cu130"]
+    finally:
+        packages._configured.clear()
+    # the key holds "pip's configured index", never a host
+    st = d.load(pkproject, IMG).stage("pydeps")
+    assert packages.wheel_inputs(d.load(pkproject, IMG), st)["index_url"] is None

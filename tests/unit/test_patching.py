@@ -132,3 +132,63 @@ def test_platform_guard():
     assert "emulation" in guards.check_platform("linux/arm64", emulate=True, engine_arch="x86_64")
 
 
+PATCH_B = '''from imagebuild_patching import Edit
+
+EDITS = [Edit(file="greet.py", anchor='    return "HELLO"  # imagebuild-patch: loud\\n',
+              replacement='    return "HELLO!"  # imagebuild-patch: louder\\n', marker="imagebuild-patch: louder")]
+'''
+
+
+def test_check_simulates_the_patches_in_order(tmp_path):
+    """B anchors on A's output: --check says both would apply, in memory, writing nothing."""
+    src, a = _setup(tmp_path)
+    b = a.parent / "patch_louder.py"
+    b.write_text(PATCH_B)
+    before = tree_state(tmp_path)
+    ra, rb = patching.apply_all([a, b], src, write=False)
+    assert (ra.outcome, rb.outcome) == ("would-apply", "would-apply"), rb.message
+    assert tree_state(tmp_path) == before
+    # the same through the primitive's CLI (as the build runs it), and then for real
+    chk = subprocess.run([sys.executable, str(Path(patching.__file__)), "apply", "--src", str(src), "--check",
+                          str(a.parent)], capture_output=True, text=True)
+    assert chk.returncode == 0 and chk.stderr.count("would-apply") == 2, chk.stderr
+    assert tree_state(tmp_path) == before
+    ra, rb = patching.apply_all([a, b], src)
+    assert (ra.outcome, rb.outcome) == ("applied", "applied")
+    assert 'return "HELLO!"' in (src / "greet.py").read_text()
+    # B alone, on the unpatched tree, cannot apply: the simulation is not a free pass
+    (src / "greet.py").write_text(SRC)
+    (rb,) = patching.apply_all([b], src, write=False)
+    assert rb.outcome == "failed" and "not found" in rb.message
+
+
+def test_imagebuild_patch_check_runs_the_set_in_order(project, tmp_path):
+    d = project / "docker-images" / "staged"
+    (d / "patch_louder.py").write_text(PATCH_B.replace("imagebuild-patch: loud", "imagebuild-patch: greet-loud"))
+    y = d / "image.yaml"
+    y.write_text(y.read_text().replace("patches: [patch_greet.py]", "patches: [patch_greet.py, patch_louder.py]"))
+    src = tmp_path / "checkout"
+    src.mkdir()
+    (src / "greet.py").write_text(SRC)
+    before = tree_state(tmp_path)
+    res = run_cli("--root", str(project), "patch", "staged", "--src", str(src), "--check", "--json")
+    assert res.code == 0, res.err
+    assert [p["outcome"] for p in json.loads(res.out)["patches"]] == ["would-apply", "would-apply"]
+    assert tree_state(tmp_path) == before
+
+
+def test_anchor_not_found_shows_its_whitespace(tmp_path):
+    tabbed = PATCH.replace("anchor='    return", "anchor='\\treturn")
+    src, p = _setup(tmp_path, patch=tabbed)
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == "failed"
+    assert "anchor '\\treturn \"hello\"\\n' not found" in r.message, r.message
+    # and where the same text stands with other whitespace
+    assert "line 2 has '    return \"hello\"'" in r.message, r.message
+    # trailing blanks are visible too
+    trailing = PATCH.replace('return "hello"\\n\'', 'return "hello"  \\n\'')
+    assert trailing != PATCH
+    (tmp_path / "t").mkdir()
+    src2, p2 = _setup(tmp_path / "t", patch=trailing)
+    (r,) = patching.apply_all([p2], src2)
+    assert "anchor '    return \"hello\"  \\n' not found" in r.message, r.message
