@@ -1,5 +1,5 @@
 # imagebuild: the commands a newcomer and CI run.
-#   make demo    install, set up the test bed, and run the main job on the built-in example
+#   make demo    install, set up the test bed, and run the nightly chain on the built-in example
 #   make test    install, set up the test bed (Docker engine + BuildKit + base images), run the suite
 #   make smoke   the smoke lane of glm53-jovian-r12 on the real upstream trees (about 6 minutes)
 PY ?= python3
@@ -49,10 +49,11 @@ lint: install
 bench: install testbed
 	$(BIN)/python benchmarks/run.py
 
+# the whole nightly chain on the built-in example (scripts/demo.sh): prefetch, build, gate, promote,
+# sync to a local peer made on the fly (when the machine allows it), gc, and the report's summary
 demo: install testbed
 	$(BIN)/imagebuild list
-	$(BIN)/imagebuild plan example
-	$(BIN)/imagebuild build example
+	bash scripts/demo.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -446,6 +446,10 @@ sync environment:
                     "shared registry instead (default: registry: in imagebuild.yaml); the engine is not touched")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
+
+    from . import cli_nightly  # nightly, report, diff (docs/nightly.md)
+
+    cli_nightly.register(sub, EPILOG)
     return p
 
 

@@ -313,7 +313,9 @@ def _sigterm_as_interrupt():
 
 
 def _start_container(name: str, ref: str, identity_digest: str, gpu: bool) -> None:
+    # the owner label says which process gated (to find a leftover's owner: host and pid)
     argv = ["docker", "run", "-d", "--name", name, "--label", f"{CONTAINER_LABEL}={identity_digest}",
+            "--label", f"{CONTAINER_LABEL}.owner={socket.gethostname()}:{os.getpid()}",
             "--pull", "never", "--network", "none", "--entrypoint", "/bin/sh"]
     if gpu:
         argv += ["--gpus", "all"]
@@ -379,6 +381,8 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
                     raise KeyboardInterrupt
         finally:
             watchdog.cancel()
+            if watchdog.is_alive():  # a timeout is removing the container right now: let it finish
+                watchdog.join(120)
             container_log = _container_log(name)
             _remove_container(name)
         if exit_code == pytest.ExitCode.NO_TESTS_COLLECTED or plugin.collected == 0:

@@ -321,16 +321,22 @@ EXPORT_SPACE_FACTOR = 2.0
 
 
 def export_space_gib(store, stages: list[str]) -> float:
-    """Temporary space the reproducible export of ``stages`` needs, estimated from the size of
-    the last build of each stage in the stage store (0 for a stage never built)."""
+    """Temporary space the reproducible export of ``stages`` needs, estimated from the last build of
+    each stage in the stage store (0 for a stage never built): its own layers, i.e. those beyond the
+    longest other stage image in the store whose layers are a prefix of its own (its parent)."""
+    layers: dict[str, list[tuple[str, int]]] = {}
+    for ref in store.refs():
+        m = store.read_json_blob(ref.manifest) or {}
+        layers[ref.manifest] = [(la.get("digest"), int(la.get("size") or 0)) for la in m.get("layers") or []]
     last: dict[str, int] = {}
     for ref in store.refs():
-        if ref.stage in stages:
-            m = store.read_json_blob(ref.manifest) or {}
-            parent_layers = 0
-            size = sum(int(la.get("size") or 0) for la in m.get("layers") or [])
-            # only the stage's own layers are new; the parent's are in the store already
-            last[ref.stage] = max(last.get(ref.stage, 0), size - parent_layers)
+        if ref.stage not in stages:
+            continue
+        mine = layers.get(ref.manifest) or []
+        parent = max((len(v) for k, v in layers.items() if k != ref.manifest and len(v) < len(mine)
+                      and mine[:len(v)] == v), default=0)
+        own = sum(size for _, size in mine[parent:])
+        last[ref.stage] = max(last.get(ref.stage, 0), own)
     return EXPORT_SPACE_FACTOR * sum(last.values()) / (1 << 30)
 
 

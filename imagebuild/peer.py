@@ -13,9 +13,11 @@ import os
 import queue
 import shlex
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import peer_agent, remote
 from .errors import GuardRefused, OperationFailed
@@ -91,6 +93,8 @@ class Connection:
         self._lines: queue.Queue = queue.Queue()
         self._seq = 0
         self._early: list[str] = []
+        self.timings: list[tuple[str, float]] = []  # (what, seconds) of the session start and each call
+        self.control: str | None = None  # the ssh control socket, once a master runs
 
     # -- the ssh command line
 
@@ -100,7 +104,53 @@ class Connection:
         ciphers = os.environ.get("IMAGEBUILD_SYNC_CIPHERS", DEFAULT_CIPHERS)
         if ciphers:
             opts += ["-o", f"Ciphers={ciphers}"]
+        if self.control:
+            opts += ["-o", f"ControlPath={self.control}", "-o", "ControlMaster=no"]
         return opts
+
+    # -- connection sharing
+
+    def _control_path(self) -> str | None:
+        """A control socket shared by the ssh calls of this user to this peer with this ssh command
+        (``IMAGEBUILD_SSH_MUX=0``: none). Its master persists 60 s after the last use, so a sync
+        started right after another (sync, then nightly's sync) skips the key exchange."""
+        if os.environ.get("IMAGEBUILD_SSH_MUX", "1") == "0":
+            return None
+        import hashlib
+
+        key = hashlib.sha256("\0".join([*remote.ssh_command(), self.host]).encode()).hexdigest()[:20]
+        d = Path(tempfile.gettempdir()) / f"imagebuild-sync-ssh-{os.getuid()}"
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            if d.stat().st_uid != os.getuid() or d.stat().st_mode & 0o077:
+                return None
+        except OSError:
+            return None
+        return str(d / key)
+
+    def _ensure_master(self, ctl: str) -> None:
+        base = [*remote.ssh_command(), "-o", f"ControlPath={ctl}"]
+        if subprocess.run([*base, "-O", "check", self.host], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0:
+            return
+        opts = [o for o in self.options() if not o.startswith(("ControlPath", "ControlMaster"))]
+        opts = [o for i, o in enumerate(opts) if not (o == "-o" and i + 1 < len(opts) and
+                                                       opts[i + 1].startswith(("ControlPath", "ControlMaster")))]
+        argv = [*base, "-f", "-N", "-o", "ControlMaster=yes", "-o", "ControlPersist=60", *opts, self.host]
+        log.debug("+ %s", shlex.join(argv))
+        # the master goes to the background once authenticated; its stderr goes to a file, never to a pipe
+        # that anyone waits on (it outlives this call)
+        with tempfile.TemporaryFile() as errf:
+            try:
+                rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errf,
+                                    timeout=60, start_new_session=True).returncode
+            except subprocess.TimeoutExpired:
+                raise PeerUnreachable(f"cannot reach {self.host} over ssh: no answer within 60 s",
+                                      hint=f"check `ssh {self.host} true`") from None
+            errf.seek(0)
+            err = errf.read().decode("utf-8", "replace")
+        if rc != 0:
+            raise self._unreachable(err, rc)
 
     def ssh_argv(self, *remote_cmd: str) -> list[str]:
         return [*remote.ssh_command(), *self.options(), self.host, *remote_cmd]
@@ -113,6 +163,11 @@ class Connection:
 
     def open(self, timeout: float = 60) -> None:
         """Start the session. Raises PeerUnreachable with ssh's own words."""
+        t_open = time.monotonic()
+        ctl = self._control_path()
+        if ctl:
+            self._ensure_master(ctl)
+            self.control = ctl
         boot = (peer_agent.AGENT + peer_agent.LOOP).encode()
         argv = self.ssh_argv(f"sh -c 'eval \"$(head -c {len(boot)})\"'")
         log.debug("+ %s", shlex.join(argv))
@@ -138,6 +193,7 @@ class Connection:
                 raise self._unreachable(text, rc) if rc == 255 or not text.startswith("@@") else \
                     AgentFailed(self.host, "start", f"the agent did not start: {text[-300:]}")
             if line.startswith("@@ready"):
+                self.timings.append(("ssh session", round(time.monotonic() - t_open, 3)))
                 return
             self._early.append(line)
 
@@ -202,7 +258,8 @@ class Connection:
         except (BrokenPipeError, OSError):
             raise PeerUnreachable(f"the ssh session to {self.host} ended", hint="rerun imagebuild sync") from None
         self.bytes_sent += len(frame)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        t_call = time.monotonic()
+        deadline = None if timeout is None else t_call + timeout
         out: list[str] = []
         rc = None
         while True:
@@ -214,6 +271,7 @@ class Connection:
                 rc = int(line.split()[2])
                 break
             out.append(line)
+        self.timings.append((what or "step", round(time.monotonic() - t_call, 3)))
         text = "\n".join(out)
         sections, error = parse_sections(text)
         if error is not None:
@@ -337,7 +395,23 @@ def _first_inspect(text: str) -> dict | None:
     return None
 
 
-def parse_probe(host: str, res: AgentResult) -> PeerState:
+def _norm_ref(ref: str) -> str:
+    return ref.removeprefix("docker.io/").removeprefix("library/")
+
+
+def _inspect_for(items: list, ref: str | None) -> dict | None:
+    """The object of ``docker image inspect A B`` whose tags include ``ref``."""
+    if not ref or not isinstance(items, list):
+        return None
+    want = _norm_ref(ref)
+    for it in items:
+        if isinstance(it, dict) and any(_norm_ref(t) == want for t in it.get("RepoTags") or []):
+            return it
+    return None
+
+
+def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
+                staging_ref: str | None = None) -> PeerState:
     st = PeerState(host)
     for line in res.lines("meta"):
         k, _, v = line.partition(" ")
@@ -384,8 +458,9 @@ def parse_probe(host: str, res: AgentResult) -> PeerState:
     for line in res.lines("target-listed"):
         i, _, tag = line.partition(" ")
         st.listing.append((i, tag))
-    st.target = _first_inspect(res.section("target"))
-    st.staging = _first_inspect(res.section("staging"))
+    refs = _json_or_none(res.section("refs")) or []
+    st.target = _inspect_for(refs, target_ref)
+    st.staging = _inspect_for(refs, staging_ref)
     for line in res.lines("containers"):
         parts = line.split("\t")
         if len(parts) == 4:
@@ -408,7 +483,7 @@ def probe(conn: Connection, target_ref: str, staging_ref: str, identity_hex: str
     config digest), a peer whose target already has one of them answers only what the no-op needs."""
     res = conn.agent(peer_agent.call("ib_probe", target_ref, staging_ref, identity_hex, spec_hex or "-",
                                      ",".join(quick_ids or [])), timeout=120, what="the probe")
-    return parse_probe(conn.host, res)
+    return parse_probe(conn.host, res, target_ref, staging_ref)
 
 
 def wait_text(seconds: float) -> str:

@@ -131,16 +131,16 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   ib_sect df-cache
   ib_df "$CACHE"
   if ! ib_have docker; then ib_sect end; return 0; fi
-  # the engine's answers, asked at once (each docker call costs 50-200 ms)
+  # the engine's answers, asked at once, in as few docker calls as possible (each costs 50-200 ms)
   t=$(mktemp -d "${TMPDIR:-/tmp}/imagebuild-probe.XXXXXX") || ib_fail io "cannot create a temporary folder"
   { docker info --format '{{json .}}' </dev/null > "$t/info" 2>&1; echo "$?" > "$t/info.rc"; } &
-  ib_images > "$t/images" 2>&1 &
-  docker image inspect "$1" </dev/null > "$t/target" 2>/dev/null &
-  docker image ls --no-trunc --format '{{.ID}} {{.Repository}}:{{.Tag}}' </dev/null > "$t/listed" 2>/dev/null &
-  docker image inspect "$2" </dev/null > "$t/staging" 2>/dev/null &
-  { for c in $(docker ps -q --no-trunc </dev/null); do
-      docker inspect --format '{{.Id}}{{"\t"}}{{.Image}}{{"\t"}}{{.Config.Image}}{{"\t"}}{{.Name}}' "$c" </dev/null
-    done > "$t/containers" 2>/dev/null; } &
+  { docker image ls -a --no-trunc --format '{{.ID}} {{.Repository}}:{{.Tag}}' </dev/null > "$t/listed" 2>/dev/null
+    cut -d' ' -f1 "$t/listed" | sort -u | xargs -r docker image inspect \
+      --format '{{.Id}}{{"\t"}}{{json .RepoTags}}{{"\t"}}{{json .RootFS.Layers}}' > "$t/images" 2>&1; } &
+  docker image inspect "$1" "$2" </dev/null > "$t/refs" 2>/dev/null &
+  { ids=$(docker ps -q --no-trunc </dev/null)
+    [ -n "$ids" ] && docker inspect --format '{{.Id}}{{"\t"}}{{.Image}}{{"\t"}}{{.Config.Image}}{{"\t"}}{{.Name}}' \
+      $ids </dev/null > "$t/containers" 2>/dev/null; } &
   wait
   ib_sect info
   cat "$t/info"
@@ -148,10 +148,14 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   root=$(sed -n 's/.*"DockerRootDir":"\([^"]*\)".*/\1/p' "$t/info")
   ib_sect df-docker
   ib_df "${root:-/var/lib/docker}"
-  for f in images target target-listed staging containers; do
-    ib_sect "$f"
-    case $f in target-listed) cat "$t/listed" ;; *) cat "$t/$f" ;; esac
-  done
+  ib_sect images
+  cat "$t/images" 2>/dev/null
+  ib_sect target-listed
+  cat "$t/listed" 2>/dev/null
+  ib_sect refs
+  cat "$t/refs" 2>/dev/null
+  ib_sect containers
+  cat "$t/containers" 2>/dev/null
   rm -rf "$t"
   ib_sect incoming
   ib_list_files "$CACHE/incoming"

@@ -181,6 +181,7 @@ class RegistryPeerSync(sync_mod._PeerSync):
             t0 = time.monotonic()
             r = self.conn.agent(*self._pull_lines(src), timeout=PULL_TIMEOUT_S + 600, what="the pull")
             self.res.details["registry"]["pull_seconds"] = round(time.monotonic() - t0, 3)
+            self.conn.timings.append(("docker pull", self.res.details["registry"]["pull_seconds"]))
         except peer_mod.AgentFailed as exc:
             if exc.code != "pull":
                 raise

@@ -360,7 +360,7 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
     peers = resolve_peers(root, peers)
     image, ref = resolve_image(root, image, ref)
     # the ssh sessions start now, while the image is read here (a session start costs 0.2-0.7 s)
-    sessions = {p: _Session(p) for p in peers}
+    sessions = {p: _Session(p, start=i < jobs) for i, p in enumerate(peers)}
     try:
         img = localblobs.load(ref)
     except BaseException:
@@ -420,29 +420,46 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
 
 
 class _Session:
-    """A peer's ssh session, opened in the background as soon as the peers are known."""
+    """A peer's ssh session, opened in the background as soon as the peers are known (the first
+    ``jobs`` of them; the others when their turn comes)."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, start: bool = True):
         self.conn = peer_mod.Connection(host)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._open, daemon=True, name=f"open-{host}")
-        self.thread.start()
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.thread is None and not self._closed:
+                self.thread = threading.Thread(target=self._open, daemon=True, name=f"open-{self.conn.host}")
+                self.thread.start()
 
     def _open(self) -> None:
         try:
             self.conn.open()
         except BaseException as exc:  # noqa: BLE001 - reported by the peer's worker
             self.error = exc
+        with self._lock:
+            if self._closed:  # closed while it was opening: end it now
+                self.conn.close()
 
     def get(self) -> peer_mod.Connection:
-        while self.thread.is_alive():
+        self.start()
+        while self.thread is not None and self.thread.is_alive():
             self.thread.join(0.2)
         if self.error is not None:
             raise self.error
         return self.conn
 
     def close(self) -> None:
-        if not self.thread.is_alive():
+        with self._lock:
+            self._closed = True
+            opening = self.thread is not None and self.thread.is_alive()
+        if not opening:
             try:
                 self.conn.close()
             except Exception:  # noqa: BLE001
@@ -490,6 +507,8 @@ def _sync_peer(shared: _Shared, host: str) -> PeerResult:
     finally:
         sess.close()
         res.bytes_sent += conn.bytes_sent
+        if res.status != "refused" or conn.timings:
+            res.details["timings"] = conn.timings
         res.seconds = time.monotonic() - t0
     level = logging.INFO if res.status in ("synced", "unchanged", "dry-run") else logging.WARNING
     log.log(level, "%s: %s: %s", host, res.status, res.message)
@@ -572,6 +591,7 @@ class _PeerSync:
             bad = self._check_incoming()
             if not bad:
                 raise OperationFailed(self._mismatch or "the loaded image failed verification")
+            s.verify_files([la for la in need if _hexof(la.digest) in bad])  # a bad local file: say so
             self.say("%d blob(s) in the peer's cache did not match their digest (%s): sending them again",
                      len(bad), ", ".join(b[:12] for b in bad))
             self._transfer(st, need)
@@ -666,26 +686,10 @@ class _PeerSync:
     def _transfer(self, st: peer_mod.PeerState, need) -> None:
         if not need:
             return
-        s = self.s
-        # the local files are checked against their digests while rsync sends them (both read them,
-        # from the page cache); nothing is loaded on the peer before the check passed
-        check_error: list[BaseException] = []
-
-        def check() -> None:
-            try:
-                s.verify_files(need)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                check_error.append(exc)
-
-        checker = threading.Thread(target=check, daemon=True, name=f"verify-{self.host}")
-        checker.start()
-        try:
-            self._rsync(st, need)
-        finally:
-            while checker.is_alive():
-                checker.join(0.2)
-        if check_error:
-            raise check_error[0]
+        # the local files are not hashed first: the content store wrote each under its digest only after
+        # checking it, the spool too, and the peer's load checks every blob again (the containerd store
+        # by digest, the classic store by diff id); a blob the peer finds wrong is traced back below
+        self._rsync(st, need)
 
     def _rsync(self, st: peer_mod.PeerState, need) -> None:
         s = self.s
@@ -696,7 +700,7 @@ class _PeerSync:
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats", "-e", self.conn.rsync_shell(),
                 *comp.args, *files, f"{self.host}:{st.cache}/incoming/"]
-        last = [0.0]
+        last: list = [0.0, False]  # when the last line was printed; whether 100% was
         stats: dict[str, int] = {}
         tail: list[str] = []
 
@@ -707,8 +711,9 @@ class _PeerSync:
             m = _PROGRESS.match(line)
             if m:
                 now = time.monotonic()
-                if now - last[0] >= PROGRESS_EVERY_S or m.group(2) == "100":
-                    last[0] = now
+                done_now = m.group(2) == "100"
+                if (now - last[0] >= PROGRESS_EVERY_S and not last[1]) or (done_now and not last[1]):
+                    last[0], last[1] = now, done_now
                     done = int(m.group(1).replace(",", "").replace(".", ""))
                     self.say("sent %s of %s (%s%%), %s, ETA %s", human(done), human(total), m.group(2), m.group(3),
                              m.group(4))
@@ -722,7 +727,9 @@ class _PeerSync:
             tail.append(line)
             del tail[:-20]
 
+        t0 = time.monotonic()
         rc = run_mod.stream(argv, on_line, split_cr=True, die_with_parent=True, hint="install rsync")
+        self.conn.timings.append(("rsync", round(time.monotonic() - t0, 3)))
         self.res.bytes_sent += stats.get("Total bytes sent", 0)
         self.res.details["rsync_bytes_sent"] = self.res.details.get("rsync_bytes_sent", 0) + \
             stats.get("Total bytes sent", 0)

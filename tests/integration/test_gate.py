@@ -145,8 +145,13 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     return p
 
 
-def _gate_containers() -> list[str]:
-    out = subprocess.run(["docker", "ps", "-a", "--filter", f"label={gate.CONTAINER_LABEL}",
+def _gate_containers(pid: int | None = None) -> list[str]:
+    """Gate containers of this test process, or of process ``pid`` (other sessions may gate on the
+    same engine meanwhile)."""
+    import socket
+
+    owner = f"{gate.CONTAINER_LABEL}.owner={socket.gethostname()}:{pid or os.getpid()}"
+    out = subprocess.run(["docker", "ps", "-a", "--filter", f"label={owner}",
                           "--format", "{{.Names}}"], capture_output=True, text=True, check=True).stdout
     return [n for n in out.split() if n.startswith(gate.CONTAINER_PREFIX)]
 
@@ -364,16 +369,16 @@ def test_timeout_fails_and_removes_container(gate_image, state, tmp_path):
 
 
 def test_ctrl_c_removes_the_container(gate_image, state, tmp_path):
-    before = set(_gate_containers())
+    before: set = set()
     spec = _write(tmp_path, "gate.yaml", "checks:\n  - {id: slow, kind: command, run: 'sleep 60'}\n")
     env = dict(os.environ, IMAGEBUILD_STATE_DIR=str(state))
     proc = subprocess.Popen([sys.executable, "-m", "imagebuild", "gate", gate_image, "--spec", str(spec)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (set(_gate_containers()) - before):
+        while time.monotonic() < deadline and not (set(_gate_containers(proc.pid)) - before):
             time.sleep(0.2)
-        assert set(_gate_containers()) - before, "the gate container never started"
+        assert set(_gate_containers(proc.pid)) - before, "the gate container never started"
         time.sleep(1.0)  # let the check start inside it
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
@@ -382,7 +387,7 @@ def test_ctrl_c_removes_the_container(gate_image, state, tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert set(_gate_containers()) == before
+    assert set(_gate_containers(proc.pid)) == before
 
 
 def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_path, monkeypatch):

@@ -85,6 +85,8 @@ def test_gc_keeps_local_previous_and_the_last_builds(ten_builds, tmp_path):
     res = run_cli("--root", str(root), "gc", IMAGE, "--keep", "2", "--json")
     assert res.code == 0, res.err
     df_after = json.loads(run_cli("--root", str(root), "df", IMAGE, "--json").out)["images"][0]
+    print(f"\ngc --keep 2 of ten builds: dry run said {plan['freed_bytes']} bytes; df before {df_before}; "
+          f"after {df_after}; removed {len(ip['remove'])} items, kept builds {sorted(ip['kept_builds'].values())}")
     assert df_after["stage_store"]["bytes"] < df_before["stage_store"]["bytes"]
     assert df_after["runs"]["count"] == 4 and df_after["engine"]["releases"] == 4
     tags = _tags()
