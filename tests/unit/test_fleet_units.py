@@ -121,3 +121,36 @@ def test_docker_config_file(tmp_path, monkeypatch):
     assert registry.docker_config_file() is None
     (tmp_path / "config.json").write_text(json.dumps({"auths": {}}))
     assert registry.docker_config_file() == tmp_path / "config.json"
+
+
+def test_sync_via_registry_needs_a_registry(project):
+    res = run_cli("--root", str(project), "sync", "--via", "registry", "--image", "tiny", "somepeer")
+    assert res.code == 2 and "which registry" in res.err
+
+
+@pytest.mark.parametrize("extra", [["--registry", "127.0.0.1:5000/ib"], ["--tunnel"], ["--no-tunnel"]])
+def test_sync_registry_options_need_via_registry(project, extra):
+    res = run_cli("--root", str(project), "sync", "--image", "tiny", *extra, "somepeer")
+    assert res.code == 2 and "--via registry" in res.err
+
+
+def test_sync_via_registry_with_credentials_in_the_address_exit_2(project):
+    res = run_cli("--root", str(project), "sync", "--via", "registry", "--registry", f"bob:{SECRET}@10.0.0.5:5000/ib",
+                  "--image", "tiny", "somepeer")
+    assert res.code == 2 and SECRET not in res.err + res.out
+
+
+def test_registry_sync_tunnel_default(monkeypatch):
+    from imagebuild import registry_sync
+
+    monkeypatch.delenv(registry_sync.TUNNEL_ENV, raising=False)
+    monkeypatch.delenv(registry.INSECURE_ENV, raising=False)
+    assert registry_sync.wants_tunnel(registry.parse("127.0.0.1:5000/ib"), None) is True
+    assert registry_sync.wants_tunnel(registry.parse("10.0.0.5:5000/ib"), None) is False
+    assert registry_sync.wants_tunnel(registry.parse("10.0.0.5:5000/ib"), True) is True
+    monkeypatch.setenv(registry_sync.TUNNEL_ENV, "1")
+    assert registry_sync.wants_tunnel(registry.parse("10.0.0.5:5000/ib"), None) is True
+    monkeypatch.setenv(registry_sync.TUNNEL_ENV, "0")
+    assert registry_sync.wants_tunnel(registry.parse("127.0.0.1:5000/ib"), None) is False
+    assert registry_sync.identity_tag("sha256:" + "ab" * 32) == "id-" + "ab" * 32
+    assert registry_sync.repo_name(None, "10.0.0.5:5000/x/vllm:local") == "vllm"
