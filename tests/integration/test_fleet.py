@@ -451,5 +451,12 @@ def test_sync_via_registry_refuses_an_image_without_a_receipt_and_pushes_nothing
         tags = subprocess.run(["skopeo", "list-tags", "--tls-verify=false", f"docker://{r.repo(name)}"],
                               capture_output=True, text=True)
         assert tags.returncode != 0 or json.loads(tags.stdout)["Tags"] in ([], None)
+
+        # forced, to a registry that is not there: exit 1 naming it, no traceback, no peer touched
+        res = run_cli("--root", str(root), "sync", "--via", "registry", "--registry", "127.0.0.1:9/gone", "--image",
+                      f"{name}:candidate", "--force", peers[0].addr)
+        assert res.code == 1, res.err
+        assert "127.0.0.1:9/gone" in res.err and "Traceback" not in res.err
+        assert peers[0].docker("image", "inspect", f"{name}:candidate").returncode != 0
     finally:
         remove_fleet_images(name)
