@@ -220,14 +220,14 @@ def peer_engine_id(peer) -> str:
 @pytest.fixture(scope="session", name="netns_peers")
 def netns_peers_fixture(tmp_path_factory, engine_info):
     """Two peers whose engines live in their own network namespace (scripts/peer.sh --engine-in-netns),
-    as on real nodes: they cannot reach this host's loopback registry, only an ssh -R tunnel on their
+    the first with the containerd image store, the second with the classic one, as on real nodes: they cannot reach this host's loopback registry, only an ssh -R tunnel on their
     own loopback. One ssh config for all of them (IMAGEBUILD_SSH)."""
     from tests.conftest import start_peer
 
     started = []
     try:
-        for i in range(2):
-            started.append(start_peer(tmp_path_factory, f"peer-ns{i}", "--engine-in-netns"))
+        for i, store in enumerate(([], ["--classic-store"])):  # one of each image store
+            started.append(start_peer(tmp_path_factory, f"peer-ns{i}", "--engine-in-netns", *store))
         peers = [p for p, _ in started]
         cfg = tmp_path_factory.mktemp("netns-ssh") / "ssh_config"
         cfg.write_text("".join(Path(p.ssh_config).read_text() + "\n" for p in peers))

@@ -359,6 +359,7 @@ def test_sync_via_registry_through_ssh_tunnels_moves_each_missing_layer_once_per
         doc = json.loads(res.out)
         assert doc["via"] == "registry" and doc["registry"]["tunnel"] is True
         gets = _gets_since(registry, n0)
+        assert [r["store"] for r in doc["peers"]] == ["containerd", "classic"]
         for p, r in zip(peers, doc["peers"], strict=True):
             assert r["status"] == "synced", r
             assert r["identity"] == v1["release"]["identity"]  # verified on the peer, as with ssh
