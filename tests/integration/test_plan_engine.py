@@ -115,8 +115,16 @@ def test_doctor_checks_a_real_peer(engine_ready, peer, monkeypatch, tmp_path):
     assert by[f"peer {peer.addr}"]["status"] == "ok", by
     assert "Docker 26" in by[f"peer {peer.addr}"]["detail"] or "Docker" in by[f"peer {peer.addr}"]["detail"]
     assert by[f"peer {peer.addr} rsync"]["status"] == "ok"
-    # the peer's engine is its own: the host's base image is not there
-    assert peer.docker("image", "inspect", "imagebuild-test/busybox:1").returncode != 0
+    # the peer's engine is its own: a tag made on this host is not there (the base image itself may be:
+    # the session's peer is shared, and the fleet tests build on its engine)
+    import uuid
+
+    only_here = f"imagebuild-test/only-here:{uuid.uuid4().hex[:12]}"
+    subprocess.run(["docker", "tag", "imagebuild-test/busybox:1", only_here], check=True)
+    try:
+        assert peer.docker("image", "inspect", only_here).returncode != 0
+    finally:
+        subprocess.run(["docker", "image", "rm", only_here], capture_output=True)
 
 
 def test_project_config_errors_name_the_line(tmp_path):
