@@ -35,6 +35,7 @@ from . import identity as identity_mod
 from . import run as run_mod
 from .errors import OperationFailed
 from .fsutil import atomic_write_json, canonical_json
+from .stagestore import digest_hex as _hex
 
 log = logging.getLogger("imagebuild")
 
@@ -50,13 +51,6 @@ CONTENT_SUBDIR = "io.containerd.content.v1.content/blobs/sha256"
 def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "imagebuild" / "sync"
-
-
-def _hex(digest: str) -> str:
-    algo, _, h = digest.partition(":")
-    if algo != "sha256" or len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
-        raise ValueError(f"not a sha256 digest: {digest!r}")
-    return h
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,15 @@ def layout_dir(root: Path | None, image: str) -> Path:
     return state.stages_dir() / image
 
 
-def _hex(digest: str) -> str:
+def digest_hex(digest: str) -> str:
+    """The hex part of a ``sha256:<hex>`` digest; ValueError for anything else (also used by localblobs)."""
     algo, _, h = digest.partition(":")
     if algo != "sha256" or len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
         raise ValueError(f"not a sha256 digest: {digest!r}")
     return h
+
+
+_hex = digest_hex
 
 
 @dataclass(frozen=True)
