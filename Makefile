@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	# importlib.util on every start: ~20 ms of each imagebuild run, docs/cli.md "Start-up time")
 	cd $(VENV)/lib/python3*/site-packages && for f in __editable__.imagebuild-*.pth; do \
 	  echo '$(CURDIR)' > "$$f"; done && rm -f __editable___imagebuild_*_finder.py
+	# setuptools' distutils shim, imported by site at every start (~1 ms); nothing here imports distutils
+	rm -f $(VENV)/lib/python3*/site-packages/distutils-precedence.pth
 	# byte-compile now: an editable install does not, and PYTHONDONTWRITEBYTECODE would
 	# otherwise make every command re-compile the package (~0.1 s a run)
 	$(BIN)/python -m compileall -q imagebuild

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from . import dockerfile as dockerfile_mod
+from . import parsecache
 from .definition_model import (
     ARG_BUILD_ID,
     ARG_IMAGE,
@@ -98,7 +99,8 @@ def compiles(path: Path, display: str, c: Collector) -> bool:
     if text is None:
         return False
     try:
-        compile(text, display, "exec", dont_inherit=True)
+        # a text that compiled before compiles again under the same Python (parsecache.py)
+        parsecache.cached("compiles", (text,), lambda: compile(text, display, "exec", dont_inherit=True) and True)
     except SyntaxError as exc:
         c.err(display, f"does not compile: {exc.msg}", line=exc.lineno,
               hint="fix the patch script (imagebuild compiles every patch when it reads the definition, "

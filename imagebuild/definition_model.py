@@ -238,6 +238,15 @@ class Collector:
     def __init__(self) -> None:
         self.problems: list[Problem] = []
         self.notices: list[Notice] = []
+        self._resolved: dict[Path, Path] = {}
+
+    def resolved(self, folder: Path) -> Path:
+        """``folder.resolve()``, once per folder while one definition is read (every declared path
+        is checked against its folder: each resolve is an lstat per path component)."""
+        real = self._resolved.get(folder)
+        if real is None:
+            real = self._resolved[folder] = folder.resolve()
+        return real
 
     def err(self, file: str, message: str, *, line: int | None = None, key: str | None = None,
             hint: str | None = None) -> None:
@@ -262,7 +271,7 @@ def safe_rel_path(value, base: Path, file: str, line: int, key: str, c: Collecto
         real = full.resolve()
     except OSError:
         real = full
-    if base.resolve() not in (real, *real.parents):
+    if c.resolved(base) not in (real, *real.parents):
         c.err(file, f"path {value!r} leads outside its folder (through a symlink)", line=line, key=key)
         return None
     return full

@@ -8,9 +8,8 @@ stage declares, what it builds FROM, and which context files it copies.
 from __future__ import annotations
 
 import re
-import shlex
 
-from . import lazy
+from . import lazy, parsecache
 from .records import dataclass
 
 _HEREDOC_RE = lazy.compile(r"<<-?\s*([\"']?)([A-Za-z_][A-Za-z0-9_]*)\1")
@@ -85,6 +84,12 @@ class Dockerfile:
 
 
 def parse(text: str) -> Dockerfile:
+    """The instructions, ARGs, FROMs, COPYs and RUN mounts of ``text`` (the same text gives an
+    earlier run's result: parsecache.py)."""
+    return parsecache.cached("dockerfile", (text,), lambda: _parse(text))
+
+
+def _parse(text: str) -> Dockerfile:
     lines = text.splitlines()
     instructions: list[Instruction] = []
     syntax_line = None
@@ -168,6 +173,8 @@ _SHLEX_SPECIAL = frozenset("\"'\\\x0b\x0c\x1c\x1d\x1e\x1f")
 def _split(s: str) -> list[str]:
     if s.isascii() and _SHLEX_SPECIAL.isdisjoint(s):
         return s.split()  # what shlex gives for a line without quotes or escapes, ~20x faster
+    import shlex
+
     try:
         return shlex.split(s, posix=True)
     except ValueError:

@@ -145,6 +145,8 @@ def split_lines(text: str) -> list[str]:
 
 
 def _control_characters(line: str) -> list[str]:
+    if line.isprintable() or line.replace("\t", " ").isprintable():
+        return []  # printable text has none of them (the usual line: one C call, no loop)
     return [ch for ch in line if (ord(ch) < 32 and ch != "\t") or ord(ch) == 0x7F or ch in "\x85\u2028\u2029"]
 
 

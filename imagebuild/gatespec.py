@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from . import lazy, yamlread
+from . import lazy, parsecache, yamlread
 from .errors import DefinitionError, Problem
 from .records import dataclass, field
 
@@ -111,6 +111,14 @@ def load(path: Path, *, display: str | None = None) -> GateSpec:
 
 
 def parse(text: str, file: str, path: Path | None = None) -> GateSpec:
+    """The spec in ``text`` (shown as ``file``); DefinitionError listing every problem. A text that
+    parsed before gives that result again without re-validating (parsecache.py): validation
+    compiles every pattern and imports packaging for the version specifiers."""
+    return parsecache.cached("gatespec", (text, file, "" if path is None else str(path)),
+                             lambda: _parse(text, file, path))
+
+
+def _parse(text: str, file: str, path: Path | None) -> GateSpec:
     p = _Problems(file)
     try:
         root = yamlread.load(text)

@@ -54,7 +54,9 @@ _UNITS = {"B": 1, "kB": 1000, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB"
 
 @dataclass
 class Item:
-    kind: str  # release | tag | legacy-stage | stage-ref | blob | ingest | tarball | package-dir | run | tmp | mirror-tmp
+    # release | tag | legacy-stage | stage-ref | blob | ingest | tarball | package-dir | run | tmp | mirror-tmp
+    # | parse-cache
+    kind: str
     what: str  # a reference or a path, as shown
     bytes: int
     why: str
@@ -88,7 +90,7 @@ class ImagePlan:
 class GcPlan:
     keep_n: int
     images: list[ImagePlan]
-    shared: list[Item] = field(default_factory=list)  # not per image: the git mirror cache
+    shared: list[Item] = field(default_factory=list)  # not per image: the git mirror cache, the parse cache
 
     @property
     def freed(self) -> int:
@@ -374,6 +376,14 @@ def plan_mirror_cache() -> list[Item]:
     return out
 
 
+def plan_parse_cache() -> list[Item]:
+    """Parse-cache entries (parsecache.py) not written for 30 days: texts no definition holds any more."""
+    from . import parsecache
+
+    return [Item("parse-cache", str(p), size, "not written for 30 days (rewritten when next used)" if not p.name.endswith(".tmp") else
+                 "left by a run that was killed", path=str(p)) for p, size in parsecache.stale_entries()]
+
+
 def images_of(ctx: Context, image: str | None) -> list[str]:
     if image:
         defn_mod.check_image_name(image)
@@ -398,7 +408,7 @@ def plan_gc(ctx: Context | Path, image: str | None = None, keep_n: int = DEFAULT
                               hint="gc needs the engine to know which builds :local, :previous and :candidate hold")
     in_use = container_image_ids()
     plans = [plan_image(ctx, name, keep_n, info.id, in_use) for name in images_of(ctx, image)]
-    return GcPlan(keep_n, plans, plan_mirror_cache())
+    return GcPlan(keep_n, plans, plan_mirror_cache() + plan_parse_cache())
 
 
 # --------------------------------------------------------------------------------------------- removing

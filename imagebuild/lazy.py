@@ -8,7 +8,8 @@ Unicode class at import that alone takes ~9 ms, ``logging`` costs ~10 ms, ``subp
 - ``compile(pattern, flags)``: ``re.compile``'s signature; the pattern compiles the first time one
   of its methods is used.
 - ``module(name)``: a stand-in for ``import name`` that imports on first attribute access.
-- ``logger()``: the ``imagebuild`` logger, looked up on first use (``logging`` imported then).
+- ``logger()``: the ``imagebuild`` logger, looked up on first use (``logging`` imported then);
+  ``debugging()`` says whether it shows debug messages, without importing ``logging``.
 - ``import_yaml()``: ``import yaml`` with PyYAML's import-time patterns made lazy.
 """
 
@@ -80,6 +81,13 @@ class _Logger:
 def logger() -> _Logger:
     """The "imagebuild" logger; ``log.info(...)`` etc. import logging only when first called."""
     return _Logger()
+
+
+def debugging() -> bool:
+    """Whether the "imagebuild" logger shows debug messages (-v, --debug), without importing logging:
+    while nothing imported it, nothing asked for them (the CLI imports it at once for -v)."""
+    logging = sys.modules.get("logging")
+    return logging is not None and logging.getLogger("imagebuild").isEnabledFor(logging.DEBUG)
 
 
 def import_yaml():

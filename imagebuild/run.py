@@ -7,26 +7,34 @@ never put on a command line here: pass them through ``env`` (values are not logg
 
 from __future__ import annotations
 
-import logging
 import os
-import shlex
-import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from . import lazy
 from .errors import CommandFailed, OperationFailed
 
-log = logging.getLogger("imagebuild")
+# logging (~10 ms) and shlex are imported when used: `plan` runs git and needs neither
+log = lazy.logger()
+shlex = lazy.module("shlex")
 
 
 def which(name: str) -> str | None:
-    return shutil.which(name)
+    """The executable ``name`` on PATH, as ``shutil.which`` finds it (without importing shutil)."""
+    if os.sep in name:
+        return name if os.path.isfile(name) and os.access(name, os.X_OK) else None
+    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(folder or os.curdir, name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
 
 
 def _announce(argv: Sequence[str]) -> list[str]:
     argv = [str(a) for a in argv]
-    log.debug("+ %s", shlex.join(argv))
+    if lazy.debugging():  # -v: "+ cmd" for every command
+        log.debug("+ %s", shlex.join(argv))
     return argv
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from collections.abc import Iterable
 
 from .fsutil import sha256_bytes
@@ -164,6 +163,8 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
 
 
 def _q(text: str) -> str:
+    import shlex  # only for a stage that mounts sources
+
     return shlex.quote(text)
 
 

@@ -6,10 +6,19 @@ Node, or a scalar (str, int, float, bool, None); ``.line`` is the 1-based line o
 
 from __future__ import annotations
 
+from . import parsecache
 from .lazy import import_yaml
 from .records import dataclass
 
-yaml = import_yaml()  # PyYAML without compiling its import-time patterns (lazy.py)
+# PyYAML (~15 ms to import) is imported when a text is not in the parse cache (parsecache.py)
+yaml = None
+
+
+def _yaml():
+    global yaml
+    if yaml is None:
+        yaml = import_yaml()  # without compiling its import-time patterns (lazy.py)
+    return yaml
 
 
 @dataclass
@@ -39,32 +48,36 @@ class YamlError(ValueError):
         self.line = line
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader's composer, refusing anchors and aliases and bounding the node count and depth."""
+def _loader(text: str):
+    """SafeLoader's composer, refusing anchors and aliases and bounding the node count and depth
+    (without libyaml; the class is made on first use, as PyYAML is imported then)."""
 
-    def __init__(self, text: str):
-        super().__init__(text)
-        self._nodes = 0
-        self._depth = 0
+    class _Loader(_yaml().SafeLoader):
+        def __init__(self, text: str):
+            super().__init__(text)
+            self._nodes = 0
+            self._depth = 0
 
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        line = event.start_mark.line + 1
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
-            raise YamlError(f"YAML {what}: anchors and aliases are not supported here (a few nested aliases "
-                            "expand to gigabytes); write the value out", line)
-        self._nodes += 1
-        if self._nodes > MAX_NODES:
-            raise YamlError(f"more than {MAX_NODES} YAML nodes: a definition file is small (limit {MAX_NODES})",
-                            line)
-        self._depth += 1
-        if self._depth > MAX_DEPTH:
-            raise YamlError(f"YAML nested more than {MAX_DEPTH} levels deep (limit {MAX_DEPTH})", line)
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            line = event.start_mark.line + 1
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
+                raise YamlError(f"YAML {what}: anchors and aliases are not supported here (a few nested aliases "
+                                "expand to gigabytes); write the value out", line)
+            self._nodes += 1
+            if self._nodes > MAX_NODES:
+                raise YamlError(f"more than {MAX_NODES} YAML nodes: a definition file is small "
+                                f"(limit {MAX_NODES})", line)
+            self._depth += 1
+            if self._depth > MAX_DEPTH:
+                raise YamlError(f"YAML nested more than {MAX_DEPTH} levels deep (limit {MAX_DEPTH})", line)
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+    return _Loader(text)
 
 
 def _check_events(text: str) -> None:
@@ -95,7 +108,7 @@ def _compose(text: str):
     if getattr(yaml, "__with_libyaml__", False):  # the C parser: several times faster to start and run
         _check_events(text)
         return yaml.compose(text, Loader=yaml.CSafeLoader)
-    loader = _Loader(text)
+    loader = _loader(text)
     try:
         return loader.get_single_node()
     finally:
@@ -103,10 +116,17 @@ def _compose(text: str):
 
 
 def load(text: str) -> Node | None:
+    """The tree of ``text`` (None for an empty document); YamlError, with its line, when it is not
+    YAML this project reads. The same text gives the tree of an earlier run (parsecache.py)."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_BYTES:
         raise YamlError(f"the file is {size} bytes: larger than {MAX_BYTES} bytes (1 MiB), the limit for a "
                         "definition file", None)
+    return parsecache.cached("yaml", (text,), lambda: _load(text))
+
+
+def _load(text: str) -> Node | None:
+    _yaml()
     try:
         root = _compose(text)
     except yaml.YAMLError as exc:
@@ -121,7 +141,7 @@ def load(text: str) -> Node | None:
     return _convert(root)
 
 
-def _convert(node: yaml.Node) -> Node:
+def _convert(node) -> Node:
     line = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Node] = {}
@@ -140,12 +160,19 @@ def _convert(node: yaml.Node) -> Node:
     return Node(_scalar(node), line)
 
 
-def _scalar(node: yaml.Node) -> object:
+def _scalar(node) -> object:
     if not isinstance(node, yaml.ScalarNode):
         raise YamlError("expected a plain value here", node.start_mark.line + 1)
-    return _CONSTRUCTOR.construct_scalar(node) if node.tag.endswith(":str") else \
-        _CONSTRUCTOR.construct_object(node)
+    constructor = _constructor()
+    return constructor.construct_scalar(node) if node.tag.endswith(":str") else constructor.construct_object(node)
 
 
-# scalars only: a constructor needs no reader or scanner (a SafeLoader("") would run its reader)
-_CONSTRUCTOR = yaml.constructor.SafeConstructor()
+_CONSTRUCTOR = None
+
+
+def _constructor():
+    """Scalars only: a constructor needs no reader or scanner (a SafeLoader("") would run its reader)."""
+    global _CONSTRUCTOR
+    if _CONSTRUCTOR is None:
+        _CONSTRUCTOR = _yaml().constructor.SafeConstructor()
+    return _CONSTRUCTOR

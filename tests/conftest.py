@@ -8,11 +8,13 @@ never pass silently.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import os
 import shutil
 import subprocess
+import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # are a few MB, and CI machines have been seen with under 9 GiB free: the suite keeps the guard on,
 # at 1 GiB, unless the caller set its own. test_disk_guard covers the guard itself.
 os.environ.setdefault("IMAGEBUILD_MIN_FREE_GB", "1")
+# The parse cache (imagebuild/parsecache.py) of this run: fresh, and not the user's ~/.cache.
+if "IMAGEBUILD_PARSE_CACHE" not in os.environ:
+    os.environ["IMAGEBUILD_PARSE_CACHE"] = tempfile.mkdtemp(prefix="imagebuild-parse-")
+    atexit.register(shutil.rmtree, os.environ["IMAGEBUILD_PARSE_CACHE"], True)
 BUSYBOX = "imagebuild-test/busybox:1"
 DEBIAN = "imagebuild-test/debian:bookworm"
 

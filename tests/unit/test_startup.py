@@ -5,6 +5,7 @@ which decide them, in a fresh interpreter per command."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +22,15 @@ HEAVY = {"python_on_whales", "docker", "testinfra", "pytest", "git", "requests",
          "imagebuild.prefetch", "imagebuild.doctor"}
 # what a command may add, because it uses it
 USES = {
-    # the real definitions' gate specs have PEP 440 specifiers (packaging, which imports typing) and
-    # their stages install wheels (the requirements files' digests)
-    "repo": {"packaging", "typing", "hashlib"},
+    # the real definitions' gate specs have PEP 440 specifiers (packaging, which imports typing),
+    # while they are not in the parse cache
+    "repo": {"packaging", "typing"},
     # the plan's provenance asks git (three processes at once: provenance.py)
-    "plan": {"imagebuild.run", "subprocess", "logging", "shutil", "threading"},
+    "plan": {"imagebuild.run", "subprocess", "threading"},
 }
+# once the definitions' texts are in the parse cache (imagebuild/parsecache.py), reading them needs
+# neither the parsers' libraries nor OpenSSL
+NEVER_WARM = {"yaml", "packaging", "typing", "hashlib", "_hashlib", "shlex"}
 NEVER_FOR = {  # and not even these where the command has no use for them
     "--version": {"yaml", "imagebuild.definition", "hashlib", "json", "pathlib"},
     "list": {"imagebuild.plan"},
@@ -36,7 +40,8 @@ NEVER_FOR = {  # and not even these where the command has no use for them
 
 def _run(code: str) -> set[str]:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(REPO)})
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(REPO),
+                            "IMAGEBUILD_PARSE_CACHE": os.environ["IMAGEBUILD_PARSE_CACHE"]})
     assert r.returncode == 0, r.stderr
     return set(ast.literal_eval(r.stdout.strip().splitlines()[-1]))
 
@@ -77,3 +82,15 @@ def test_python_on_whales_and_pytest_only_where_used():
                    "imagebuild.packages", "imagebuild.prefetch", "imagebuild.build"):
         loaded = _run(f"import sys, {module}; print(sorted(sys.modules))")
         assert not loaded & {"python_on_whales", "docker", "testinfra", "pytest"}, (module, loaded)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--root", str(REPO), "list"],
+    ["--root", str(REPO), "validate"],
+    ["--root", str(REPO), "plan", "example", "--no-engine"],
+], ids=lambda a: " ".join(x for x in a if not x.startswith("/")))
+def test_with_the_parse_cache_warm_no_parser_library_is_imported(argv):
+    _modules_after(argv)  # fills the parse cache, if an earlier test did not
+    loaded = _modules_after(argv)
+    assert not (loaded & NEVER_WARM), f"{' '.join(argv)} imports {sorted(loaded & NEVER_WARM)} with a warm cache"
+
