@@ -54,21 +54,14 @@ def _in_git(root: Path) -> bool:
     return (Path(root) / ".git").exists() and run_mod.which("git") is not None
 
 
-def _git(root: Path, *commands: list[str]) -> list[tuple[int, str]]:
-    """Run independent git commands at once (plan runs three: ~3x faster than one after the other);
-    (exit code, stdout) of each."""
-    import subprocess
+def _start_git(root: Path, *commands: list[str]) -> list:
+    """Start independent git commands at once (plan runs three: ~3x faster than one after the
+    other); ``.result()`` of each is (exit code, stdout)."""
+    return [run_mod.Query(["git", "-C", str(root), *args]) for args in commands]
 
-    procs = [run_mod.popen(["git", "-C", str(root), *args], stdin=False) for args in commands]
-    out = []
-    for proc in procs:
-        try:
-            stdout, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, _ = proc.communicate()
-        out.append((proc.returncode, stdout.decode("utf-8", "replace").strip()))
-    return out
+
+def _git(root: Path, *commands: list[str]) -> list[tuple[int, str]]:
+    return [q.result() for q in _start_git(root, *commands)]
 
 
 def _log_args(paths) -> list[str]:
@@ -115,10 +108,28 @@ def _source_url(remote: tuple[int, str]) -> str | None:
     return url
 
 
+class Pending:
+    """The provenance of a definition, its git queries under way (``start``); ``result()`` waits."""
+
+    def __init__(self, defn: d.Definition):
+        self.defn = defn
+        self.paths = [d.display_path(defn.root, p) for p in _paths(defn)]
+        self.queries = (_start_git(defn.root, _log_args(self.paths), _status_args(self.paths), _REMOTE_ARGS)
+                        if _in_git(defn.root) else None)
+
+    def result(self) -> Provenance:
+        digest = definition_sha256(self.defn)  # while git answers
+        rev = url = None
+        if self.queries is not None:
+            log, status, remote = (q.result() for q in self.queries)
+            rev, url = _revision(log, status), _source_url(remote)
+        return Provenance(digest, rev, tuple(self.paths), url)
+
+
+def start(defn: d.Definition) -> Pending:
+    """Start asking git about ``defn``, so that the caller works meanwhile (plan computes the keys)."""
+    return Pending(defn)
+
+
 def of(defn: d.Definition) -> Provenance:
-    paths = [d.display_path(defn.root, p) for p in _paths(defn)]
-    rev = url = None
-    if _in_git(defn.root):
-        log, status, remote = _git(defn.root, _log_args(paths), _status_args(paths), _REMOTE_ARGS)
-        rev, url = _revision(log, status), _source_url(remote)
-    return Provenance(definition_sha256(defn), rev, tuple(paths), url)
+    return start(defn).result()
