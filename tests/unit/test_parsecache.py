@@ -170,3 +170,23 @@ def test_gc_removes_old_entries_and_dead_writers_temp_files(cache):
     assert stale == {old.name, tmp.name}
     yamlread.load("b: 2\n")  # a new entry: kept
     assert {p.name for p, _ in parsecache.stale_entries()} == stale
+
+
+@pytest.mark.parametrize("forged", [
+    ("r", "subprocess:Popen", {}),  # a class outside this package: never rebuilt
+    ("r", "imagebuild.yamlread:Node", {"value": 1}),  # a record of the wrong shape
+    ("x", 1),  # an unknown tag
+])
+def test_an_entry_with_a_valid_digest_but_foreign_content_is_a_miss(cache, forged):
+    import marshal
+
+    from imagebuild.parsecache import _DIGEST_SIZE, blake2b
+
+    text = "a: 1\n"
+    good = yamlread.load(text)
+    (entry,) = _entries(cache)
+    payload = marshal.dumps(forged)
+    entry.write_bytes(blake2b(payload, digest_size=_DIGEST_SIZE).digest() + payload)
+    assert yamlread.load(text) == good
+    assert parsecache._read(entry) == (good,), "the foreign entry was not replaced"
+

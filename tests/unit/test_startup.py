@@ -30,7 +30,7 @@ USES = {
 }
 # once the definitions' texts are in the parse cache (imagebuild/parsecache.py), reading them needs
 # neither the parsers' libraries nor OpenSSL
-NEVER_WARM = {"yaml", "packaging", "typing", "hashlib", "_hashlib", "shlex"}
+NEVER_WARM = {"yaml", "packaging", "typing", "hashlib", "_hashlib", "shlex", "pickle"}
 NEVER_FOR = {  # and not even these where the command has no use for them
     "--version": {"yaml", "imagebuild.definition", "hashlib", "json", "pathlib"},
     "list": {"imagebuild.plan"},
