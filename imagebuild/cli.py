@@ -77,6 +77,14 @@ docs: docs/cli.md, docs/image-definition.md
 """
 
 
+# argparse passes its own words ("usage: ", "options", ...) through gettext, and each lookup
+# searches the locale folders for a catalogue, importing locale to do so: ~3 ms of every start.
+# A Python install has no catalogue for that domain, so the words stay argparse's English ones
+# either way, like imagebuild's own messages; the lookups are skipped.
+argparse._ = lambda message: message
+argparse.ngettext = lambda singular, plural, n: singular if n == 1 else plural
+
+
 class _Parser(argparse.ArgumentParser):
     """Exit 2 with usage on bad flags, as documented; options are never abbreviated (``--fo`` is not
     ``--force``); the global options work before and after the command."""
@@ -588,6 +596,7 @@ def cmd_plan(args) -> int:
     # the engine is asked first and answers while the definition is read (engine.EngineQuery)
     query = None if args.no_engine else engine_mod.EngineQuery()
     dfn = defn_mod.load(root, args.image)
+    pending = plan_mod.provenance.start(dfn)  # git answers while the rest is read and computed
     store = StageStore.for_image(root, dfn.name)  # built stages: read from the stage store, no engine needed
     engine_info = None
     if query is not None:
@@ -595,7 +604,8 @@ def cmd_plan(args) -> int:
         engine_info = info.as_dict()
         if not info.reachable:
             log.info("no Docker engine reachable (%s)", info.detail)
-    plan = plan_mod.make_plan(dfn, exists=lambda key: store.lookup(key) is not None, engine=engine_info)
+    plan = plan_mod.make_plan(dfn, exists=lambda key: store.lookup(key) is not None, engine=engine_info,
+                              prov=pending)
     if args.json:
         _print_json(plan.as_dict())
         return EXIT_OK
@@ -1159,25 +1169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
 
 
-# Commands that only read: the installed ``imagebuild`` ends them without the interpreter's
-# teardown (freeing every module and object: ~6 ms, a tenth of ``list``; docs/cli.md, "Start-up
-# time"). They hold no child process, lock, temporary file or thread that a teardown would close.
+# Commands that only read: the installed ``imagebuild`` (imagebuild/launch.py) runs them without the
+# cyclic garbage collector and ends them without the interpreter's teardown (docs/cli.md,
+# "Start-up time"). They hold no child process, lock, temporary file or thread that a teardown
+# would close.
 READ_ONLY_COMMANDS = frozenset({"list", "validate", "plan"})
 
 
-def entry() -> None:
-    """The ``imagebuild`` console script: ``main()``, then exit with its code."""
-    argv = sys.argv[1:]
-    code = main(argv)
-    if _command_in(argv) in READ_ONLY_COMMANDS:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except (BrokenPipeError, ValueError):
-            pass
-        else:
-            os._exit(code)
-    sys.exit(code)
-
-
-__all__ = ["main", "entry", "build_parser", "EXIT_REFUSED", "EXIT_GATE_FAILED", "EXIT_FAILED"]
+__all__ = ["main", "build_parser", "EXIT_REFUSED", "EXIT_GATE_FAILED", "EXIT_FAILED"]

@@ -264,10 +264,12 @@ def build_id_of(defn: d.Definition, stage_keys: list[str], lock_sha256: str | No
 
 def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = None,
               engine: dict | None = None, lock: dict | None = None,
-              prov: provenance.Provenance | None = None) -> Plan:
+              prov: provenance.Provenance | provenance.Pending | None = None) -> Plan:
     """The plan of ``defn``. ``exists(key)`` says whether a stage with that key is built (None:
-    unknown); ``lock`` defaults to the definition's lock.json; ``prov`` to its git provenance."""
-    pending = provenance.start(defn) if prov is None else None  # git answers while the keys are computed
+    unknown); ``lock`` defaults to the definition's lock.json; ``prov`` to its git provenance (or
+    the one a caller started asking for: provenance.start)."""
+    # git answers while the keys are computed
+    pending = provenance.start(defn) if prov is None else prov if isinstance(prov, provenance.Pending) else None
     lock_path = lock_mod.lock_path(defn.dir)
     if lock is None:
         lock = lock_mod.read(defn.dir, d.display_path(defn.root, lock_path))
@@ -348,7 +350,7 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             ps = _with_exists(ps, exists(ps.key))
         planned[st.name] = ps
         out.append(ps)
-    prov = prov or pending.result()
+    prov = pending.result() if pending is not None else prov
     build_id = build_id_of(defn, [s.key for s in out], lock_sha, prov)
     return Plan(image=defn.name, platform=defn.platform, definition_dir=d.display_path(defn.root, defn.dir),
                 build_id=build_id, build_id_from=_build_id_from(lock_sha), stages=tuple(out),

@@ -89,7 +89,7 @@ def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeou
 
 
 class Query:
-    """A short read-only query started with ``os.posix_spawnp``: stdout to a pipe, no stdin, stderr
+    """A short read-only query started with ``os.posix_spawn``: stdout to a pipe, no stdin, stderr
     dropped. For what ``plan`` asks git (three at once, while it computes the keys): no subprocess
     import, and a cheaper start than ``subprocess.Popen``. ``result()`` waits for it."""
 
@@ -101,7 +101,9 @@ class Query:
             actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                        (os.POSIX_SPAWN_DUP2, write_fd, 1),
                        (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
-            self.pid = os.posix_spawnp(self.argv[0], self.argv, _environ(None) or os.environ, file_actions=actions)
+            # the full path: posix_spawnp would try an execve in every PATH folder before it
+            program = which(self.argv[0]) or self.argv[0]
+            self.pid = os.posix_spawn(program, self.argv, _environ(None) or os.environ, file_actions=actions)
         except FileNotFoundError:
             os.close(read_fd)
             raise OperationFailed(f"{self.argv[0]}: command not found", hint=f"install {self.argv[0]}") from None
