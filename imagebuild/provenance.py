@@ -109,40 +109,16 @@ def _source_url(remote: tuple[int, str]) -> str | None:
 
 
 class Pending:
-    """The provenance of a definition, its git queries under way (``start``); ``result()`` waits.
-
-    The three queries are started from a helper thread: starting a process blocks its caller until
-    the child has called exec (~1-3 ms each here), and the caller has keys to compute meanwhile.
-    (``_thread``: the threading module alone costs ~2 ms to import.)"""
+    """The provenance of a definition, its git queries under way (``start``); ``result()`` waits."""
 
     def __init__(self, defn: d.Definition):
-        import _thread
-
         self.defn = defn
         self.paths = [d.display_path(defn.root, p) for p in _paths(defn)]
-        self.queries: list | None = None
-        self._error: BaseException | None = None
-        self._started = _thread.allocate_lock()
-        if not _in_git(defn.root):
-            return
-        self._started.acquire()
-        _thread.start_new_thread(self._start, ())
-
-    def _start(self) -> None:
-        try:
-            self.queries = _start_git(self.defn.root, _log_args(self.paths), _status_args(self.paths),
-                                      _REMOTE_ARGS)
-        except BaseException as exc:  # noqa: BLE001 (raised again by result(), in the caller's thread)
-            self._error = exc
-        finally:
-            self._started.release()
+        self.queries = (_start_git(defn.root, _log_args(self.paths), _status_args(self.paths), _REMOTE_ARGS)
+                        if _in_git(defn.root) else None)
 
     def result(self) -> Provenance:
         digest = definition_sha256(self.defn)  # while git answers
-        with self._started:
-            pass
-        if self._error is not None:
-            raise self._error
         rev = url = None
         if self.queries is not None:
             log, status, remote = (q.result() for q in self.queries)
