@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from . import envfile, pkgspec, yamlread
+from . import envfile, parsecache, pkgspec, yamlread
 from . import source_options as source_options_mod
 from .definition_model import *  # noqa: F403  (the records, names and rules: imported from here)
 from .definition_model import (
@@ -50,7 +50,13 @@ from .source_options import (  # noqa: F401  (re-exported: prefetch and tests im
 
 
 def load(root: Path, name: str) -> Definition:
-    """Read, validate and return the definition ``name``; raise DefinitionError on any problem."""
+    """Read, validate and return the definition ``name``; raise DefinitionError on any problem.
+    The parse cache keeps what was parsed only when the definition has no problem (parsecache.py)."""
+    with parsecache.batch():
+        return _load(root, name)
+
+
+def _load(root: Path, name: str) -> Definition:
     check_image_name(name)
     root = root.resolve()
     d = root / IMAGES_DIR / name

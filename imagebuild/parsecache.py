@@ -15,7 +15,8 @@ What a result is found by (the entry's name is the BLAKE2b digest of all of it):
   a parser misses every entry made before it.
 
 Only results are kept: a text that fails to parse raises its error, and nothing is stored, so an
-error is always reported from a fresh parse. An entry is the digest of its payload plus the
+error is always reported from a fresh parse. Within ``batch()`` (``definition.load``), nothing is
+stored unless the whole definition reads without a problem. An entry is the digest of its payload plus the
 payload (marshal data; records are rebuilt only as this package's classes); one whose digest does
 not match is ignored and replaced. Entries are written with a temp file and a rename, and never
 read from a folder that another user could write to.
@@ -27,6 +28,7 @@ still write nothing under it. ``imagebuild gc`` removes entries not written for 
 
 from __future__ import annotations
 
+import _thread
 import marshal
 import os
 import sys
@@ -135,8 +137,37 @@ def cached(kind: str, parts: tuple[str | bytes, ...], compute: Callable[[], obje
     if found is not None:
         return found[0]
     value = compute()
-    _write(d, path, value)
+    pending = getattr(_local, "batches", None)
+    if pending:
+        pending[-1].append((d, path, value))
+    else:
+        _write(d, path, value)
     return value
+
+
+class batch:
+    """``with parsecache.batch():`` entries computed inside are written when the block ends without
+    an exception, and dropped when it raises: reading a definition with a problem leaves the cache
+    as it was (definition.load). Nested batches write with the outermost one; per thread."""
+
+    def __enter__(self):
+        if not hasattr(_local, "batches"):
+            _local.batches = []
+        _local.batches.append([])
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        pending = _local.batches.pop()
+        if exc_type is None:
+            if _local.batches:
+                _local.batches[-1].extend(pending)
+            else:
+                for d, path, value in pending:
+                    _write(d, path, value)
+        return False
+
+
+_local = _thread._local()  # threading.local, without importing threading (~2 ms)
 
 
 def _read(path: Path) -> tuple[object] | None:

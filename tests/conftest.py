@@ -63,6 +63,12 @@ def project(tmp_path) -> Path:
     return dst
 
 
+def parse_cache_state() -> list[str]:
+    """The entries of this run's parse cache (imagebuild/parsecache.py): to prove bad input kept none."""
+    d = Path(os.environ["IMAGEBUILD_PARSE_CACHE"])
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
 def tree_state(root: Path) -> dict[str, str]:
     """Every file under root with its content digest: to prove a command wrote nothing."""
     state = {}

@@ -190,3 +190,27 @@ def test_an_entry_with_a_valid_digest_but_foreign_content_is_a_miss(cache, forge
     assert yamlread.load(text) == good
     assert parsecache._read(entry) == (good,), "the foreign entry was not replaced"
 
+
+
+def test_a_batch_keeps_its_entries_only_when_it_ends_well(cache):
+    with pytest.raises(RuntimeError):
+        with parsecache.batch():
+            yamlread.load("a: 1\n")
+            with parsecache.batch():
+                yamlread.load("b: 1\n")
+            assert _entries(cache) == []  # the inner batch writes with the outer one
+            raise RuntimeError("a problem found later in the definition")
+    assert _entries(cache) == []
+    with parsecache.batch():
+        yamlread.load("a: 1\n")
+        with parsecache.batch():
+            yamlread.load("b: 1\n")
+        assert _entries(cache) == []
+    assert len(_entries(cache)) == 2
+
+
+def test_an_invalid_definition_keeps_nothing(cache, project):
+    df = project / "docker-images" / "tiny" / "Dockerfile.tools"
+    df.write_text(df.read_text().replace("COPY files/tool.sh /opt/tiny/tool.sh", "COPY --from=alpine:3 /x /x"))
+    assert run_cli("--root", str(project), "validate", "tiny").code == 2
+    assert _entries(cache) == []
