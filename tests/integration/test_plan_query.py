@@ -47,3 +47,37 @@ def test_unreachable_socket_says_why(tmp_path, monkeypatch):
     info = engine.EngineQuery().result()
     assert not info.reachable
     assert "Cannot connect to the Docker daemon" in info.detail and str(tmp_path) in info.detail
+
+
+def test_behind_anything_but_dockerd_the_version_endpoint_is_asked(tmp_path, monkeypatch):
+    """A socket served by another process (a proxy, a forwarded socket, another engine): its
+    /_ping is not taken as dockerd's, and the architecture comes from /version, not this kernel."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "proxy.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(4)
+    asked = []
+
+    def serve():
+        for _ in range(2):
+            conn, _ = server.accept()
+            request = conn.recv(4096).decode()
+            asked.append(request.split()[1])
+            if request.startswith("GET /_ping"):
+                conn.sendall(b"HTTP/1.0 200 OK\r\nServer: Docker/1.0.0 (linux)\r\n\r\nOK")
+            else:
+                conn.sendall(b'HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n'
+                             b'{"Version": "9.9.9", "Arch": "arm64"}')
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+    info = engine.EngineQuery().result()
+    t.join(10)
+    server.close()
+    assert asked == ["/_ping", "/version"]
+    assert info.reachable and info.server_version == "9.9.9" and info.architecture == "aarch64"
