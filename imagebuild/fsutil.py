@@ -22,10 +22,10 @@ _SMALL = 256 << 10
 def _sha256(size: int):
     """A new SHA-256 object for about ``size`` bytes: the same digest either way."""
     if size < _SMALL and "_hashlib" not in sys.modules:
-        try:
-            from _sha2 import sha256  # Python >= 3.12
-        except ImportError:
-            from _sha256 import sha256  # Python 3.11
+        if sys.version_info >= (3, 12):
+            from _sha2 import sha256
+        else:
+            from _sha256 import sha256
         return sha256()
     return hashlib.sha256()
 

@@ -94,3 +94,17 @@ def test_with_the_parse_cache_warm_no_parser_library_is_imported(argv):
     loaded = _modules_after(argv)
     assert not (loaded & NEVER_WARM), f"{' '.join(argv)} imports {sorted(loaded & NEVER_WARM)} with a warm cache"
 
+
+
+def test_a_command_parser_alone_knows_every_command_name():
+    """build_parser(only=...) registers the other commands by name only (cli_nightly not imported),
+    so a typo still lists every command."""
+    from imagebuild import cli
+
+    def choices(parser):
+        return set(cli._command_parsers(parser))
+
+    everything = choices(cli.build_parser())
+    assert set(cli.NIGHTLY_COMMANDS) <= everything
+    for command in ("plan", "list", "nightly", "report"):
+        assert choices(cli.build_parser(only=command)) == everything, command
