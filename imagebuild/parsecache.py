@@ -12,7 +12,8 @@ What a result is found by (the entry's name is the BLAKE2b digest of all of it):
 - the parser's kind and every argument it takes, the text included, byte for byte;
 - the code that produced it: the Python version, and the size and mtime of every module of this
   package and of the libraries the parsers use (PyYAML, packaging), so an upgrade or an edit of
-  a parser misses every entry made before it.
+  a parser misses every entry made before it (size and mtime are what Python's own bytecode
+  cache trusts for the same question).
 
 Only results are kept: a text that fails to parse raises its error, and nothing is stored, so an
 error is always reported from a fresh parse. Within ``batch()`` (``definition.load``), nothing is
