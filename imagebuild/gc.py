@@ -380,8 +380,12 @@ def plan_parse_cache() -> list[Item]:
     """Parse-cache entries (parsecache.py) not written for 30 days: texts no definition holds any more."""
     from . import parsecache
 
-    return [Item("parse-cache", str(p), size, "not written for 30 days (rewritten when next used)" if not p.name.endswith(".tmp") else
-                 "left by a run that was killed", path=str(p)) for p, size in parsecache.stale_entries()]
+    out = []
+    for p, size in parsecache.stale_entries():
+        why = "left by a run that was killed" if p.name.endswith(".tmp") else \
+            "not written for 30 days (rewritten when next used)"
+        out.append(Item("parse-cache", str(p), size, why, path=str(p)))
+    return out
 
 
 def images_of(ctx: Context, image: str | None) -> list[str]:

@@ -60,10 +60,6 @@ def _start_git(root: Path, *commands: list[str]) -> list:
     return [run_mod.Query(["git", "-C", str(root), *args]) for args in commands]
 
 
-def _git(root: Path, *commands: list[str]) -> list[tuple[int, str]]:
-    return [q.result() for q in _start_git(root, *commands)]
-
-
 def _log_args(paths) -> list[str]:
     return ["log", "-1", "--format=%H", "--", *paths]
 
@@ -73,12 +69,6 @@ def _status_args(paths) -> list[str]:
 
 
 _REMOTE_ARGS = ["remote", "get-url", "origin"]
-
-
-def revision(root: Path, paths: list[str]) -> str | None:
-    if not _in_git(root):
-        return None
-    return _revision(*_git(root, _log_args(paths), _status_args(paths)))
 
 
 def _revision(log: tuple[int, str], status: tuple[int, str]) -> str | None:
@@ -91,14 +81,8 @@ def _revision(log: tuple[int, str], status: tuple[int, str]) -> str | None:
     return rev + (DIRTY_SUFFIX if dirty else "")
 
 
-def source_url(root: Path) -> str | None:
-    """The project's ``origin`` remote, without credentials (never put a token into a label)."""
-    if not _in_git(root):
-        return None
-    return _source_url(*_git(root, _REMOTE_ARGS))
-
-
 def _source_url(remote: tuple[int, str]) -> str | None:
+    """The project's ``origin`` remote, without credentials (never put a token into a label)."""
     code, url = remote
     if code != 0 or not url:
         return None

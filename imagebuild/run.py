@@ -15,7 +15,7 @@ from . import lazy
 from .errors import CommandFailed, OperationFailed
 
 # logging (~10 ms), subprocess (~5 ms) and shlex are imported when used: `plan` runs git through
-# ``query`` (os.posix_spawn) and needs none of them
+# ``Query`` (os.posix_spawn) and needs none of them
 log = lazy.logger()
 shlex = lazy.module("shlex")
 subprocess = lazy.module("subprocess")
