@@ -1,6 +1,7 @@
 """build: (1) a no-op rebuild (every stage key present) of the five-stage test image, against a
 plain `docker buildx build` of the same five fully cached stages; (2) a whole chain of three
-300 MB stages rebuilt with --no-cache, every stage exported reproducibly into the stage store,
+300 MB stages rebuilt with --no-cache, every stage exported into the stage store with its file times clamped
+(layerclamp.py),
 against the same chain built with plain `docker buildx build --load` (issue 9: at most 1.3x)."""
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def benchmarks():
                   note="baseline: docker buildx build of the 5 fully cached stages"),
         Benchmark("reproducible chain vs plain --load (3 stages x 300 MB, --no-cache)", _chain_ours,
                   _chain_baseline, repeat=3, setup=_chain_setup, teardown=_chain_teardown,
-                  note="ours: every stage exported with rewrite-timestamp into the stage store, the release "
+                  note="ours: every stage exported into the stage store, its file times clamped, the release "
                   "loaded; the same identity every run (checked). baseline: plain --load of each stage"),
     ]
 

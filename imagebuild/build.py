@@ -45,7 +45,7 @@ from pathlib import Path, PurePosixPath
 from . import context as context_mod
 from . import definition as defn_mod
 from . import engine as engine_mod
-from . import guards, patching, registry_cache, remote_engine, source_mounts, state
+from . import guards, layerclamp, patching, registry_cache, remote_engine, source_mounts, state
 from . import lock as lock_mod
 from . import plan as plan_mod
 from . import promote as promote_mod
@@ -74,8 +74,9 @@ LABEL_PREFIX = "io.imagebuild"
 RELEASE_TAR = "release.tar"
 RELEASE_DOCKERFILE = f"ARG PARENT\nFROM ${{PARENT}}\nADD {RELEASE_TAR} /\n"
 # one compression for every stage (a chain that mixes them reuses blobs and changes digests)
-STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},rewrite-timestamp=true,compression=zstd," \
-               "force-compression=false"
+# File times are clamped afterwards by layerclamp.py, in one pass (BuildKit's rewrite-timestamp
+# compressed each new layer twice and re-read the parent layers: docs/build.md, Reproducibility).
+STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},compression=zstd,force-compression=false"
 LOAD_OUTPUT = "type=docker,oci-mediatypes=true"
 HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"
 DEFAULT_HEARTBEAT_S = 60.0
@@ -634,6 +635,8 @@ def _remove_stale_tmp(b: Build) -> None:
     for p in sorted(top.glob(f"build-{b.defn.name}-*")) if top.is_dir() else ():
         log.info("removing %s (left by an earlier run that did not end cleanly)", p)
         shutil.rmtree(p, ignore_errors=True)
+    for p in layerclamp.remove_stale_tmp(b.store):
+        log.info("removed %s (left by an earlier run that did not end cleanly)", p)
 
 
 def _record(b: Build, status: str, started: str, **extra) -> dict:
@@ -757,6 +760,7 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
             raise OperationFailed(f"stage {st.name!r}: BuildKit reported success but its image is not complete in "
                                   f"{b.store.dir} (manifest {manifest!r}); not treating it as built",
                                   hint=f"see {log_path}; is the engine's BuildKit new enough? (imagebuild doctor)")
+        manifest = _clamp_times(b, st, manifest, log_path, progress, head)
         patches = None
         if any(inp.kind == "patch" for inp in st.inputs):
             patches = _read_patch_record(b, st, manifest, tmp, progress) or {
@@ -775,6 +779,33 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     r.seconds = round(time.monotonic() - t0, 3)
     r.status = "built"
     progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
+
+
+def _parent_diff_ids(b: Build, st: plan_mod.PlannedStage) -> list[str]:
+    """The layers a stage starts from (diff ids, base first): its parent stage's or its base image's."""
+    if st.parent_kind == "stage":
+        return b.store.diff_ids(b.manifest(st.parent))
+    if st.parent_ref == "scratch":
+        return []
+    text = run_mod.output(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", st.parent_ref],
+                          timeout=60, hint="is the Docker engine healthy? (imagebuild doctor)")
+    layers = json.loads(text.splitlines()[-1])
+    return list(layers) if isinstance(layers, list) else []
+
+
+def _clamp_times(b: Build, st: plan_mod.PlannedStage, manifest: str, log_path: Path, progress: Progress,
+                 head: str) -> str:
+    """The stage's own layers with no file time later than its SOURCE_DATE_EPOCH (layerclamp.py):
+    the same key gives the same bytes. Returns the stage's manifest after it."""
+    progress.start(f"{st.name} (clamping file times)", str(log_path))
+    try:
+        done = layerclamp.clamp_stage(b.store, manifest, _parent_diff_ids(b, st), st.source_date_epoch)
+    finally:
+        progress.stop()
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(f"imagebuild: {done.summary()}: {manifest} -> {done.manifest}\n")
+    progress.info("%s: %s", head, done.summary())
+    return done.manifest
 
 
 def _read_patch_record(b: Build, st: plan_mod.PlannedStage, manifest: str, tmp: Path,

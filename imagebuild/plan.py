@@ -33,7 +33,7 @@ from .records import dataclass, field
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 2
-KEY_VERSION = 2
+KEY_VERSION = 3  # 3: file times clamped by layerclamp.py (before: BuildKit rewrite-timestamp)
 BUILD_ID_VERSION = 2
 DEFAULT_SOURCE_DATE_EPOCH = 315532800  # 1980-01-01T00:00:00Z: zip (wheels) cannot hold older times
 PARENT_CONTEXT = "imagebuild-parent"  # the named build context holding a stage's parent stage
