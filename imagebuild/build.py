@@ -9,8 +9,9 @@
    containers, disk; ``guards.py``). A refusal here means docker never started.
 2. **Stages in order.** A stage whose key is in the stage store (``stagestore.py``: an OCI
    layout per image, a ref per key) is skipped; ``--no-cache`` rebuilds the requested range.
-   Every stage is exported into that layout with ``rewrite-timestamp`` (so the same key gives
-   the same bytes) and the next stage builds ``FROM`` it through the named context
+   Every stage is exported into that layout, its own layers' file times are clamped to its
+   ``SOURCE_DATE_EPOCH`` (``layerclamp.py``: the same key gives the same bytes), and the next
+   stage builds ``FROM`` it through the named context
    ``imagebuild-parent``; earlier stages a Dockerfile names (``${STAGE_<NAME>}``) arrive the same
    way. ``--network none`` unless the stage declares ``network: true``; the build context holds
    exactly the stage's declared inputs; prefetched inputs come as named contexts

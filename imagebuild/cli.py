@@ -856,7 +856,7 @@ def _cmd_build(args) -> int:
                   f"SOURCE_DATE_EPOCH {doc['source_date_epoch']})")
             import shlex
 
-            print(f"stages    {doc['stage_store']} (OCI layout, every stage exported with rewrite-timestamp)")
+            print(f"stages    {doc['stage_store']} (OCI layout; each stage's file times clamped to its SOURCE_DATE_EPOCH)")
             for i, s in enumerate(doc["stages"], start=1):
                 print(f"{i}. {s['name']:<16} {s['action']:<14} {s['image']}  ({s['reason']}; network {s['network']})")
                 if s["command"]:

@@ -59,7 +59,7 @@ def check_engine() -> tuple[list[Check], engine_mod.EngineInfo]:
     status = "ok" if v and v[0] >= MIN_ENGINE else "warn"
     out.append(Check("engine", status, f"Docker {info.server_version} ({info.architecture})",
                      None if status == "ok" else f"upgrade to Docker >= {MIN_ENGINE} for BuildKit features "
-                     "used here (cache mounts, OCI export, rewrite-timestamp)"))
+                     "used here (cache mounts, OCI layout export and build contexts)"))
     if info.containerd_store:
         out.append(Check("image store", "ok", f"containerd snapshotter ({info.storage_driver})"))
     else:
@@ -95,7 +95,7 @@ def check_buildx(engine_version: str | None = None) -> list[Check]:
     ok = v[:2] >= MIN_BUILDKIT
     out.append(Check("buildkit", "ok" if ok else "warn", f"BuildKit {bk}",
                      None if ok else f"BuildKit >= {'.'.join(map(str, MIN_BUILDKIT))} is needed for "
-                     "rewrite-timestamp; upgrade the engine"))
+                     "OCI layout export and build contexts; upgrade the engine"))
     return out
 
 

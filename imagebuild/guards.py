@@ -314,9 +314,9 @@ def min_free_gib() -> float:
         raise OperationFailed(f"IMAGEBUILD_MIN_FREE_GB={v!r} is not a number", hint="e.g. 10") from None
 
 
-# The reproducible export writes each new layer twice (BuildKit's own blob, then the one with
-# clamped timestamps) before the next stage unpacks it: temporary space of about this many times
-# the stage's compressed size, on top of IMAGEBUILD_MIN_FREE_GB.
+# The reproducible export holds each new layer twice for a while (BuildKit's blob, then the one
+# with clamped file times, layerclamp.py, before the first is removed): temporary space of about
+# this many times the stage's compressed size, on top of IMAGEBUILD_MIN_FREE_GB.
 EXPORT_SPACE_FACTOR = 2.0
 
 

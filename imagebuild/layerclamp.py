@@ -91,7 +91,9 @@ def _octal(value: int, width: int) -> bytes:
 def _checksum_ok(h: bytes) -> bool:
     stored = _num(h[148:156])
     blanked = h[:148] + b" " * 8 + h[156:]
-    return stored in (sum(blanked), sum(b - 256 if b > 127 else b for b in blanked))
+    unsigned = sum(blanked)
+    # some old writers summed signed bytes
+    return stored == unsigned or stored == unsigned - 256 * sum(1 for b in blanked if b > 127)
 
 
 def _set_checksum(h: bytearray) -> None:

@@ -7,8 +7,9 @@
                                       atomically, only after the stage's build finished and every
                                       blob it names is there
 
-Every stage is exported here with ``rewrite-timestamp`` (reproducible: the same key gives the
-same bytes), and the next stage builds ``FROM`` it through a named build context
+Every stage is exported here by BuildKit, then its own layers' file times are clamped to its
+``SOURCE_DATE_EPOCH`` (layerclamp.py: the same key gives the same bytes) before its ref is
+written, and the next stage builds ``FROM`` it through a named build context
 ``oci-layout://<dir>@<manifest digest>``; only the release image is loaded into the engine.
 
 A stage *exists* when its ref file names a manifest whose config and layer blobs are all in the

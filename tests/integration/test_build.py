@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +29,8 @@ STAGES = ["base", "tools", "app", "patched", "runner"]
 def built(tmp_path_factory, engine_info):
     """One full build of `staged` (from nothing) shared by the tests below."""
     remove_images(f"imagebuild/{IMAGE}", IMAGE)
+    # from nothing also when an earlier test (test_gc.py) built `staged` into the session's store
+    shutil.rmtree(StageStore.for_image(None, IMAGE).dir / "refs", ignore_errors=True)
     root = staged_project(tmp_path_factory.mktemp("b") / "project")
     res = run_cli("--root", str(root), "build", IMAGE, "--json")
     assert res.code == 0, res.err
