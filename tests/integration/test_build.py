@@ -66,7 +66,7 @@ def test_full_build_every_stage_offline_with_provenance(built):
     assert 'return "HELLO"  # imagebuild-patch: greet-loud' in cat(cand, "/opt/greet/greet.py")
     r = subprocess.run(["docker", "run", "--rm", cand, "sh", "-c", "ls -R / 2>/dev/null | grep -c tar.gz"],
                        capture_output=True, text=True)
-    assert r.stdout.strip() == "0"
+    assert r.stdout.strip() == "0", (r.returncode, r.stderr[-2000:])
     # MAX_JOBS came from the documented rule (the stage declares ARG MAX_JOBS=1)
     assert rec["stages"][1]["args"]["MAX_JOBS"] == cat(cand, "/opt/staged/max-jobs").strip()
     # patch outcomes: in the image and in the build record
