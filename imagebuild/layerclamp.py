@@ -240,7 +240,8 @@ def _decompressed(f, media_type: str):
     if media_type.endswith(("+zstd", ".zstd")):  # OCI ...tar+zstd, Docker ...diff.tar.zstd
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK)
+        # a blob may hold several frames (concurrent encoders write them): read them all
+        return zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK, read_across_frames=True)
     if media_type.endswith(("+gzip", ".gzip")):
         return _Gunzip(f)
     if media_type.endswith(".tar"):
