@@ -271,7 +271,7 @@ class _Gunzip:
 
 
 class _Tee:
-    """Counts and hashes what it is given (the tar before and after) and passes it on."""
+    """Counts and hashes what it is given (the tar before and after, the blob) and passes it on."""
 
     def __init__(self, sink=None):
         self.h, self.n, self.sink = hashlib.sha256(), 0, sink
@@ -296,16 +296,6 @@ class _Reading:
         return b
 
 
-class _Hashing:
-    def __init__(self, f):
-        self.f, self.h, self.n = f, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.h.update(b)
-        self.n += len(b)
-        return self.f.write(b)
-
-
 def workers() -> int:
     return max(1, os.cpu_count() or 1)
 
@@ -322,7 +312,7 @@ def clamp_layer(store: StageStore, desc: dict, diff_id: str, epoch: int) -> tupl
     orig = _Tee()
     try:
         with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            out = _Hashing(fout)
+            out = _Tee(fout.write)  # the compressed blob: its digest and size
             zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=workers())
             with zc.stream_writer(out, closefd=False, write_size=CHUNK) as zw:
                 new = _Tee(zw.write)
