@@ -41,7 +41,7 @@ def _ours():
 
 
 def _baseline():
-    from imagebuild.packages import wheel_platform_tags
+    from imagebuild.fetch.packages import wheel_platform_tags
 
     argv = [sys.executable, "-m", "pip", "download", "--isolated", "--only-binary=:all:", "--implementation", "cp",
             "--python-version", "3.11", "--abi", "cp311",  # pip's default index, as the fixture asks

@@ -20,7 +20,8 @@ _refs: list[str] = []
 
 
 def _setup():
-    from imagebuild import definition, plan
+    from imagebuild.definition import reader as definition
+    from imagebuild.plan import planner as plan
 
     _refs[:] = [s.image for s in plan.make_plan(definition.load(ROOT, "example")).stages]
 

@@ -20,7 +20,7 @@ from harness import Benchmark, sh
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from imagebuild import gitcache, tarball  # noqa: E402
+from imagebuild.fetch import gitcache, tarball  # noqa: E402
 from tests.gitfixtures import GitDaemon, UpstreamFactory, git  # noqa: E402
 
 N_SOURCES = 12

@@ -183,7 +183,7 @@ def _teardown() -> None:
 
 
 def _top_layer(ref: str):
-    from imagebuild import localblobs
+    from imagebuild.ship import localblobs
 
     return localblobs.load(ref).layers[-1]
 
@@ -293,7 +293,7 @@ def _kills_row() -> Benchmark:
         return sum(f.stat().st_size for f in d.iterdir() if f.name.lstrip(".").startswith(h)) if d.is_dir() else 0
 
     def ours():
-        from imagebuild import localblobs
+        from imagebuild.ship import localblobs
 
         p = S["cd"]
         layer = max(localblobs.load(S["k1"]).layers, key=lambda x: x.size)
@@ -381,7 +381,7 @@ def _identity_row() -> Benchmark:
         _tag_local(S["tiny"])
 
     def ours():
-        from imagebuild import identity
+        from imagebuild.core import identity
 
         want = identity.inspect(S["tiny"]).digest
         notes = []

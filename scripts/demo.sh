@@ -30,7 +30,7 @@ peer_dir="$work/peer"
 export PEER_NS=ibdemo1 PEER_ADDR=10.77.9.2 HOST_ADDR=10.77.9.1 PEER_VETH=ibdemo0 PEER_BRIDGE=ibdemobr0 \
        PEER_BRIDGE_CIDR=172.29.9.1/24
 why_no_peer=""
-if ! "$BIN/python" -c 'import imagebuild.sync' 2>/dev/null; then
+if ! "$BIN/python" -c 'import imagebuild.ship.sync' 2>/dev/null; then
   why_no_peer="this version of imagebuild has no sync yet"
 elif [ "$(id -u)" != 0 ]; then
   why_no_peer="making a peer needs root (network namespace, a second dockerd)"

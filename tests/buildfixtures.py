@@ -12,8 +12,8 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from imagebuild import lock as lock_mod
-from imagebuild.fsutil import sha256_file
+from imagebuild.core import lock as lock_mod
+from imagebuild.core.fsutil import sha256_file
 from tests.conftest import FIXTURES
 
 IMAGE = "staged"

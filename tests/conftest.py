@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import cli, engine
+from imagebuild.cli import main as cli
+from imagebuild.core import engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import identity
+from imagebuild.core import identity
 from tests.conftest import BUSYBOX, Peer, run_cli
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,8 +10,9 @@ import tarfile
 
 import pytest
 
-from imagebuild import definition, guards
-from imagebuild.errors import DefinitionError
+from imagebuild.build import guards
+from imagebuild.core.errors import DefinitionError
+from imagebuild.definition import reader as definition
 from tests.conftest import tree_state
 
 pytestmark = pytest.mark.engine
@@ -98,7 +99,7 @@ def test_a_base_that_is_not_local_is_a_note(project, engine_info):
 
 
 def test_unreachable_engine_checks_nothing(project):
-    from imagebuild.engine import EngineInfo
+    from imagebuild.core.engine import EngineInfo
 
     defn = _definition(project, "linux/arm64", "imagebuild-test/not-here:never")
     assert guards.check_base_platforms(defn, EngineInfo(False, detail="down")) == []

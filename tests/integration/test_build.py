@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.stagestore import StageStore
+from imagebuild.build.stagestore import StageStore
 from tests.buildfixtures import IMAGE, cat, image_id, labels, remove_images, staged_project
 from tests.conftest import BUSYBOX, run_cli
 
@@ -153,8 +153,8 @@ def _assert_no_later_times(root: Path, rec: dict) -> None:
 
     import zstandard
 
-    from imagebuild import definition
-    from imagebuild import plan as plan_mod
+    from imagebuild.definition import reader as definition
+    from imagebuild.plan import planner as plan_mod
 
     base = plan_mod.make_plan(definition.load(root, IMAGE)).stages[0].parent_ref
     parent = json.loads(subprocess.run(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", base],
@@ -299,8 +299,8 @@ def test_gate_pass_promotes_previous_and_rollback(built, tmp_path):
 def test_one_build_per_image_at_a_time(built):
     root = built[0]
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from imagebuild import build, guards; from pathlib import Path; "
-         "from imagebuild import engine; "
+        [sys.executable, "-c", "import sys, time; from imagebuild.build import guards; from pathlib import Path; "
+         "from imagebuild.core import engine; "
          f"lk = guards.BuildLock(guards.build_lock_path(engine.probe().id, {IMAGE!r}), {IMAGE!r}); "
          "lk.acquire('holder'); "
          "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import registry as registry_mod
-from imagebuild import registry_cache
-from imagebuild.stagestore import StageStore
+from imagebuild.build import registry_cache
+from imagebuild.build.stagestore import StageStore
+from imagebuild.core import registry as registry_mod
 from tests.conftest import run_cli
 from tests.fleetfixtures import (  # noqa: F401 - fixtures
     STAGES,
@@ -127,7 +127,7 @@ def test_tampered_blob_is_refused_and_the_stage_rebuilt(engine_info, registry, t
         # the rebuilt stage is the same bytes (reproducible), and nothing of the tampered blob entered the store
         assert c["stages"][-1]["manifest"] == runner["manifest"]
         assert c["release"]["identity"] == a["release"]["identity"]
-        from imagebuild.fsutil import sha256_file
+        from imagebuild.core.fsutil import sha256_file
 
         assert "sha256:" + sha256_file(StageStore.for_image(None, name).blob(layer)) == layer
     finally:

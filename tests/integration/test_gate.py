@@ -19,8 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import gate, gatespec, identity, receipts
-from imagebuild.errors import GateFailed
+from imagebuild.core import identity
+from imagebuild.core.errors import GateFailed
+from imagebuild.definition import gatespec
+from imagebuild.gate import receipts
+from imagebuild.gate import runner as gate
 from tests.conftest import DEBIAN, run_cli
 
 pytestmark = pytest.mark.engine
@@ -318,7 +321,7 @@ def test_gate_by_definition_name(gate_image, project, tmp_path, monkeypatch):
 def test_a_trivial_ad_hoc_spec_cannot_promote_a_failing_image(gate_image, project, tmp_path, monkeypatch):
     """Issue 9, item 4: gate IMAGE --spec trivial.yaml on an image that fails its own gate, then
     promotion: the trivial pass is ad hoc, and the definition's spec has no pass, so :local stays."""
-    from imagebuild import promote
+    from imagebuild.build import promote
 
     monkeypatch.delenv("IMAGEBUILD_STATE_DIR", raising=False)
     own = project / "docker-images" / "tiny" / "gate.yaml"
@@ -408,8 +411,8 @@ def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_p
 
 def test_gate_failure_never_moves_local(gate_image, state, tmp_path):
     """Promotion (build issue) trusts only a passing receipt for exactly the candidate's identity."""
-    from imagebuild import promote
-    from imagebuild.errors import GateFailed
+    from imagebuild.build import promote
+    from imagebuild.core.errors import GateFailed
 
     name = f"imagebuild-test/gatepromo-{os.getpid()}"
     cand, local = f"{name}:candidate", f"{name}:local"

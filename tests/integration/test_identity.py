@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from imagebuild import identity
+from imagebuild.core import identity
 from tests.conftest import BUSYBOX
 
 pytestmark = pytest.mark.engine
@@ -32,7 +32,7 @@ def test_identity_stable_and_content_sensitive(engine_ready):
 
 
 def test_identity_of_missing_image_is_a_clear_error(engine_ready):
-    from imagebuild.errors import OperationFailed
+    from imagebuild.core.errors import OperationFailed
 
     with pytest.raises(OperationFailed, match="not found"):
         identity.inspect("imagebuild-test/does-not-exist:nope")

@@ -212,7 +212,7 @@ def local_identity(docker_env: str | None = None) -> str | None:
     r = subprocess.run(["docker", "image", "inspect", f"{NAME}:local"], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         return None
-    from imagebuild.identity import from_inspect
+    from imagebuild.core.identity import from_inspect
 
     return from_inspect(json.loads(r.stdout)[0]).digest
 
@@ -307,7 +307,7 @@ def test_nightly_end_to_end(world):
 
 def test_nightly_refused_while_serving(world):
     w = world
-    from imagebuild import runs
+    from imagebuild.core import runs
 
     before_runs = len(runs.list_runs(w.root, NAME))
     env_file = (w.root / "docker-images" / NAME / "versions.env").read_text()

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import definition as d
-from imagebuild import lock as lock_mod
-from imagebuild import packages, plan
-from imagebuild.errors import OperationFailed
-from imagebuild.fsutil import sha256_file
+from imagebuild.core import lock as lock_mod
+from imagebuild.core.errors import OperationFailed
+from imagebuild.core.fsutil import sha256_file
+from imagebuild.definition import reader as d
+from imagebuild.fetch import packages
+from imagebuild.plan import planner as plan
 from tests.conftest import DEBIAN, FIXTURES, run_cli
 
 IMG = "ib-pkgs"

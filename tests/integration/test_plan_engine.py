@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from imagebuild import definition, engine, plan
+from imagebuild.core import engine
+from imagebuild.definition import reader as definition
+from imagebuild.plan import planner as plan
 from tests.conftest import BUSYBOX, run_cli
 
 pytestmark = pytest.mark.engine
@@ -37,7 +39,7 @@ def test_plan_reports_built_stages_from_the_stage_store(project, engine_ready):
 
 
 def test_plan_creates_nothing_in_the_engine_or_on_disk(project, engine_ready):
-    from imagebuild import state
+    from imagebuild.core import state
     from tests.conftest import tree_state
 
     # only this definition's repository: other processes may use the shared engine meanwhile

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from imagebuild import engine
+from imagebuild.core import engine
 
 pytestmark = pytest.mark.engine
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import bundle as bundle_mod
+from imagebuild.fetch import bundle as bundle_mod
 from tests.buildfixtures import staged_project
 from tests.conftest import run_cli, tree_state
 

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from imagebuild import gitcache, tarball
+from imagebuild.fetch import gitcache, tarball
 from tests.gitfixtures import DropProxy, GitDaemon, UpstreamFactory, git, git_daemon, git_root, upstreams  # noqa: F401
 from tests.integration.test_prefetch import IMAGE, _edit_env, make_project, prefetch, read_lock
 

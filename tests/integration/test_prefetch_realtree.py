@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import depcheck, fetchcontent, gitcache
+from imagebuild.fetch import depcheck, fetchcontent, gitcache
 from tests.conftest import run_cli
 from tests.gitfixtures import GitDaemon, UpstreamFactory, git
 

@@ -15,7 +15,8 @@ import shutil
 
 import pytest
 
-from imagebuild import definition, fetchcontent
+from imagebuild.definition import reader as definition
+from imagebuild.fetch import fetchcontent
 from tests import realtrees
 
 ROOT = realtrees.ROOT

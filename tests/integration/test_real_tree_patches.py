@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import definition, patching
+from imagebuild.definition import patching
+from imagebuild.definition import reader as definition
 from tests import realtrees
 from tests.conftest import run_cli
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from imagebuild import guards
-from imagebuild.stagestore import StageStore
+from imagebuild.build import guards
+from imagebuild.build.stagestore import StageStore
 from tests.buildfixtures import image_id
 from tests.fleetfixtures import (  # noqa: F401 - fixtures
     BUSYBOX,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import identity, localblobs
+from imagebuild.core import identity
+from imagebuild.ship import localblobs
 from tests.conftest import run_cli
 from tests.syncfixtures import (  # noqa: F401 - fixtures
     _private_sync_cache,
@@ -295,8 +296,8 @@ def test_the_sender_never_asks_a_registry(sync_images, peer):
     assert sync(imgs, peer, peer.addr)[0].code == 0
     log = (Path(peer.dir) / "dockerd.log").read_text()
     assert "registry-1.docker.io" not in log and "pull access denied" not in log
-    from imagebuild import peer as peer_mod
-    from imagebuild import peer_agent
+    from imagebuild.ship import peer as peer_mod
+    from imagebuild.ship import peer_agent
 
     with env(IMAGEBUILD_SSH=peer.ssh_env):
         conn = peer_mod.Connection(peer.addr)

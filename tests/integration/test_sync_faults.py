@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import identity, localblobs
-from imagebuild import sync as sync_mod
+from imagebuild.core import identity
+from imagebuild.ship import localblobs
+from imagebuild.ship import sync as sync_mod
 from tests.conftest import run_cli
 from tests.syncfixtures import (  # noqa: F401 - fixtures
     _private_sync_cache,

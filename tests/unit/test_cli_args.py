@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import cli
+from imagebuild.cli import main as cli
 from tests.conftest import run_cli, tree_state
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -184,7 +184,7 @@ def test_unreadable_file_as_unprivileged_user(project, tmp_path):
             os.chmod(p, os.stat(p).st_mode | (0o005 if p.is_dir() else 0o004))
     src = str(Path(__file__).resolve().parents[2])
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                        f"import sys; sys.path.insert(0, {src!r}); from imagebuild.cli import main; "
+                        f"import sys; sys.path.insert(0, {src!r}); from imagebuild.cli.main import main; "
                         f"sys.exit(main(['--root', {str(project)!r}, 'plan', 'tiny', '--no-engine']))"],
                        capture_output=True, text=True)
     assert r.returncode == 2, r.stderr

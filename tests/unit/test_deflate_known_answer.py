@@ -4,8 +4,8 @@ known-answer test refuses a deflate that differs from mainline zlib before anyth
 import pytest
 from zlib_ng import zlib_ng
 
-from imagebuild import tarball
-from imagebuild.errors import OperationFailed
+from imagebuild.core.errors import OperationFailed
+from imagebuild.fetch import tarball
 
 
 @pytest.fixture(autouse=True)

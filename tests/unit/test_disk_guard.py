@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from imagebuild import guards
-from imagebuild.errors import GuardRefused
-from imagebuild.stagestore import StageStore
+from imagebuild.build import guards
+from imagebuild.build.stagestore import StageStore
+from imagebuild.core.errors import GuardRefused
 
 
 def _blob(store: StageStore, data: bytes) -> str:

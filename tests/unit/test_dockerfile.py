@@ -1,4 +1,4 @@
-from imagebuild import dockerfile
+from imagebuild.definition import dockerfile
 
 
 def test_args_froms_copies_with_lines():
@@ -47,7 +47,7 @@ def test_word_split_fast_path_matches_shlex():
     import random
     import shlex
 
-    from imagebuild import dockerfile
+    from imagebuild.definition import dockerfile
 
     rnd = random.Random(9)
     chars = "ab =\t-\"'\\$x{}#\x0b\xa0"

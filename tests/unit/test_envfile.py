@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import envfile
-from imagebuild.errors import DefinitionError
+from imagebuild.core.errors import DefinitionError
+from imagebuild.definition import envfile
 
 GOOD = """\
 # comment

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from imagebuild import config, identity, registry, registry_cache, registry_release
-from imagebuild.errors import DefinitionError, UsageError
+from imagebuild.build import registry_cache, registry_release
+from imagebuild.core import config, identity, registry
+from imagebuild.core.errors import DefinitionError, UsageError
 from tests.conftest import run_cli
 
 SECRET = "s3cr3t-Pa55"
@@ -141,7 +142,7 @@ def test_sync_via_registry_with_credentials_in_the_address_exit_2(project):
 
 
 def test_registry_sync_tunnel_default(monkeypatch):
-    from imagebuild import registry_sync
+    from imagebuild.ship import registry_sync
 
     monkeypatch.delenv(registry_sync.TUNNEL_ENV, raising=False)
     monkeypatch.delenv(registry.INSECURE_ENV, raising=False)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import gatespec, receipts
-from imagebuild.errors import DefinitionError
+from imagebuild.core.errors import DefinitionError
+from imagebuild.definition import gatespec
+from imagebuild.gate import receipts
 from tests.conftest import run_cli
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gate.md"

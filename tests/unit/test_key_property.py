@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import definition, lock, packages, plan
-from imagebuild.fsutil import sha256_bytes
+from imagebuild.core import lock
+from imagebuild.core.fsutil import sha256_bytes
+from imagebuild.definition import reader as definition
+from imagebuild.fetch import packages
+from imagebuild.plan import planner as plan
 
 STAGES = ["base", "src", "side", "pkgs", "patched", "final"]
 DESCENDANTS = {

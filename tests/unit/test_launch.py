@@ -45,7 +45,7 @@ def test_a_read_only_command_keeps_its_exit_code_and_its_error():
 def test_the_collector_is_off_only_for_read_only_commands(argv, collector):
     code = ("import gc, sys\n"
             f"sys.argv = ['imagebuild', '--root', {str(FIXTURE)!r}, *{argv!r}]\n"
-            "import imagebuild.launch as launch, imagebuild.cli as cli\n"
+            "import imagebuild.cli.launch as launch, imagebuild.cli.main as cli\n"
             "real = cli.main\n"
             "launch.cli_main = lambda a: (print('collector', [gc.isenabled()], file=sys.stderr, flush=True),\n"
             "                             real(a))[1]\n"

@@ -12,9 +12,9 @@ import tarfile
 import pytest
 import zstandard
 
-from imagebuild import layerclamp
-from imagebuild.errors import OperationFailed
-from imagebuild.stagestore import StageStore
+from imagebuild.build import layerclamp
+from imagebuild.build.stagestore import StageStore
+from imagebuild.core.errors import OperationFailed
 
 EPOCH = 1_700_000_000
 LATER = EPOCH + 123_456

@@ -9,8 +9,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from imagebuild import imagediff, nightly, report
-from imagebuild.errors import UsageError
+from imagebuild.core.errors import UsageError
+from imagebuild.ops import imagediff, nightly, report
 from tests.conftest import run_cli
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "docs" / "nightly-report.schema.json"
@@ -196,7 +196,8 @@ def test_nightly_bad_input_is_exit_2_before_anything(project):
 
 
 def test_two_nightlies_never_overlap(project):
-    from imagebuild import guards, state
+    from imagebuild.build import guards
+    from imagebuild.core import state
 
     held = guards.BuildLock(state.state_dir(project) / nightly.LOCK_NAME, "nightly")
     held.acquire(command="imagebuild nightly tiny")

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import cli, packages, pkgspec, plan
-from imagebuild import definition as d
-from imagebuild.errors import DefinitionError
+from imagebuild.cli import main as cli
+from imagebuild.core.errors import DefinitionError
+from imagebuild.definition import pkgspec
+from imagebuild.definition import reader as d
+from imagebuild.fetch import packages
+from imagebuild.plan import planner as plan
 from tests.conftest import FIXTURES, run_cli
 
 IMG = "ib-pkgs"
@@ -207,7 +210,7 @@ def test_plan_prints_declared_network_stage(pkproject):
 def test_empty_or_omitted_index_means_pips_configured_index(pkproject, monkeypatch):
     """No index host is written in a definition's defaults: an omitted index_url, or a versions.env
     key set to an empty value, is pip's configured index, read from pip itself at prefetch."""
-    from imagebuild.pkgspec import PIP_CONFIGURED, Index
+    from imagebuild.definition.pkgspec import PIP_CONFIGURED, Index
 
     defn = d.load(pkproject, IMG)
     assert defn.python.index == Index("PYPI_INDEX_URL", None)

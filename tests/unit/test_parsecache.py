@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import definition, dockerfile, gatespec, parsecache, yamlread
+from imagebuild.core import parsecache, yamlread
+from imagebuild.definition import dockerfile, gatespec
+from imagebuild.definition import reader as definition
 from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,13 +176,13 @@ def test_gc_removes_old_entries_and_dead_writers_temp_files(cache):
 
 @pytest.mark.parametrize("forged", [
     ("r", "subprocess:Popen", {}),  # a class outside this package: never rebuilt
-    ("r", "imagebuild.yamlread:Node", {"value": 1}),  # a record of the wrong shape
+    ("r", "imagebuild.core.yamlread:Node", {"value": 1}),  # a record of the wrong shape
     ("x", 1),  # an unknown tag
 ])
 def test_an_entry_with_a_valid_digest_but_foreign_content_is_a_miss(cache, forged):
     import marshal
 
-    from imagebuild.parsecache import _DIGEST_SIZE, blake2b
+    from imagebuild.core.parsecache import _DIGEST_SIZE, blake2b
 
     text = "a: 1\n"
     good = yamlread.load(text)

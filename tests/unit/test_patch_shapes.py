@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import patching
+from imagebuild.definition import patching
 from tests.conftest import tree_state
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import guards, patching
+from imagebuild.build import guards
+from imagebuild.definition import patching
 from tests.conftest import run_cli, tree_state
 
 SRC = 'def greet():\n    return "hello"\n'

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from imagebuild import definition, plan
+from imagebuild.definition import reader as definition
+from imagebuild.plan import planner as plan
 from tests.conftest import run_cli, tree_state
 
 IMG = "docker-images/tiny"

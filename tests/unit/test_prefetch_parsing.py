@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import definition as d
-from imagebuild.errors import DefinitionError, OperationFailed
-from imagebuild.fetchcontent import merge, parse, wanted
-from imagebuild.prefetch import resolve_submodule_url
+from imagebuild.core.errors import DefinitionError, OperationFailed
+from imagebuild.definition import reader as d
+from imagebuild.fetch.fetchcontent import merge, parse, wanted
+from imagebuild.fetch.prefetch import resolve_submodule_url
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "project"
 
@@ -153,7 +153,7 @@ def test_sources_cycle(tmp_path):
 
 
 def test_old_git_is_refused_with_a_hint():
-    from imagebuild.compose import check_git_version
+    from imagebuild.fetch.compose import check_git_version
 
     check_git_version("git version 2.43.0")
     with pytest.raises(OperationFailed) as ei:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import definition as d
-from imagebuild import depcheck, source_mounts
-from imagebuild.errors import DefinitionError
-from imagebuild.fetchcontent import commands, scan_files
-from imagebuild.source_options import SourceOptions
+from imagebuild.core.errors import DefinitionError
+from imagebuild.definition import reader as d
+from imagebuild.definition.source_options import SourceOptions
+from imagebuild.fetch import depcheck
+from imagebuild.fetch.fetchcontent import commands, scan_files
+from imagebuild.plan import source_mounts
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "project"
 

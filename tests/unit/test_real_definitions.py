@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import definition, gatespec, patching, pkgspec
+from imagebuild.definition import gatespec, patching, pkgspec
+from imagebuild.definition import reader as definition
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from imagebuild import records
+from imagebuild.core import records
 
 
 def _pair(frozen: bool):
@@ -103,7 +103,7 @@ def test_class_defined_methods_are_kept():
 
 
 def test_pickle_module_level_record():
-    from imagebuild.errors import Problem
+    from imagebuild.core.errors import Problem
 
     p = Problem("f", "m", line=3)
     assert pickle.loads(pickle.dumps(p)) == p and p.location() == "f:3"

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from imagebuild import guards, remote_engine
-from imagebuild.errors import UsageError
+from imagebuild.build import guards
+from imagebuild.core import remote_engine
+from imagebuild.core.errors import UsageError
 from tests.conftest import run_cli
 
 

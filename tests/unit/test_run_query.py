@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from imagebuild import run
-from imagebuild.errors import OperationFailed
+from imagebuild.core import run
+from imagebuild.core.errors import OperationFailed
 
 
 def test_it_gives_the_exit_code_and_the_stripped_output():

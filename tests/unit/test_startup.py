@@ -18,23 +18,23 @@ FIXTURE = REPO / "tests" / "fixtures" / "project"
 # never on these paths: the docker/test stack, and what only building, gating or logging needs
 HEAVY = {"python_on_whales", "docker", "testinfra", "pytest", "git", "requests", "pydantic",
          "dataclasses", "inspect", "typing", "packaging", "logging", "subprocess", "tempfile", "shutil",
-         "socket", "threading", "platform", "difflib", "imagebuild.run", "imagebuild.build", "imagebuild.gate",
-         "imagebuild.prefetch", "imagebuild.doctor"}
+         "socket", "threading", "platform", "difflib", "imagebuild.core.run", "imagebuild.build.builder", "imagebuild.gate.runner",
+         "imagebuild.fetch.prefetch", "imagebuild.ops.doctor"}
 # what a command may add, because it uses it
 USES = {
     # the real definitions' gate specs have PEP 440 specifiers (packaging, which imports typing),
     # while they are not in the parse cache
     "repo": {"packaging", "typing"},
     # the plan's provenance asks git (three processes at once: provenance.py)
-    "plan": {"imagebuild.run", "subprocess", "threading"},
+    "plan": {"imagebuild.core.run", "subprocess", "threading"},
 }
 # once the definitions' texts are in the parse cache (imagebuild/parsecache.py), reading them needs
 # neither the parsers' libraries nor OpenSSL
 NEVER_WARM = {"yaml", "packaging", "typing", "hashlib", "_hashlib", "shlex", "pickle"}
 NEVER_FOR = {  # and not even these where the command has no use for them
-    "--version": {"yaml", "imagebuild.definition", "hashlib", "json", "pathlib"},
-    "list": {"imagebuild.plan"},
-    "validate": {"imagebuild.plan"},
+    "--version": {"yaml", "imagebuild.definition.reader", "hashlib", "json", "pathlib"},
+    "list": {"imagebuild.plan.planner"},
+    "validate": {"imagebuild.plan.planner"},
 }
 
 
@@ -51,7 +51,7 @@ def _modules_after(argv: list[str]) -> set[str]:
     # what the interpreter's start-up (site, an editable install's finder) loaded is not ours: subtract it
     return _run("import sys, io, contextlib\n"
                 "before = set(sys.modules)\n"
-                "from imagebuild.cli import main\n"
+                "from imagebuild.cli.main import main\n"
                 "with contextlib.redirect_stdout(io.StringIO()):\n"
                 "    try:\n"
                 f"        main({argv!r})\n"
@@ -78,8 +78,8 @@ def test_everyday_commands_import_only_what_they_use(argv):
 
 def test_python_on_whales_and_pytest_only_where_used():
     """They are imported by the modules that use them, when those run (build, gate), not before."""
-    for module in ("imagebuild.cli", "imagebuild.definition", "imagebuild.plan", "imagebuild.engine",
-                   "imagebuild.packages", "imagebuild.prefetch", "imagebuild.build"):
+    for module in ("imagebuild.cli.main", "imagebuild.definition.reader", "imagebuild.plan.planner", "imagebuild.core.engine",
+                   "imagebuild.fetch.packages", "imagebuild.fetch.prefetch", "imagebuild.build.builder", "imagebuild.gate.receipts"):
         loaded = _run(f"import sys, {module}; print(sorted(sys.modules))")
         assert not loaded & {"python_on_whales", "docker", "testinfra", "pytest"}, (module, loaded)
 
@@ -99,7 +99,7 @@ def test_with_the_parse_cache_warm_no_parser_library_is_imported(argv):
 def test_a_command_parser_alone_knows_every_command_name():
     """build_parser(only=...) registers the other commands by name only (cli_nightly not imported),
     so a typo still lists every command."""
-    from imagebuild import cli
+    from imagebuild.cli import main as cli
 
     def choices(parser):
         return set(cli._command_parsers(parser))

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from imagebuild import config, localblobs, peer, peergc, sync
-from imagebuild.errors import DefinitionError, UsageError
+from imagebuild.core import config
+from imagebuild.core.errors import DefinitionError, UsageError
+from imagebuild.ship import localblobs, peer, peergc, sync
 
 
 def test_chain_ids_follow_the_oci_rule():

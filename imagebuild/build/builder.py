@@ -1,0 +1,1068 @@
+"""plan -> staged BuildKit builds, offline, reproducible, cached by key, with safe promotion.
+
+``build(ctx, image, options)`` runs one image's plan (docs/build.md); ``ctx`` is the command's
+``context.Context`` (project root, state folder, engine, output):
+
+1. **Checks before anything runs**: definition + plan, the ``--from``/``--until`` range, every
+   prefetched input the stages to build need (sha256 against the lock, lock against
+   versions.env), then the guards (platform, one build of the image per engine, serving
+   containers, disk; ``guards.py``). A refusal here means docker never started.
+2. **Stages in order.** A stage whose key is in the stage store (``stagestore.py``: an OCI
+   layout per image, a ref per key) is skipped; ``--no-cache`` rebuilds the requested range.
+   Every stage is exported into that layout, its own layers' file times are clamped to its
+   ``SOURCE_DATE_EPOCH`` (``layerclamp.py``: the same key gives the same bytes), and the next
+   stage builds ``FROM`` it through the named context
+   ``imagebuild-parent``; earlier stages a Dockerfile names (``${STAGE_<NAME>}``) arrive the same
+   way. ``--network none`` unless the stage declares ``network: true``; the build context holds
+   exactly the stage's declared inputs; prefetched inputs come as named contexts
+   (``imagebuild-src``, ``imagebuild-wheels``, ``imagebuild-apt``), bind-mounted, never copied.
+3. **Release image**: the final stage plus provenance (labels, ``/opt/imagebuild/lock.json`` and
+   ``build.json``), loaded into the engine as ``imagebuild/<image>:release-<build id>`` and tagged
+   ``<image>:b-<build id>`` and ``<image>:candidate`` (promote.py).
+4. **Gate and promotion**: unless a passing receipt exists for this identity and the
+   definition's current gate spec, the candidate is gated; ``:local`` moves only on such a
+   receipt, and never when it already holds that identity (``:previous`` stays).
+
+Each run has its own folder, ``<state>/builds/<image>/<run id>/`` (record.json, logs/), listed
+by ``imagebuild log``. Every child process runs through ``run.py``: Ctrl-C, SIGTERM and SIGHUP
+stop the running ``docker buildx build`` and remove the run's temporary files.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from imagebuild.build import guards, layerclamp, registry_cache
+from imagebuild.build import promote as promote_mod
+from imagebuild.build.stagestore import StageStore
+from imagebuild.core import context as context_mod
+from imagebuild.core import engine as engine_mod
+from imagebuild.core import lock as lock_mod
+from imagebuild.core import remote_engine, state
+from imagebuild.core import run as run_mod
+from imagebuild.core.errors import (
+    DefinitionError,
+    GateFailed,
+    OperationFailed,
+    Problem,
+    UsageError,
+)
+from imagebuild.core.fsutil import atomic_write_json, sha256_bytes, sha256_file
+from imagebuild.definition import patching
+from imagebuild.definition import reader as defn_mod
+from imagebuild.plan import planner as plan_mod
+from imagebuild.plan import source_mounts
+
+log = logging.getLogger("imagebuild")
+
+RECORD_SCHEMA = "imagebuild.build"
+RECORD_VERSION = 2
+DRY_RUN_SCHEMA = "imagebuild.build-plan"
+DEFAULT_SOURCE_DATE_EPOCH = plan_mod.DEFAULT_SOURCE_DATE_EPOCH
+IMAGE_META_DIR = "/opt/imagebuild"
+PATCH_RECORD = f"{IMAGE_META_DIR}/patches.json"
+PRIMITIVE_NAME = plan_mod.PRIMITIVE_CONTEXT
+NAMED_SRC, NAMED_WHEELS, NAMED_APT = "imagebuild-src", "imagebuild-wheels", "imagebuild-apt"
+RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
+LOG_TAIL_LINES = 30
+PROGRESS_CHOICES = ("auto", "plain", "quiet")
+LABEL_PREFIX = "io.imagebuild"
+# The release's files arrive as one deterministic tar, extracted by ADD: unlike COPY (which gives
+# a folder it creates the build's wall-clock time), every entry, folders included, keeps the tar's
+# SOURCE_DATE_EPOCH, so the release layer is the same bytes for the same inputs.
+RELEASE_TAR = "release.tar"
+RELEASE_DOCKERFILE = f"ARG PARENT\nFROM ${{PARENT}}\nADD {RELEASE_TAR} /\n"
+# one compression for every stage (a chain that mixes them reuses blobs and changes digests)
+# File times are clamped afterwards by layerclamp.py, in one pass (BuildKit's rewrite-timestamp
+# compressed each new layer twice and re-read the parent layers: docs/build.md, Reproducibility).
+STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},compression=zstd,force-compression=false"
+LOAD_OUTPUT = "type=docker,oci-mediatypes=true"
+HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"
+DEFAULT_HEARTBEAT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Options:
+    from_stage: str | None = None
+    until_stage: str | None = None
+    no_cache: bool = False
+    force: bool = False
+    dry_run: bool = False
+    jobs: int | None = None
+    emulate: bool = False
+    gate: bool = True  # run the gate (when installed and the definition has a spec)
+    progress: str = "auto"  # auto | plain | quiet (docs/build.md)
+    registry: str | None = None  # HOST[:PORT][/PREFIX]: the shared stage cache and release tags (docs/fleet.md)
+
+
+@dataclass
+class StageRun:
+    name: str
+    key: str
+    image: str
+    action: str  # build | pull (registry cache) | skip (exists) | reuse (before --from) | not-requested
+    reason: str
+    network: str
+    args: dict = field(default_factory=dict)
+    contexts: dict = field(default_factory=dict)
+    seconds: float | None = None
+    log: str | None = None
+    status: str = "pending"  # pending | built | pulled | skipped | failed
+    manifest: str | None = None  # the stage's OCI manifest digest in the stage store
+    patches: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "key": self.key, "image": self.image, "action": self.action,
+                "reason": self.reason, "status": self.status, "network": self.network,
+                "args": self.args, "named_contexts": self.contexts, "seconds": self.seconds,
+                "log": self.log, "manifest": self.manifest, "patches": self.patches}
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _iso(epoch: int) -> str:
+    return _dt.datetime.fromtimestamp(epoch, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def runs_dir(ctx: context_mod.Context, image: str) -> Path:
+    """Where the records of an image's runs live: one folder per run."""
+    return ctx.state / "builds" / image
+
+
+def new_run_id() -> str:
+    """A run's id: its UTC start time to the microsecond (so ids sort by start, even for runs a
+    second apart) and a random suffix (so two hosts sharing a state folder never collide)."""
+    return _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(3)
+
+
+def tmp_root(ctx: context_mod.Context) -> Path:
+    return ctx.state / "tmp"
+
+
+def _select(plan: plan_mod.Plan, opts: Options) -> tuple[int, int]:
+    names = [s.name for s in plan.stages]
+    for flag, value in (("--from", opts.from_stage), ("--until", opts.until_stage)):
+        if value is not None and value not in names:
+            raise UsageError(f"{flag} {value!r}: no such stage in {plan.image}",
+                             hint=f"stages: {', '.join(names)}")
+    first = names.index(opts.from_stage) if opts.from_stage else 0
+    last = names.index(opts.until_stage) if opts.until_stage else len(names) - 1
+    if first > last:
+        raise UsageError(f"--from {opts.from_stage} comes after --until {opts.until_stage}",
+                         hint=f"stages build in this order: {' -> '.join(names)}")
+    return first, last
+
+
+@dataclass(frozen=True)
+class VerifiedFile:
+    name: str  # file name in the named context
+    path: Path
+
+
+def verify_sources(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> list[VerifiedFile]:
+    """Check every tarball mounted into a stage (its sources and their FetchContent dependencies)
+    against the lock, and the lock against versions.env; raise before docker starts."""
+    if not stage.mounts:
+        return []
+    root = defn.root
+    lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
+    out = []
+    for m in stage.mounts:
+        if m.stale:
+            raise OperationFailed(f"stage {stage.name!r} mounts source {m.name}, but {lock_disp} is stale: {m.stale}",
+                                  hint=f"imagebuild prefetch {defn.name}")
+        if not m.tarball or not m.sha256:
+            raise OperationFailed(f"{lock_disp}: sources.{m.name}: no tarball/sha256; stage {stage.name!r} needs it",
+                                  hint=f"imagebuild prefetch {defn.name}")
+        rel = PurePosixPath(m.tarball)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise OperationFailed(f"{lock_disp}: sources.{m.name}.tarball {m.tarball!r} must be a path inside "
+                                  "the project", hint=f"imagebuild prefetch {defn.name}")
+        path = root / rel
+        if not path.is_file():
+            raise OperationFailed(f"{m.tarball}: prefetched tarball of {m.name} not found (stage {stage.name!r})",
+                                  hint=f"imagebuild prefetch {defn.name}")
+        got = sha256_file(path)
+        if got != m.sha256:
+            raise OperationFailed(
+                f"{m.tarball}: sha256 {got} does not match the lock ({lock_disp}: sources.{m.name}.sha256 "
+                f"= {m.sha256}); refusing to build stage {stage.name!r} from a changed tarball",
+                hint=f"the file was modified or corrupted: re-create it with `imagebuild prefetch {defn.name}`")
+        out.append(VerifiedFile(f"{m.name}.tar.gz", path))
+    return out
+
+
+def _lock_files_for(lock: dict | None, section: str, stage: str) -> dict[str, str] | None:
+    """{file name: sha256} recorded by package prefetch for a stage, when the lock has them."""
+    sec = (lock or {}).get(section)
+    if not isinstance(sec, dict):
+        return None
+    entry = sec.get(stage)
+    files = None
+    if isinstance(entry, dict):
+        files = entry.get("files", entry)
+    if isinstance(files, list):
+        out = {}
+        for f in files:
+            if isinstance(f, dict) and f.get("sha256"):
+                name = f.get("file") or f.get("filename") or f.get("name") or f.get("path")
+                if name:
+                    out[PurePosixPath(str(name)).name] = f["sha256"]
+        return out or None
+    if isinstance(files, dict):
+        out = {PurePosixPath(str(k)).name: (v.get("sha256") if isinstance(v, dict) else v)
+               for k, v in files.items()}
+        return {k: v for k, v in out.items() if isinstance(v, str) and len(v) == 64} or None
+    return None
+
+
+def verify_package_dir(defn: defn_mod.Definition, lock: dict | None, kind: str, stage: str) -> Path | None:
+    """``deps-src/<image>/<kind>/<stage>/`` when it exists, its files checked against the lock."""
+    d = state.deps_dir(defn.root, defn.name) / kind / stage
+    if not d.is_dir():
+        return None
+    want = _lock_files_for(lock, kind, stage)
+    if want:
+        for name, sha in sorted(want.items()):
+            p = d / name
+            if not p.is_file():
+                raise OperationFailed(f"{defn.rel(p)}: listed in the lock ({kind}.{stage}) but "
+                                      "missing", hint=f"imagebuild prefetch {defn.name}")
+            got = sha256_file(p)
+            if got != sha:
+                raise OperationFailed(f"{defn.rel(p)}: sha256 {got} does not match the lock "
+                                      f"({sha}); refusing to build stage {stage!r}",
+                                      hint=f"re-create it with `imagebuild prefetch {defn.name}`")
+    return d
+
+
+def _fix_mtimes(top: Path, epoch: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(top):
+        for n in filenames + dirnames:
+            os.utime(Path(dirpath) / n, (epoch, epoch), follow_symlinks=False)
+    os.utime(top, (epoch, epoch))
+
+
+def make_context(root: Path, stage: plan_mod.PlannedStage, dest: Path, epoch: int) -> None:
+    """A folder holding exactly the stage's declared inputs (and the patch primitive)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for inp in stage.inputs:
+        if inp.kind == "primitive":
+            continue  # copied from the installed package below
+        src = root / inp.path
+        target = dest / inp.context_path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, target)
+    if any(i.kind == "primitive" for i in stage.inputs):
+        (dest / PRIMITIVE_NAME).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(patching.__file__, dest / PRIMITIVE_NAME)
+    _fix_mtimes(dest, epoch)
+
+
+def context_dir_name(kind: str, digest: str) -> str:
+    """The folder name of a build context: unique to its content. buildx keeps one snapshot of a local
+    context per folder *name* on the engine, and sends only the files whose size and mtime changed;
+    every file here has the same mtime (SOURCE_DATE_EPOCH), so a same-size edit under a reused name
+    (``context``) arrived as the old bytes (seen: a release layer holding another image's build.json,
+    a stage built from the previous tool.sh)."""
+    return f"{kind}-{digest.split(':', 1)[-1][:20]}"
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _parallel_args(stage: plan_mod.PlannedStage, jobs: guards.Jobs, explicit_jobs: bool) -> dict[str, str]:
+    """Values for the parallelism knobs the stage declares: the rule's, unless pinned."""
+    values = jobs.values()
+    out = {}
+    for a in stage.args:
+        if a.name in guards.PARALLEL_KNOBS:
+            pinned = a.origin == "versions.env"
+            if not pinned or (explicit_jobs and a.name != "NVCC_THREADS"):
+                out[a.name] = values[a.name]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """What a run shows on stderr while BuildKit works (``--progress``, docs/build.md).
+
+    - ``plain``: every log line of every stage, prefixed with the stage's name, whatever stderr is;
+    - ``auto``: like plain when stderr is a terminal (or with ``-v``), otherwise a heartbeat;
+    - ``quiet``: only the heartbeat.
+
+    The heartbeat (every ``$IMAGEBUILD_HEARTBEAT_S`` seconds, default 60) names the stage, the
+    time it has run and its log, so a three-hour compile never looks hung in CI.
+    """
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in PROGRESS_CHOICES:
+            raise UsageError(f"--progress {mode!r}: expected one of {', '.join(PROGRESS_CHOICES)}")
+        self.mode = mode
+        self.stream = mode == "plain" or (mode == "auto" and (sys.stderr.isatty() or log.isEnabledFor(logging.DEBUG)))
+        try:
+            self.every = float(os.environ.get(HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_S)
+        except ValueError:
+            raise UsageError(f"{HEARTBEAT_ENV}={os.environ.get(HEARTBEAT_ENV)!r} is not a number",
+                             hint="seconds between heartbeat lines, e.g. 60") from None
+        self._stage: str | None = None
+        self._log: str | None = None
+        self._t0 = 0.0
+        self._lines = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def info(self, msg: str, *args) -> None:
+        if self.mode != "quiet":
+            log.info(msg, *args)
+
+    def start(self, stage: str, log_path: str) -> None:
+        self._stage, self._log, self._t0, self._lines = stage, log_path, time.monotonic(), 0
+        if self.stream or self.every <= 0:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+
+    def line(self, text: str) -> None:
+        self._lines += 1
+        if self.stream:
+            sys.stderr.write(f"{self._stage} | {text}" if text.endswith("\n") else f"{self._stage} | {text}\n")
+            sys.stderr.flush()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            el = int(time.monotonic() - self._t0)
+            sys.stderr.write(f"... {self._stage}: still building ({el // 3600}:{el // 60 % 60:02d}:{el % 60:02d}, "
+                             f"{self._lines} log lines), log: {self._log}\n")
+            sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------------------------- docker
+
+
+def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: dict, labels: dict,
+                network: str | None, platform: str, no_cache: bool, output: str | None, tag: str | None,
+                metadata: Path | None, rerun: str | None = None) -> list[str]:
+    """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``).
+
+    ``rerun`` (imagebuild's ``--no-cache``): every RUN step runs again, but cache mounts (a compiler
+    cache) are kept. BuildKit's own ``--no-cache`` empties every cache mount a step uses, so it is
+    not used; instead a host entry unique to the run (``--add-host imagebuild-rerun-<id>``) is part
+    of each RUN step's cache key. It lives in the build container's /etc/hosts only: no layer, no
+    config, no history holds it, so the output is the same bytes. ``no_cache``: BuildKit's own.
+    """
+    argv = ["docker", "buildx", "build", "--progress=plain", "--provenance=false", "--sbom=false",
+            "--platform", platform, "--file", str(dockerfile)]
+    if network:
+        argv += ["--network", network]
+    if no_cache:
+        argv.append("--no-cache")
+    if rerun:
+        argv += ["--add-host", f"imagebuild-rerun-{rerun}:127.0.0.1"]
+    if metadata is not None:
+        argv += ["--metadata-file", str(metadata)]
+    for k, v in build_args.items():
+        argv += ["--build-arg", f"{k}={v}"]
+    for k, v in contexts.items():
+        argv += ["--build-context", f"{k}={v}"]
+    for k, v in labels.items():
+        argv += ["--label", f"{k}={v}"]
+    if output is None:  # into the engine (--load), with OCI media types: a registry takes it as pushed (a plain
+        # --load into the containerd store names zstd layers with a Docker type no registry client parses)
+        argv += ["--output", LOAD_OUTPUT]
+    else:
+        argv += ["--output", output]
+    if tag:
+        argv += ["--tag", tag]
+    argv.append(str(context))
+    return argv
+
+
+class _StageFailed(Exception):
+    def __init__(self, code: int):
+        self.code = code
+
+
+def _buildx(argv: list[str], *, log_path: Path, progress: Progress, label: str, epoch: int) -> dict:
+    """Run one ``docker buildx build``; its output goes to ``log_path`` (and to ``progress``).
+    Returns the metadata file's content when the command wrote one."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    meta = Path(argv[argv.index("--metadata-file") + 1]) if "--metadata-file" in argv else None
+    progress.start(label, str(log_path))
+    try:
+        with open(log_path, "w", encoding="utf-8") as logf:
+            def on_line(text: str) -> None:
+                logf.write(text)
+                logf.flush()
+                progress.line(text)
+
+            # SOURCE_DATE_EPOCH in the environment too: buildx passes it on as the build arg
+            rc = run_mod.stream(argv, on_line, env={"SOURCE_DATE_EPOCH": str(epoch)},
+                                hint="docker buildx is needed (scripts/testbed.sh installs it)")
+            if rc != 0:
+                logf.write(f"\nimagebuild: docker buildx build exited {rc}\n")
+                raise _StageFailed(rc)
+    finally:
+        progress.stop()
+    if meta is None:
+        return {}
+    try:
+        return json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _inspect(ref: str) -> dict:
+    text = run_mod.output(["docker", "image", "inspect", "--format", "{{json .}}", ref], timeout=60,
+                          hint="is the Docker engine healthy? (imagebuild doctor)")
+    return json.loads(text.splitlines()[-1])
+
+
+def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+# --------------------------------------------------------------------------------------------- the build
+
+
+@dataclass
+class Build:
+    ctx: context_mod.Context
+    defn: defn_mod.Definition
+    plan: plan_mod.Plan
+    opts: Options
+    lock: dict | None
+    store: StageStore
+    stages: list[StageRun]
+    first: int
+    last: int
+    run_id: str
+    engine_id: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    cache: object | None = None  # registry_cache.StageCache with a registry (attach)
+    found: dict = field(default_factory=dict)  # stage name -> registry_cache.Found (action "pull")
+
+    @property
+    def root(self) -> Path:
+        return self.ctx.root
+
+    @property
+    def dir(self) -> Path:
+        return runs_dir(self.ctx, self.defn.name) / self.run_id
+
+    @property
+    def epoch(self) -> int:
+        """The release's SOURCE_DATE_EPOCH: the final stage's."""
+        return self.plan.stages[-1].source_date_epoch
+
+    def manifest(self, stage: str) -> str:
+        r = next(s for s in self.stages if s.name == stage)
+        if not r.manifest:
+            raise OperationFailed(f"stage {stage!r} has no image in the stage store ({self.store.dir})",
+                                  hint=f"imagebuild build {self.defn.name}")
+        return r.manifest
+
+
+def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
+    """Everything that can be checked without starting docker builds (guards excepted)."""
+    root = ctx.root
+    if opts.jobs is not None and opts.jobs < 1:
+        raise UsageError(f"--jobs {opts.jobs}: expected a positive number")
+    if opts.progress not in PROGRESS_CHOICES:
+        raise UsageError(f"--progress {opts.progress!r}: expected one of {', '.join(PROGRESS_CHOICES)}")
+    defn = defn_mod.load(root, image)
+    lock = lock_mod.read(defn.dir, ctx.show(lock_mod.lock_path(defn.dir)))
+    info = ctx.engine
+    if not info.reachable and not opts.dry_run:
+        eng = remote_engine.active()
+        if eng is not None:
+            raise OperationFailed(f"the engine {eng.display} (--engine) is not reachable: {info.detail}",
+                                  hint=f"check it from here: DOCKER_HOST={eng.host} docker info (ssh keys, the "
+                                  "docker CLI on that node, IMAGEBUILD_SSH)")
+        raise OperationFailed(f"no Docker engine reachable: {info.detail}",
+                              hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
+    store = StageStore.for_image(root, defn.name)
+    plan = plan_mod.make_plan(defn, exists=lambda key: store.lookup(key) is not None, engine=info.as_dict(),
+                              lock=lock)
+    if plan.unpinned and lock is None:
+        log.info("note: %d unpinned item(s) (imagebuild prefetch pins them)", len(plan.unpinned))
+    first, last = _select(plan, opts)
+    runs: list[StageRun] = []
+    for i, s in enumerate(plan.stages):
+        ref = store.lookup(s.key)
+        if i < first:
+            action, reason = "reuse", f"before --from {opts.from_stage}"
+            if ref is None:
+                raise UsageError(f"--from {opts.from_stage}: the earlier stage {s.name!r} is not built "
+                                 f"(no {s.image} in the stage store)",
+                                 hint=f"build it first: imagebuild build {image} --until {s.name}")
+        elif i > last:
+            action, reason = "not-requested", f"after --until {opts.until_stage}"
+        elif opts.no_cache:
+            action, reason = "build", "--no-cache"
+        elif ref is not None:
+            action, reason = "skip", "stage with this key is built"
+        else:
+            action, reason = "build", "no stage with this key"
+        r = StageRun(s.name, s.key, s.image, action, reason, "default" if s.network else "none")
+        if action in ("skip", "reuse") and ref is not None:
+            r.manifest = ref.manifest
+            r.patches = ref.patches
+        runs.append(r)
+    return Build(ctx, defn, plan, opts, lock, store, runs, first, last, new_run_id(), info.id)
+
+
+def _check_inputs(b: Build) -> dict[str, dict]:
+    """Verify every prefetched input of the stages to build; returns the named-context sources."""
+    return {r.name: _inputs_of(b, b.plan.stage(r.name)) for r in b.stages if r.action == "build"}
+
+
+def _inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
+    return {"src": verify_sources(b.defn, st), "wheels": verify_package_dir(b.defn, b.lock, "wheels", st.name),
+            "apt": verify_package_dir(b.defn, b.lock, "apt", st.name)}
+
+
+def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
+    info = (b.plan.engine or {})
+    warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
+    if warn:
+        b.warnings.append(warn)
+    eng = remote_engine.active()
+    if info.get("reachable"):  # a local base of another platform: refused before anything runs (exit 2)
+        notes = guards.check_base_platforms(b.defn)
+        for note in notes:
+            log.debug("%s", note)
+        if eng is not None and notes and any(r.action == "build" for r in b.stages):
+            remote_engine.refuse_missing_bases(eng, notes)
+    if lock is not None:
+        lock.acquire(command="imagebuild build " + b.defn.name)
+    if not info.get("reachable"):
+        return
+    warn = guards.check_serving(force=b.opts.force)
+    if warn:
+        b.warnings.append(warn)
+    to_build = [r.name for r in b.stages if r.action == "build"]
+    if to_build:
+        paths, measured = [b.ctx.state], []
+        if eng is not None:  # the engine's node: its data root, measured there (remote_engine.facts)
+            measured, note = remote_engine.disk_free(eng)
+            if note:
+                b.warnings.append(note)
+        elif info.get("root_dir") and Path(info["root_dir"]).exists():
+            paths.append(Path(info["root_dir"]))
+        warn = guards.check_disk(paths, force=b.opts.force, measured=measured,
+                                 export_gib=guards.export_space_gib(b.store, to_build))
+        if warn:
+            b.warnings.append(warn)
+
+
+def _stage_contexts(b: Build, st: plan_mod.PlannedStage, *, dry: bool = False) -> dict[str, str]:
+    """The named contexts through which a stage reads earlier stages (its parent, ``STAGE_*``)."""
+    def ctx(stage: str) -> str:
+        if dry:
+            r = next(s for s in b.stages if s.name == stage)
+            return b.store.context(r.manifest) if r.manifest else f"oci-layout://{b.store.dir}@<{stage}>"
+        return b.store.context(b.manifest(stage))
+
+    out = {}
+    if st.parent_kind == "stage":
+        out[plan_mod.PARENT_CONTEXT] = ctx(st.parent)
+    for name, stage in st.stage_contexts.items():
+        out[name] = ctx(stage)
+    return out
+
+
+def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, meta: Path | None,
+                jobs: guards.Jobs, dry: bool = False) -> list[str]:
+    contexts = {**named, **_stage_contexts(b, st, dry=dry)}
+    args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
+            **_parallel_args(st, jobs, b.opts.jobs is not None)}
+    labels = {f"{LABEL_PREFIX}.image": b.defn.name, f"{LABEL_PREFIX}.stage": st.name,
+              f"{LABEL_PREFIX}.stage-key": st.key}
+    return buildx_argv(context=ctx, dockerfile=b.root / st.dockerfile, build_args=args, contexts=contexts,
+                       labels=labels, network=None if st.network else "none", platform=b.plan.platform,
+                       no_cache=False, rerun=b.run_id.rsplit("-", 1)[-1] if b.opts.no_cache else None,
+                       output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
+                       tag=None, metadata=meta)
+
+
+def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
+    """Run the build; returns the build record (also written under the run's folder)."""
+    b = prepare(context_mod.of(ctx), image, opts)
+    registry_cache.attach(b)  # stages the registry holds are pulled, not built: their inputs need not be here
+    named = _check_inputs(b)  # before the lock and before docker: a tampered input stops here
+    blk = guards.BuildLock(guards.build_lock_path(b.engine_id, b.defn.name), b.defn.name)
+    try:
+        _guards(b, lock=blk)
+        _remove_stale_tmp(b)
+        for w in b.warnings:
+            log.warning("warning: %s", w)
+        return _run(b, named)
+    finally:
+        blk.release()
+
+
+def _remove_stale_tmp(b: Build) -> None:
+    """Temporary folders of this image's earlier runs: with the image's lock held, no other run
+    of it is alive, so whatever they left (a kill -9, a power cut) goes now."""
+    top = tmp_root(b.ctx)
+    for p in sorted(top.glob(f"build-{b.defn.name}-*")) if top.is_dir() else ():
+        log.info("removing %s (left by an earlier run that did not end cleanly)", p)
+        shutil.rmtree(p, ignore_errors=True)
+    for p in layerclamp.remove_stale_tmp(b.store):
+        log.info("removed %s (left by an earlier run that did not end cleanly)", p)
+
+
+def _record(b: Build, status: str, started: str, **extra) -> dict:
+    rec = {
+        "schema": RECORD_SCHEMA, "version": RECORD_VERSION, "image": b.defn.name, "run_id": b.run_id,
+        "build_id": b.plan.build_id, "build_id_from": b.plan.build_id_from, "platform": b.plan.platform,
+        "status": status,
+        "started": started, "finished": _now(),  # a record of a run: it holds times, explicitly
+        "source_date_epoch": b.epoch,
+        "options": {"from": b.opts.from_stage, "until": b.opts.until_stage, "no_cache": b.opts.no_cache,
+                    "force": b.opts.force, "jobs": b.opts.jobs, "emulate": b.opts.emulate,
+                    "progress": b.opts.progress},
+        "stage_store": str(b.store.dir),
+        "engine": remote_engine.record(b.engine_id),
+        "registry": b.cache.as_dict() if b.cache is not None else None,
+        "inputs": {"tarballs": sorted({m.tarball for s in b.plan.stages for m in s.mounts if m.tarball})},
+        "warnings": b.warnings,
+        "stages": [r.as_dict() for r in b.stages],
+        "patches": _merged_patches(b),
+        **extra,
+    }
+    atomic_write_json(b.dir / "record.json", rec)
+    return rec
+
+
+def _merged_patches(b: Build) -> dict:
+    out: dict = {}
+    for r in b.stages:
+        if r.patches:
+            out.update(r.patches.get("patches") or {})
+    return out
+
+
+def _run(b: Build, named: dict) -> dict:
+    started = _now()
+    try:
+        rec = _run_stages(b, named, started)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the child was stopped, the temp folder is gone
+        _record(b, "interrupted", started, release=None, promotion=None)
+        raise
+    except BaseException:
+        if b.cache is not None:  # what was built before the failure still reaches the registry
+            b.cache.finish()
+        raise
+    if b.cache is not None:
+        b.cache.finish()
+        b.warnings.extend(w for w in b.cache.warnings if w not in b.warnings)
+        rec = _record(b, rec["status"], started, release=rec.get("release"), promotion=rec.get("promotion"),
+                      **{k: rec[k] for k in ("publish",) if k in rec})
+    return rec
+
+
+def _run_stages(b: Build, named: dict, started: str) -> dict:
+    progress = Progress(b.opts.progress)
+    jobs = guards.host_jobs(b.opts.jobs)
+    total = len(b.stages)
+    top = tmp_root(b.ctx)
+    top.mkdir(parents=True, exist_ok=True)
+    b.dir.mkdir(parents=True, exist_ok=True)
+    _record(b, "running", started, release=None, promotion=None)
+    with tempfile.TemporaryDirectory(prefix=f"build-{b.defn.name}-", dir=top) as tmp_s:
+        tmp = Path(tmp_s)
+        empty = tmp / "empty"
+        empty.mkdir()
+        for i, r in enumerate(b.stages, start=1):
+            st = b.plan.stage(r.name)
+            head = f"[{i}/{total}] {r.name}"
+            if r.action == "pull":
+                if registry_cache.pull_stage(b, r, st, tmp / r.name, progress, head):
+                    continue
+                r.action, r.reason = "build", "the registry cache did not give it (see the warning)"
+                named[r.name] = _inputs_of(b, st)
+            if r.action != "build":
+                r.status = "skipped"
+                progress.info("%s: %s (%s) %s", head, r.action, r.reason, r.image)
+                continue
+            _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
+            if b.cache is not None:
+                b.cache.push(r.name, r.key, r.manifest)
+        if b.last != total - 1:
+            rec = _record(b, "ok", started, release=None, promotion=None)
+            progress.info("stopped after stage %s (--until): no release image", b.opts.until_stage)
+            return rec
+        release = _release(b, tmp / "release", progress, started)
+    promotion = _gate_and_promote(b, release, started)
+    publish = registry_cache.publish_release(b, release, promotion, started)
+    return _record(b, "ok", started, release=release, promotion=promotion,
+                   **({"publish": publish} if publish is not None else {}))
+
+
+def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
+                 jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
+    ctx = tmp / context_dir_name("context", st.key)
+    make_context(b.root, st, ctx, st.source_date_epoch)
+    src_dir = tmp / context_dir_name(NAMED_SRC, st.key)
+    src_dir.mkdir()
+    for vf in inputs["src"]:
+        _link_or_copy(vf.path, src_dir / vf.name)
+    # the generated unpack script + manifest (extract every source, set every override; source_mounts.py)
+    for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
+        (src_dir / fname).write_bytes(data)
+    named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
+             NAMED_APT: str(inputs["apt"] or empty)}
+    meta = tmp / "metadata.json"
+    argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs)
+    r.args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
+              **_parallel_args(st, jobs, b.opts.jobs is not None)}
+    r.contexts = {NAMED_SRC: sorted(p.name for p in src_dir.iterdir()),
+                  NAMED_WHEELS: b.ctx.show(inputs["wheels"]) if inputs["wheels"] else None,
+                  NAMED_APT: b.ctx.show(inputs["apt"]) if inputs["apt"] else None,
+                  **{k: v.split("@", 1)[1] for k, v in _stage_contexts(b, st).items()}}
+    log_path = b.dir / "logs" / f"{st.name}.log"
+    r.log = b.ctx.show(log_path)
+    progress.info("%s: building (%s, network %s), log: %s", head, r.reason, r.network, r.log)
+    t0 = time.monotonic()
+    b.store.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        md = _buildx(argv, log_path=log_path, progress=progress, label=st.name, epoch=st.source_date_epoch)
+        manifest = md.get("containerimage.digest")
+        if not isinstance(manifest, str) or not b.store.complete(manifest):
+            raise OperationFailed(f"stage {st.name!r}: BuildKit reported success but its image is not complete in "
+                                  f"{b.store.dir} (manifest {manifest!r}); not treating it as built",
+                                  hint=f"see {log_path}; is the engine's BuildKit new enough? (imagebuild doctor)")
+        manifest = _clamp_times(b, st, manifest, log_path, progress, head)
+        patches = None
+        if any(inp.kind == "patch" for inp in st.inputs):
+            patches = _read_patch_record(b, st, manifest, tmp, progress) or {
+                "schema": patching.RECORD_SCHEMA, "version": patching.RECORD_VERSION, "patches": {},
+                "note": f"no {PATCH_RECORD} in the stage"}
+    except _StageFailed as exc:
+        r.seconds = round(time.monotonic() - t0, 3)
+        r.status = "failed"
+        _record(b, "failed", started, failed_stage=st.name, release=None, promotion=None)
+        raise OperationFailed(
+            f"stage {st.name!r} of {b.defn.name} failed (docker buildx build exit {exc.code}); last lines of its "
+            f"log:\n" + "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
+            hint=f"full log: {log_path}; :local and :candidate were not touched") from None
+    b.store.commit(st.key, st.name, manifest, patches=patches)
+    r.manifest, r.patches = manifest, patches
+    r.seconds = round(time.monotonic() - t0, 3)
+    r.status = "built"
+    progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
+
+
+def _parent_diff_ids(b: Build, st: plan_mod.PlannedStage) -> list[str]:
+    """The layers a stage starts from (diff ids, base first): its parent stage's or its base image's."""
+    if st.parent_kind == "stage":
+        return b.store.diff_ids(b.manifest(st.parent))
+    if st.parent_ref == "scratch":
+        return []
+    text = run_mod.output(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", st.parent_ref],
+                          timeout=60, hint="is the Docker engine healthy? (imagebuild doctor)")
+    layers = json.loads(text.splitlines()[-1])
+    return list(layers) if isinstance(layers, list) else []
+
+
+def _clamp_times(b: Build, st: plan_mod.PlannedStage, manifest: str, log_path: Path, progress: Progress,
+                 head: str) -> str:
+    """The stage's own layers with no file time later than its SOURCE_DATE_EPOCH (layerclamp.py):
+    the same key gives the same bytes. Returns the stage's manifest after it."""
+    progress.start(f"{st.name} (clamping file times)", str(log_path))
+    try:
+        done = layerclamp.clamp_stage(b.store, manifest, _parent_diff_ids(b, st), st.source_date_epoch)
+    finally:
+        progress.stop()
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(f"imagebuild: {done.summary()}: {manifest} -> {done.manifest}\n")
+    progress.info("%s: %s", head, done.summary())
+    return done.manifest
+
+
+def _read_patch_record(b: Build, st: plan_mod.PlannedStage, manifest: str, tmp: Path,
+                       progress: Progress) -> dict | None:
+    """``/opt/imagebuild/patches.json`` of a built stage, copied out by a one-line BuildKit build."""
+    d = tmp / "patch-record"
+    (d / "ctx").mkdir(parents=True)
+    df = d / "Dockerfile"
+    df.write_text(f"FROM {RECORD_SOURCE_CONTEXT} AS stage\nFROM scratch\nCOPY --from=stage {PATCH_RECORD} /\n")
+    argv = buildx_argv(context=d / "ctx", dockerfile=df, build_args={}, contexts={
+        RECORD_SOURCE_CONTEXT: b.store.context(manifest)}, labels={}, network="none", platform=b.plan.platform,
+        no_cache=False, output=f"type=local,dest={d / 'out'}", tag=None, metadata=None)
+    quiet = Progress("quiet")
+    quiet.every = 0
+    try:
+        _buildx(argv, log_path=d / "log", progress=quiet, label=st.name, epoch=st.source_date_epoch)
+        return json.loads((d / "out" / "patches.json").read_text(encoding="utf-8"))
+    except (_StageFailed, OSError, ValueError):
+        return None
+
+
+def _provenance(b: Build) -> tuple[dict, dict]:
+    """(labels, build.json) of the release image: deterministic for the same inputs."""
+    keys = {s.name: s.key for s in b.plan.stages}
+    prov = b.plan.provenance
+    sources = {n: s.get("commit") for n, s in sorted(((b.lock or {}).get("sources") or {}).items())
+               if isinstance(s, dict) and s.get("commit")}
+    labels = {
+        "org.opencontainers.image.created": _iso(b.epoch),
+        "org.opencontainers.image.version": promote_mod.build_tag(b.plan.build_id),
+        "org.opencontainers.image.title": b.defn.name,
+        f"{LABEL_PREFIX}.image": b.defn.name,
+        f"{LABEL_PREFIX}.build-id": b.plan.build_id,
+        f"{LABEL_PREFIX}.stage-keys": json.dumps(keys, sort_keys=True, separators=(",", ":")),
+        f"{LABEL_PREFIX}.sources": json.dumps(sources, sort_keys=True, separators=(",", ":")),
+        f"{LABEL_PREFIX}.platform": b.plan.platform,
+    }
+    if b.defn.description:
+        labels["org.opencontainers.image.description"] = b.defn.description
+    if prov is not None:
+        labels[f"{LABEL_PREFIX}.definition-sha256"] = prov.definition_sha256
+        if prov.revision:
+            labels["org.opencontainers.image.revision"] = prov.revision
+        if prov.source_url:
+            labels["org.opencontainers.image.source"] = prov.source_url
+    if b.plan.lock_sha256:
+        labels[f"{LABEL_PREFIX}.lock-sha256"] = b.plan.lock_sha256
+    doc = {"schema": "imagebuild.image", "version": 2, "image": b.defn.name, "build_id": b.plan.build_id,
+           "platform": b.plan.platform, "source_date_epoch": b.epoch,
+           "provenance": prov.as_dict() if prov else None,
+           "stages": [{"name": s.name, "key": s.key, "image": s.image} for s in b.plan.stages],
+           "sources": _source_provenance(b), "lock_sha256": b.plan.lock_sha256, "patches": _merged_patches(b)}
+    return labels, doc
+
+
+def _source_provenance(b: Build) -> dict:
+    """Each locked source's commit; a composed commit (base + PRs, made by prefetch) is marked
+    local-only, with how to recreate it from the lock."""
+    out = {}
+    for n, s in sorted(((b.lock or {}).get("sources") or {}).items()):
+        if not isinstance(s, dict) or not s.get("commit"):
+            continue
+        prs = plan_mod.pr_pins(s.get("prs"))
+        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": prs,
+                 "tree": s.get("tree"), "tarball_sha256": s.get("sha256")}
+        if prs:
+            entry["local_only"] = True
+            entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (--offline from its mirror cache): "
+                                 f"{s.get('ref')} with PR heads {', '.join(prs)} merged in that order, with a fixed "
+                                 "identity and date (docs/prefetch.md); the result's tree must equal 'tree'")
+        else:
+            entry["local_only"] = False
+        out[n] = entry
+    return out
+
+
+def release_tar(files: dict[str, bytes], epoch: int) -> bytes:
+    """``/opt/imagebuild/<name>`` for each of ``files``, as a tar whose bytes depend on nothing else:
+    sorted entries, owner root, mode 0755/0644, every mtime ``epoch``."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for d in ("opt", IMAGE_META_DIR.lstrip("/")):
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, epoch
+            tf.addfile(ti)
+        for name in sorted(files):
+            ti = tarfile.TarInfo(f"{IMAGE_META_DIR.lstrip('/')}/{name}")
+            ti.size, ti.mode, ti.mtime = len(files[name]), 0o644, epoch
+            tf.addfile(ti, io.BytesIO(files[name]))
+    return buf.getvalue()
+
+
+def release_ref(image: str, build_id: str) -> str:
+    return f"imagebuild/{image}:release-{build_id}"
+
+
+def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
+    final = b.plan.stages[-1]
+    labels, doc = _provenance(b)
+    lock_bytes = lock_mod.lock_path(b.defn.dir).read_bytes() if b.lock is not None else None
+    ref = release_ref(b.defn.name, b.plan.build_id)
+    final_run = b.stages[-1]
+    rebuild = b.opts.no_cache and final_run.action == "build"
+    have = engine_mod.existing_tags(ref.split(":", 1)[0])
+    if ref in have and not rebuild:
+        progress.info("release: %s exists", ref)
+        built = False
+    else:
+        files = {"build.json": (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()}
+        if lock_bytes is not None:
+            files["lock.json"] = lock_bytes
+        data = release_tar(files, b.epoch)
+        ctx = tmp / context_dir_name("context", sha256_bytes(data))
+        ctx.mkdir(parents=True)
+        (ctx / RELEASE_TAR).write_bytes(data)
+        _fix_mtimes(ctx, b.epoch)
+        df = tmp / "Dockerfile.release"
+        df.write_text(RELEASE_DOCKERFILE)
+        log_path = b.dir / "logs" / "release.log"
+        argv = buildx_argv(context=ctx, dockerfile=df, build_args={"PARENT": plan_mod.PARENT_CONTEXT,
+                                                                   "SOURCE_DATE_EPOCH": str(b.epoch)},
+                           contexts={plan_mod.PARENT_CONTEXT: b.store.context(b.manifest(final.name))},
+                           labels=labels, network="none", platform=b.plan.platform, no_cache=rebuild,
+                           output=None, tag=ref, metadata=None)
+        progress.info("release: loading %s into the engine", ref)
+        try:
+            _buildx(argv, log_path=log_path, progress=progress, label="release", epoch=b.epoch)
+        except _StageFailed as exc:
+            _record(b, "failed", started, failed_stage="release", release=None, promotion=None)
+            raise OperationFailed(f"the release step of {b.defn.name} failed (exit {exc.code}):\n" +
+                                  "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
+                                  hint=f"full log: {log_path}") from None
+        built = True
+    from imagebuild.core import identity as identity_mod
+
+    data = _inspect(ref)
+    wanted = [promote_mod.ref(b.defn.name, promote_mod.build_tag(b.plan.build_id)),
+              promote_mod.ref(b.defn.name, promote_mod.CANDIDATE)]
+    have = {t.removeprefix("docker.io/library/") for t in data.get("RepoTags") or []}
+    for t in wanted:
+        if t not in have:  # one inspect on a no-op build, not one per tag
+            promote_mod.tag(data.get("Id") or ref, t)
+    ident = identity_mod.from_inspect(data)
+    progress.info("candidate: %s (identity %s)", ", ".join(wanted), ident.digest)
+    return {"ref": ref, "built": built, "tags": wanted, "image_id": ident.local_id,
+            "identity": ident.digest, "labels": labels}
+
+
+def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
+    name = b.defn.name
+    if not b.opts.gate:
+        return {"status": "skipped", "reason": "--no-gate: stopped at :candidate"}
+    if not promote_mod.gate_available():
+        log.info("gate not installed: stopped at %s:candidate (:local unchanged)", name)
+        return {"status": "skipped", "reason": "the gate is not installed (imagebuild.gate): stopped at :candidate"}
+    if b.defn.gate is None:
+        log.info("%s has no gate spec: stopped at %s:candidate (:local unchanged)", name, name)
+        return {"status": "skipped", "reason": "the definition has no gate spec: stopped at :candidate"}
+    from imagebuild.definition import gatespec
+    from imagebuild.gate import receipts
+
+    spec_digest = gatespec.digest(b.defn.gate)
+    cand = promote_mod.ref(name, promote_mod.CANDIDATE)
+    gated = False
+    try:
+        if receipts.find_passing(b.ctx, release["identity"], spec_digest):
+            log.info("gate: identity %s already passed this gate spec (%s): not gating again",
+                     release["identity"], spec_digest[:19])
+        else:
+            from imagebuild.gate import runner as gate_mod  # imports pytest: only when a gate runs
+
+            gate_mod.run_gate(b.ctx.root, name, release["image_id"] or cand)
+            gated = True
+    except GateFailed as exc:
+        _record(b, "gate-failed", started, release=release,
+                promotion={"status": "gate-failed", "reason": exc.message})
+        raise
+    p = promote_mod.promote(b.ctx, name, release["image_id"] or cand, spec_digest=spec_digest)
+    return {"status": "promoted" if p.moved else "unchanged", "gated": gated, **p.as_dict()}
+
+
+def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
+    """What ``build`` would do, with every docker command it would run (nothing is built)."""
+    b = prepare(context_mod.of(ctx), image, opts)
+    registry_cache.attach(b)
+    _check_inputs(b)
+    _guards(b, lock=None)
+    for w in b.warnings:
+        log.warning("warning: %s", w)
+    jobs = guards.host_jobs(opts.jobs)
+    stages = []
+    tmp = tmp_root(b.ctx) / "<run>"
+    for r in b.stages:
+        st = b.plan.stage(r.name)
+        d = r.as_dict()
+        d["args"] = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
+                     **_parallel_args(st, jobs, opts.jobs is not None)}
+        d["sources"] = [m.name for m in st.mounts]
+        if r.action == "build":
+            named = {NAMED_SRC: str(tmp / r.name / context_dir_name(NAMED_SRC, st.key)), NAMED_WHEELS: str(tmp / "empty"),
+                     NAMED_APT: str(tmp / "empty")}
+            d["command"] = _stage_argv(b, st, ctx=tmp / r.name / context_dir_name("context", st.key), named=named,
+                                       meta=tmp / r.name / "metadata.json", jobs=jobs, dry=True)
+        else:
+            d["command"] = None
+        stages.append({k: d[k] for k in ("name", "key", "image", "action", "reason", "network", "args",
+                                         "sources", "command")})
+    return {"schema": DRY_RUN_SCHEMA, "version": 2, "image": b.defn.name, "platform": b.plan.platform,
+            "build_id": b.plan.build_id, "source_date_epoch": b.epoch, "warnings": b.warnings,
+            "stage_store": str(b.store.dir),
+            "release": b.last == len(b.stages) - 1, "stages": stages}
+
+
+# --------------------------------------------------------------------------------------------- patch command
+
+
+def patch_set(defn: defn_mod.Definition, stage: str | None = None) -> list[Path]:
+    stages = [s for s in defn.stages if stage is None or s.name == stage]
+    if stage is not None and not stages:
+        raise UsageError(f"--stage {stage!r}: no such stage in {defn.name}",
+                         hint=f"stages: {', '.join(s.name for s in defn.stages)}")
+    return [i.path for s in stages for i in s.inputs if i.kind == "patch"]
+
+
+def patch(ctx: context_mod.Context | Path, image: str, src: Path, *, check: bool, stage: str | None = None) -> dict:
+    """Apply (or with ``check`` only check) an image's patch set to a checkout ``src``."""
+    defn = defn_mod.load(context_mod.of(ctx).root, image)
+    if not Path(src).is_dir():
+        raise UsageError(f"--src {src}: not a folder", hint="a checkout of the source the patches apply to")
+    paths = patch_set(defn, stage)
+    if not paths:
+        raise DefinitionError([Problem(defn.rel(defn.dir / defn_mod.IMAGE_FILE),
+                                       "no stage declares patches" + (f" ({stage})" if stage else ""),
+                                       key="patches")], image=image)
+    results = patching.apply_all(paths, Path(src), write=not check)
+    doc = {"schema": patching.RECORD_SCHEMA, "version": patching.RECORD_VERSION, "image": image,
+           "check": check, "patches": [r.as_dict() for r in results]}
+    failed = [r for r in results if r.outcome == patching.FAILED]
+    if failed:
+        raise PatchFailed(doc, failed[0].message)
+    return doc
+
+
+class PatchFailed(OperationFailed):
+    def __init__(self, doc: dict, message: str):
+        super().__init__(message, hint="fix the patch's anchor for this upstream, then re-run with --check")
+        self.doc = doc

@@ -1,0 +1,1187 @@
+"""Command line: argument parsing and output only. ``main(argv) -> exit code``.
+
+Conventions (docs/cli.md): data on stdout, progress and logs on stderr, ``--json`` where the
+output is data, documented exit codes, no traceback unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from imagebuild import __version__
+from imagebuild.core.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_GATE_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    DefinitionError,
+    ImagebuildError,
+    UsageError,
+)
+
+
+class _Lazy:
+    """A module imported on first use: ``--version``, ``list``, ``validate`` and ``plan --no-engine``
+    must start fast (docs/cli.md, "Start-up"), so each command imports only what it uses."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name, __package__), attr)
+
+
+defn_mod = _Lazy("imagebuild.definition.reader")
+doctor_mod = _Lazy("imagebuild.ops.doctor")
+engine_mod = _Lazy("imagebuild.core.engine")
+plan_mod = _Lazy("imagebuild.plan.planner")
+json = _Lazy("json")
+traceback = _Lazy("traceback")
+
+
+class _Log:
+    """The "imagebuild" logger, looked up when first used (importing logging costs start-up time)."""
+
+    def __getattr__(self, attr: str):
+        import logging
+
+        return getattr(logging.getLogger("imagebuild"), attr)
+
+
+log = _Log()
+
+
+EPILOG = f"""\
+exit codes:
+  {EXIT_OK}    success
+  {EXIT_FAILED}    an operation failed (docker, git, network, a failed check in doctor)
+  {EXIT_BAD_INPUT}    bad input or configuration (definition errors, bad flags)
+  {EXIT_REFUSED}    refused by a guard rail (serving container running, wrong architecture, lock held)
+  {EXIT_GATE_FAILED}    the image's gate failed
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+
+environment:
+  IMAGEBUILD_ROOT   project root (folder holding docker-images/); default: nearest one above the
+                    current folder
+  IMAGEBUILD_PARSE_CACHE
+                    the parsers' result cache (default $XDG_CACHE_HOME/imagebuild/parse); off: none
+  NO_COLOR          no colour in output
+
+docs: docs/cli.md, docs/image-definition.md
+"""
+
+
+# argparse passes its own words ("usage: ", "options", ...) through gettext, and each lookup
+# searches the locale folders for a catalogue, importing locale to do so: ~3 ms of every start.
+# A Python install has no catalogue for that domain, so the words stay argparse's English ones
+# either way, like imagebuild's own messages; the lookups are skipped.
+argparse._ = lambda message: message
+argparse.ngettext = lambda singular, plural, n: singular if n == 1 else plural
+
+
+class _Parser(argparse.ArgumentParser):
+    """Exit 2 with usage on bad flags, as documented; options are never abbreviated (``--fo`` is not
+    ``--force``); the global options work before and after the command."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
+    def _get_formatter(self):
+        # argparse asks shutil for the width (importing shutil, bz2, lzma: ~5 ms) on every add_argument
+        return self.formatter_class(prog=self.prog, width=_terminal_width())
+
+    def error(self, message: str):  # exit 2 with usage, as documented
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _terminal_width() -> int:
+    """shutil.get_terminal_size().columns without importing shutil."""
+    try:
+        return int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 80
+
+
+def _global_options(p: argparse.ArgumentParser, *, after_command: bool = False) -> None:
+    """--root, --debug, -v, -q: on the main parser, and again on every command's parser so that
+    ``imagebuild plan X --debug`` works too. After the command they default to SUPPRESS: a value
+    given before the command is then kept."""
+    unset = {"default": argparse.SUPPRESS} if after_command else {}
+    g = p.add_argument_group("global options (before or after the command)") if after_command else p
+    g.add_argument("--root", metavar="DIR", **(unset or {"default": os.environ.get("IMAGEBUILD_ROOT")}),
+                   help="project root holding docker-images/ (default: $IMAGEBUILD_ROOT, else the nearest "
+                   "folder at or above the current one that has docker-images/)")
+    g.add_argument("--debug", action="store_true", **unset,
+                   help="show tracebacks and debug logs (every command run)")
+    g.add_argument("-v", "--verbose", action="store_true", **unset,
+                   help="more on stderr: every command run (+ docker ...) and, for build, each stage's log lines")
+    g.add_argument("-q", "--quiet", action="store_true", **unset,
+                   help="only warnings and errors on stderr (not with -v)")
+
+
+class _SubParsers(argparse._SubParsersAction):
+    only: str | None = None  # build_parser(only=...): the other commands get a stand-in
+
+    def add_parser(self, name, **kw):
+        if self.only is not None and name != self.only:
+            real, self._parser_class = self._parser_class, _Unused
+            try:
+                return super().add_parser(name, **kw)
+            finally:
+                self._parser_class = real
+        sp = super().add_parser(name, **kw)
+        _global_options(sp, after_command=True)
+        return sp
+
+
+class _Unused:
+    """A command's parser when another command runs: its options are never parsed or shown, and
+    building them costs start-up time (argparse looks up translations for every option)."""
+
+    def __init__(self, **kw):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: self
+
+
+def _command_in(argv: Sequence[str]) -> str:
+    """The command named in ``argv`` (the first word that is not an option or --root's value), or
+    "" when there is none (``--version``, ``--help``, a usage error: no command parser is needed)."""
+    it = iter(argv)
+    for word in it:
+        if word == "--root":
+            next(it, None)
+        elif word in ("-h", "--help"):
+            return ""
+        elif not word.startswith("-"):
+            return word
+    return ""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, that command's options are built and the others' are not."""
+    p = _Parser(
+        prog="imagebuild",
+        description="Reproducible, offline, staged builds of vLLM serving images for DGX Spark (GB10) "
+        "clusters: definitions -> plan -> prefetch -> build -> gate -> promotion to IMAGE:local.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"imagebuild {__version__}")
+    _global_options(p)
+    p.register("action", "parsers", _SubParsers)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    sub.only = only
+
+    sp = sub.add_parser("list", help="list the image definitions under docker-images/",
+                        description="List the image definitions under docker-images/ with their platform, "
+                        "stages and whether each one is valid. Reads only.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.list, version 1)")
+    sp.set_defaults(func=cmd_list)
+
+    sp = sub.add_parser("plan", help="show an image's stages, build args, inputs and cache keys",
+                        description="Validate IMAGE's definition and print its build plan: the stages in "
+                        "order, each with its Dockerfile, parent, build args and their values and origins, "
+                        "input files with digests, and a content-addressed cache key. Has no side effects. "
+                        "When a Docker engine answers, also says which stage images already exist.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.plan, version 1)")
+    sp.add_argument("--no-engine", action="store_true",
+                    help="do not ask the Docker engine which stage images exist")
+    sp.set_defaults(func=cmd_plan)
+
+    sp = sub.add_parser("validate", help="check image definitions and report every problem",
+                        description="Check one or all image definitions and report every problem found "
+                        "(file, line or key, what was expected, a hint). Exit 2 if any is invalid.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("images", metavar="IMAGE", nargs="*", help="image names (default: all)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.validate, version 1)")
+    sp.set_defaults(func=cmd_validate)
+
+    sp = sub.add_parser("doctor", help="check this host: engine, BuildKit, image store, disk, memory, tools, "
+                        "peers",
+                        description="Check that this host can build and ship images: Docker engine "
+                        "reachable, buildx and BuildKit versions, containerd image store, free disk and "
+                        "memory, git, rsync, ssh, and each peer reachable with its own engine. Says what to "
+                        "do about each problem. Exit 1 if any check fails (warnings do not fail).",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--peer", action="append", default=[], metavar="HOST",
+                    help="also check this SSH peer (repeatable; user@host works)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.doctor, version 1)")
+    sp.set_defaults(func=cmd_doctor)
+
+    sp = sub.add_parser("prefetch", help="pin git sources by SHA, compose forks, pack deterministic tarballs, "
+                        "write the lock",
+                        description="Fetch every git source of the images into a local mirror cache (only what "
+                        "is missing, by raw commit SHA), pin bare PR numbers and ref names to SHAs in "
+                        "versions.env (in place), compose each fork (ref + PR heads merged in order, fixed "
+                        "identity and date), check the FetchContent dependencies its CMake files declare, pack "
+                        "deterministic tarballs into deps-src/IMAGE/src/ with a SHA256SUMS, and write the "
+                        "lock's 'sources' section (the build id). A re-run when nothing changed runs no git "
+                        "at all. On failure the previous lock and tarballs are left as they were. "
+                        "Put IMAGE names before --refresh (or write --refresh=NAME). Details: docs/prefetch.md.",
+                        epilog=EPILOG + """
+prefetch environment:
+  IMAGEBUILD_CACHE         mirror cache folder (default $XDG_CACHE_HOME/imagebuild/git,
+                           else ~/.cache/imagebuild/git); --cache overrides it
+  IMAGEBUILD_GIT_RETRIES   attempts per network git operation (default 5)
+  IMAGEBUILD_RETRY_DELAY   first backoff delay in seconds, doubling (default 1)
+  IMAGEBUILD_GIT_TIMEOUT   seconds per git network attempt (default 1800)
+  GITHUB_TOKEN             optional: GitHub API token to report PR states (never logged)
+""", formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("images", nargs="*", metavar="IMAGE",
+                    help="image definitions to prefetch (default: every image with git sources)")
+    sp.add_argument("--refresh", nargs="*", metavar="NAME", default=None,
+                    help="re-resolve pinned PR heads and followed branches (NAME_REF=<branch>@<sha>) of the named "
+                    "sources (default all) and report which moved")
+    sp.add_argument("--offline", action="store_true",
+                    help="use the mirror cache only; fail naming the first missing object")
+    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="parallel git operations (default 4)")
+    sp.add_argument("--cache", metavar="DIR", help="mirror cache folder (default: $IMAGEBUILD_CACHE, else "
+                    "$XDG_CACHE_HOME/imagebuild/git)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
+    sp.set_defaults(func=cmd_prefetch)
+
+    sp = sub.add_parser("bundle", help="pack an image's lock and every prefetched file into one verified file "
+                        "for a node without GitHub access",
+                        description="Write one file holding IMAGE's lock.json and versions.env, every source "
+                        "tarball, wheel and deb the lock names (each checked against the lock while it is "
+                        "written), a SHA256SUMS and a manifest. Carry it to the build node and run `imagebuild "
+                        "unbundle FILE` there. Details: docs/prefetch.md (\"Carry it to an air-gapped node\").",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("-o", "--output", required=True, metavar="FILE", help="the bundle to write (a tar)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")
+    sp.set_defaults(func=cmd_bundle)
+
+    sp = sub.add_parser("unbundle", help="verify a bundle against its lock, then put its files in place",
+                        description="Read FILE (made by `imagebuild bundle`) into a temporary folder, verify every "
+                        "member against its manifest and SHA256SUMS and every file against the bundled lock, "
+                        "and only then move the prefetched files, versions.env and lock.json into this project. "
+                        "A bad bundle changes nothing (exit 1). After it, `imagebuild build IMAGE` needs no "
+                        "network.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("file", metavar="FILE", help="the bundle")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")
+    sp.set_defaults(func=cmd_unbundle)
+
+    sp = sub.add_parser("gate", help="run an image's gate checks inside it and write a receipt",
+                        description="Run the gate spec's checks inside a container of the image (entrypoint "
+                        "overridden, --network none, --gpus all when the host has NVIDIA GPUs) through pytest "
+                        "and pytest-testinfra's docker backend; print one row per check; write a receipt keyed "
+                        "by the image's store-independent identity (.imagebuild/receipts/) and the run's log. "
+                        "IMAGE is a definition name: its gate spec, against IMAGE:candidate unless --ref. "
+                        "REF is any image reference, with --spec FILE. Without a GPU, checks marked "
+                        "`requires: gpu` are SKIPPED (never passed). Exit 4 when the gate fails (a failed "
+                        "check of severity error, zero checks, a timeout), 2 for a malformed spec. "
+                        "Format and check kinds: docs/gate.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("target", metavar="IMAGE|REF", help="definition name, or an image reference (with --spec)")
+    sp.add_argument("--ref", metavar="REF", help="with IMAGE: the image to gate (default: IMAGE:candidate)")
+    sp.add_argument("--spec", metavar="FILE", help="gate spec file (required for a REF; overrides a "
+                    "definition's own spec)")
+    sp.add_argument("--require-gpu", action="store_true",
+                    help="fail, rather than skip, checks marked `requires: gpu` when this host has no GPU")
+    sp.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report to FILE")
+    sp.add_argument("--check-receipt", action="store_true",
+                    help="run nothing: say whether the image (with IMAGE: IMAGE:local unless --ref) has a passing "
+                    "receipt of the definition's current gate spec, here or carried by imagebuild sync "
+                    "(exit 0 passed, 4 not)")
+    sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
+                    "version 1)")
+    sp.set_defaults(func=cmd_gate)
+
+    sp = sub.add_parser("build", help="build an image's stages offline, cached by key, up to :candidate (and "
+                        ":local after its gate passes)",
+                        description="Run IMAGE's plan: each stage built with BuildKit FROM its parent, tagged "
+                        "with its cache key, skipped when that image exists; every stage under --network none "
+                        "unless it declares network: true; prefetched sources checked against the lock and "
+                        "bind-mounted as named build contexts. Then the release image (labels, lock, build "
+                        "record) tagged IMAGE:b-<build id> and IMAGE:candidate; when the definition has a gate "
+                        "spec, the gate runs and IMAGE:local moves only on a passing receipt (the old :local "
+                        "becomes :previous). Refuses (exit 3) on a foreign platform, while a serving container "
+                        "runs, on low disk, or while another build of IMAGE runs. Logs: "
+                        ".imagebuild/builds/IMAGE/BUILD-ID/logs/. Details: docs/build.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("--from", dest="from_stage", metavar="STAGE",
+                    help="start at STAGE (earlier stage images must exist)")
+    sp.add_argument("--until", dest="until_stage", metavar="STAGE",
+                    help="stop after STAGE (no release image, no promotion unless STAGE is the last)")
+    sp.add_argument("--no-cache", action="store_true",
+                    help="rebuild the selected stages even when their images exist, without BuildKit's cache")
+    sp.add_argument("--force", action="store_true",
+                    help="build even while a serving container runs or disk is low (with a warning)")
+    sp.add_argument("--emulate", action="store_true",
+                    help="allow a target platform other than the host's (QEMU emulation; slow)")
+    sp.add_argument("--dry-run", action="store_true", help="check everything and print what would run; build "
+                    "nothing")
+    sp.add_argument("--jobs", type=int, metavar="N", help="MAX_JOBS for stages that declare it (default: from "
+                    "free memory and cores, see docs/build.md)")
+    sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
+                    help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
+                    "terminal, otherwise a heartbeat line at least once a minute (stage, elapsed time, log); "
+                    "quiet: only the heartbeat")
+    sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
+    sp.add_argument("--cache-registry", metavar="HOST:PORT/PREFIX", help="a registry shared by the build nodes: "
+                    "stages found there under their key are pulled (verified) instead of built, stages built here "
+                    "are pushed, and the gated release is tagged there (default: registry: in imagebuild.yaml)")
+    sp.add_argument("--no-cache-registry", action="store_true", help="ignore the registry of imagebuild.yaml")
+    sp.add_argument("--engine", metavar="ssh://HOST|CONTEXT", help="build on that engine: every engine call (guards, "
+                    "BuildKit, release, tags, gate) goes there; its node's memory, cores and disk are used "
+                    "(docs/fleet.md)")
+    sp.add_argument("--json", action="store_true", help="print the build record (schema imagebuild.build, "
+                    "version 1; with --dry-run: imagebuild.build-plan)")
+    sp.set_defaults(func=cmd_build)
+
+    sp = sub.add_parser("sync", help="put the gated image on peer nodes: only the layers they lack, verified",
+                        description="Copy IMAGE:local (or --image REF) to each PEER over ssh: ask the peer which "
+                        "layers it holds, send only the missing ones with rsync into its cache (an interrupted "
+                        "transfer resumes), load them with the peer's own docker load, check the image's "
+                        "store-independent identity there, and only then move the peer's tag (the old :local "
+                        "becomes :previous) and carry the gate receipt. Refuses (exit 3) an image without a "
+                        "passing receipt of its definition's current gate spec, a peer where a running container "
+                        "uses the tag, or a peer without enough disk, unless --force (disk: never). A peer that "
+                        "already holds the identity is skipped. Details: docs/sync.md.",
+                        epilog=EPILOG + """
+sync environment:
+  IMAGEBUILD_SSH              the ssh command (default ssh), e.g. 'ssh -F ~/.ssh/cluster_config'
+  IMAGEBUILD_SYNC_COMPRESS    auto (default) | none | zstd[:LEVEL]: compression on the wire
+  IMAGEBUILD_SYNC_CIPHERS     ssh ciphers preference (default ^aes128-gcm@openssh.com,...; empty: ssh's own)
+  IMAGEBUILD_PEER_MIN_FREE_GB disk that must stay free on the peer (default 1)
+  IMAGEBUILD_PEER_CACHE       (on the peer) its sync cache (default ~/.cache/imagebuild/peer)
+  IMAGEBUILD_SYNC_TUNNEL      --via registry: 1 always through an ssh tunnel, 0 never (default: loopback only)
+""", formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("peers", nargs="*", metavar="PEER",
+                    help="ssh destinations (dgx4, user@host, an ssh alias) or @LIST (peer_lists: in imagebuild.yaml); "
+                    "default: peers: in imagebuild.yaml")
+    sp.add_argument("--image", metavar="IMAGE|REF", help="a definition name (its :local) or any image reference "
+                    "(default: the project's only definition)")
+    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="peers synced in parallel (default 4)")
+    sp.add_argument("--force", action="store_true", help="sync an image without a passing receipt, or move a tag a "
+                    "running container uses (with a warning)")
+    sp.add_argument("--dry-run", action="store_true", help="probe the peers and say what would be sent; change "
+                    "nothing")
+    sp.add_argument("--via", choices=("ssh", "registry"), default="ssh", help="ssh (default): send the missing "
+                    "layers over ssh; registry: push the image once to the shared registry and let each peer's "
+                    "engine pull it by digest (only the layers it lacks), then verify and promote as with ssh "
+                    "(docs/fleet.md)")
+    sp.add_argument("--registry", metavar="HOST:PORT/PREFIX", help="with --via registry: the registry (default: "
+                    "registry: in imagebuild.yaml)")
+    sp.add_argument("--tunnel", action=argparse.BooleanOptionalAction, default=None, help="with --via registry: "
+                    "the peers reach the registry through an ssh -R tunnel on their loopback (default: only when "
+                    "the registry is on this host's loopback)")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON (schema imagebuild.sync, version 1)")
+    sp.set_defaults(func=cmd_sync)
+
+    sp = sub.add_parser("log", help="list build runs, or show one run's record and logs",
+                        description="Without RUN: the recorded build runs (of IMAGE, or of every image), newest "
+                        "first, with their status and build id. With RUN (a run id, a unique prefix of one, or "
+                        "'latest'): that run's stages and log paths; with --stage, that stage's full log. Every "
+                        "run keeps its own folder under .imagebuild/builds/IMAGE/RUN/ (record.json, logs/).",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("run", metavar="RUN", nargs="?", help="run id, a unique prefix of one, or 'latest'")
+    sp.add_argument("--stage", metavar="STAGE", help="print this stage's log (needs IMAGE; 'release' for the release "
+                    "step)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
+    sp.set_defaults(func=cmd_log)
+
+    sp = sub.add_parser("gc", help="free disk: remove what no kept build needs (--dry-run first)",
+                        description="Remove, per image, what no kept build needs: release images and tags of other "
+                        "builds, stage-store stages and blobs, prefetched tarballs no kept lock names, package "
+                        "folders of removed stages, old run records, temporary folders of runs that died, and "
+                        "*.tmp folders a killed prefetch left in the git mirror cache. Kept: the builds IMAGE:local, "
+                        ":previous and :candidate point at, the last N builds (--keep), and every image a container "
+                        "uses; each with its stages, release image, prefetched files and records, so it still "
+                        "rebuilds as a no-op. Anything a running build or prefetch holds is left alone. "
+                        "Retention: docs/build.md, 'Disk'.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
+    sp.add_argument("--keep", type=int, default=None, metavar="N", help="also keep the last N builds (default 3; "
+                    "with --peer: the records and receipts of the last N synced images, default 5)")
+    sp.add_argument("--dry-run", action="store_true", help="remove nothing; list what would go and the bytes freed")
+    sp.add_argument("--peer", action="append", default=[], metavar="PEER",
+                    help="clean PEER's sync cache instead (repeatable): interrupted transfers older than a day, "
+                    "blobs no pending sync needs, staging images, leaked containerd leases of interrupted loads, "
+                    "records and receipts beyond the last --keep images (docs/sync.md)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.gc, version 1; with --peer: "
+                    "imagebuild.gc-peer)")
+    sp.set_defaults(func=cmd_gc)
+
+    sp = sub.add_parser("df", help="show what each image holds on disk",
+                        description="Per image: release images in the engine, the stage store, prefetched files "
+                        "(deps-src/IMAGE) and run records, with their sizes; then BuildKit's build cache and the git "
+                        "mirror cache. Reads only.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.df, version 1)")
+    sp.set_defaults(func=cmd_df)
+
+    sp = sub.add_parser("patch", help="apply or check an image's patch set on a checkout, outside docker",
+                        description="Apply IMAGE's patch_*.py files (every stage's, in build order) to the "
+                        "source tree DIR with the same primitive the build uses, or with --check only say what "
+                        "would happen. Each patch: applied, already-applied, not-needed (upstream has it), "
+                        "would-apply (--check) or failed (naming the patch, file and anchor). Exit 1 when one "
+                        "fails. How to write a patch: docs/patches.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("--src", required=True, metavar="DIR", help="the checkout to patch")
+    sp.add_argument("--check", action="store_true", help="change nothing; report what would happen")
+    sp.add_argument("--stage", metavar="STAGE", help="only this stage's patches")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.patches, version 1)")
+    sp.set_defaults(func=cmd_patch)
+
+    sp = sub.add_parser("rollback", help="swap IMAGE:local and IMAGE:previous",
+                        description="Point IMAGE:local back at IMAGE:previous (what :local was before the last "
+                        "promotion); the replaced image becomes IMAGE:previous, so a second rollback undoes the "
+                        "first. Exit 1 when there is no :previous.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name")
+    sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
+                    "shared registry instead (default: registry: in imagebuild.yaml); the engine is not touched")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
+    sp.set_defaults(func=cmd_rollback)
+
+    if only and only not in NIGHTLY_COMMANDS:  # their names only (for argparse's choices): no import
+        for name in NIGHTLY_COMMANDS:
+            sub.add_parser(name)
+        return p
+    from imagebuild.cli import nightly as cli_nightly  # nightly, report, diff (docs/nightly.md)
+
+    cli_nightly.register(sub, EPILOG)
+    return p
+
+
+NIGHTLY_COMMANDS = ("nightly", "report", "diff")  # cli_nightly.register adds them
+
+
+def _setup_logging(args) -> None:
+    """Configure the "imagebuild" logger: now if logging is loaded, else when something first imports
+    it (``list``, ``validate`` and ``plan --no-engine`` never do: ~10 ms saved on each start)."""
+    if "logging" in sys.modules or args.verbose or args.debug:  # -v: every command run is logged
+        _configure_logging(args)
+    elif not any(isinstance(f, _WhenImported) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenImported("logging", lambda: _configure_logging(args)))
+
+
+class _WhenImported:
+    """A meta path entry that runs ``then()`` right after module ``name`` is first imported."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        from importlib.util import find_spec
+
+        spec = find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then(module):
+            exec_module(module)
+            self.then()
+
+        spec.loader.exec_module = exec_then
+        return spec
+
+
+def _configure_logging(args) -> None:
+    import logging
+
+    # -v: also every command run ("+ docker ...") and the build logs as they come; --debug: and tracebacks
+    level = logging.DEBUG if (args.debug or args.verbose) else logging.WARNING if args.quiet else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("imagebuild")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _root(args):
+    return defn_mod.find_root(explicit=args.root)
+
+
+def _ctx(args):
+    """The command's context (context.Context): project root, settings, state, engine, output."""
+    from imagebuild.core.context import Context
+
+    return Context.for_root(_root(args), progress=getattr(args, "progress", "auto"),
+                            verbose=bool(getattr(args, "verbose", False)))
+
+
+# ------------------------------------------------------------------------------------------------ list
+
+
+def cmd_list(args) -> int:
+    root = _root(args)
+    rows = []
+    for name in defn_mod.list_images(root):
+        try:
+            dfn = defn_mod.load(root, name)
+            rows.append({"name": name, "valid": True, "platform": dfn.platform,
+                         "stages": [s.name for s in dfn.stages], "description": dfn.description,
+                         "unpinned": len(dfn.notices), "problems": 0})
+        except DefinitionError as exc:
+            rows.append({"name": name, "valid": False, "platform": None, "stages": [], "description": None,
+                         "unpinned": 0, "problems": len(exc.problems)})
+    if args.json:
+        _print_json({"schema": "imagebuild.list", "version": 1, "images": rows})
+        return EXIT_OK
+    if not rows:
+        print(f"no image definitions in {defn_mod.display_path(os.getcwd() and root, root / 'docker-images')}")
+        return EXIT_OK
+    w = max(len(r["name"]) for r in rows)
+    for r in rows:
+        if r["valid"]:
+            extra = f", {r['unpinned']} unpinned" if r["unpinned"] else ""
+            print(f"{r['name']:<{w}}  {r['platform']:<12} {len(r['stages'])} stages ({' -> '.join(r['stages'])})"
+                  f"{extra}")
+        else:
+            print(f"{r['name']:<{w}}  INVALID      {r['problems']} problem(s): imagebuild validate {r['name']}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ validate
+
+
+def cmd_validate(args) -> int:
+    root = _root(args)
+    names = args.images or defn_mod.list_images(root)
+    results = []
+    for name in names:
+        try:
+            dfn = defn_mod.load(root, name)
+            results.append({"image": name, "valid": True, "problems": [],
+                            "unpinned": [n.render() for n in dfn.notices]})
+        except DefinitionError as exc:
+            results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
+                            "unpinned": []})
+            if not args.json:
+                print(exc.render(), file=sys.stderr)
+    if args.json:
+        _print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
+    else:
+        for r in results:
+            if r["valid"]:
+                print(f"{r['image']}: ok" + (f" ({len(r['unpinned'])} unpinned)" if r["unpinned"] else ""))
+                for u in r["unpinned"]:
+                    print(f"  unpinned: {u}")
+    return EXIT_OK if all(r["valid"] for r in results) else EXIT_BAD_INPUT
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+def cmd_plan(args) -> int:
+    from imagebuild.build.stagestore import StageStore
+
+    root = _root(args)
+    # the engine is asked first and answers while the definition is read (engine.EngineQuery)
+    query = None if args.no_engine else engine_mod.EngineQuery()
+    dfn = defn_mod.load(root, args.image)
+    pending = plan_mod.provenance.start(dfn)  # git answers while the rest is read and computed
+    store = StageStore.for_image(root, dfn.name)  # built stages: read from the stage store, no engine needed
+    engine_info = None
+    if query is not None:
+        info = query.result()
+        engine_info = info.as_dict()
+        if not info.reachable:
+            log.info("no Docker engine reachable (%s)", info.detail)
+    plan = plan_mod.make_plan(dfn, exists=lambda key: store.lookup(key) is not None, engine=engine_info,
+                              prov=pending)
+    if args.json:
+        _print_json(plan.as_dict())
+        return EXIT_OK
+    _print_plan(plan)
+    return EXIT_OK
+
+
+def _red(text: str, stream=None) -> str:
+    """``text`` in red when ``stream`` (stdout) is a terminal and NO_COLOR is not set."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
+        return text
+    return f"\033[31m{text}\033[0m"
+
+
+def _print_plan(plan: plan_mod.Plan) -> None:
+    print(f"image     {plan.image}")
+    print(f"platform  {plan.platform}")
+    print(f"build id  {plan.build_id}  (from {plan.build_id_from})")
+    if plan.provenance is not None:
+        print(f"revision  {plan.provenance.revision or '(not in git)'}  definition {plan.provenance.definition_sha256[:23]}")
+    for i, s in enumerate(plan.stages, start=1):
+        exists = {True: "built", False: "to build", None: "unknown"}[s.exists]
+        print(f"\n{i}. {s.name}  [{exists}]")
+        print(f"   image       {s.image}")
+        print(f"   key         {s.key}")
+        print(f"   dockerfile  {s.dockerfile}")
+        print(f"   from        {s.parent} ({s.parent_kind}) = {s.parent_ref}")
+        if s.uses_stages:
+            print(f"   uses        {', '.join(s.uses_stages)}")
+        for a in s.args:
+            print(f"   arg         {a.name}={a.value}  ({a.origin})")
+        for inp in s.inputs:
+            print(f"   input       {inp.path} -> {inp.context_path}  sha256:{inp.sha256[:16]}  ({inp.kind})")
+        for src in s.sources:
+            print(f"   source      {src}")
+        if s.src_mounts is not None:
+            for m in s.src_mounts["mounts"]:
+                dep = f", dependency of {m['dependency_of']}" if m["dependency_of"] else ""
+                print(f"   mounts      {m['name']} {m['tarball']}  sha256:{m['sha256'][:16]} -> {m['dir']}{dep}")
+                for o in m["overrides"]:
+                    print(f"   override    {o['name']}={o['value']}  ({'environment' if o['via'] == 'env' else '-D'})")
+            for x in s.src_mounts["excluded"]:
+                print(f"   excluded    {x['name']} ({x['declared_by']} at {x['where']}): {x['reason']}")
+            for n in s.src_mounts["missing"]:
+                print(f"   mounts      {n}: NOT PREFETCHED (imagebuild prefetch {plan.image})")
+        for m in s.mounts:
+            if m.stale and m.sha256:
+                print(f"   STALE       {m.name}: {m.stale} (imagebuild prefetch {plan.image})")
+        print(f"   epoch       SOURCE_DATE_EPOCH={s.source_date_epoch}")
+        for kind, pk in sorted(s.packages.items()):
+            state = "locked " + pk["locked"][:16] if pk["locked"] else "NOT PREFETCHED for these inputs"
+            print(f"   {kind:<11} inputs {pk['inputs'][:16]}  {state}")
+        if s.network:
+            print("   network     " + _red("NEEDS NETWORK (declared 'network: true')"))
+    if plan.unpinned:
+        print("\nunpinned (imagebuild prefetch resolves these):")
+        for n in plan.unpinned:
+            print(f"  {n.render()}")
+
+
+# ------------------------------------------------------------------------------------------------ doctor
+
+
+def cmd_prefetch(args) -> int:
+    from imagebuild.fetch import prefetch as prefetch_mod
+
+    root = _root(args)
+    for name in args.images:
+        defn_mod.check_image_name(name)
+    report = prefetch_mod.prefetch(root, args.images or None, refresh=args.refresh, offline=args.offline,
+                                   jobs=args.jobs, cache_dir=args.cache)
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(prefetch_mod.render(report))
+    return EXIT_OK
+
+
+def cmd_bundle(args) -> int:
+    from imagebuild.fetch import bundle as bundle_mod
+
+    root = _root(args)
+    defn_mod.check_image_name(args.image)
+    res = bundle_mod.bundle(root, args.image, args.output)
+    if args.json:
+        _print_json(res.as_dict())
+    else:
+        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB -> {res.file}")
+    return EXIT_OK
+
+
+def cmd_unbundle(args) -> int:
+    from imagebuild.fetch import bundle as bundle_mod
+
+    root = _root(args)
+    res = bundle_mod.unbundle(root, args.file)
+    if args.json:
+        _print_json(res.as_dict())
+    else:
+        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB verified and in place; "
+              f"`imagebuild build {res.image}` needs no network now")
+        for r in res.replaced:
+            print(f"  replaced {r} (the bundle's pins)")
+        for n in res.notices:
+            print(f"  note   {n}")
+    return EXIT_OK
+
+
+def cmd_doctor(args) -> int:
+    root = None
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        pass
+    checks = doctor_mod.run_checks(root=root, peers=args.peer)
+    if args.json:
+        _print_json({"schema": "imagebuild.doctor", "version": 1, "checks": [c.as_dict() for c in checks]})
+    else:
+        w = max(len(c.name) for c in checks)
+        for c in checks:
+            print(f"{c.status.upper():<4}  {c.name:<{w}}  {c.detail}")
+            if c.fix and c.status != "ok":
+                print(f"{'':<4}  {'':<{w}}  -> {c.fix}")
+    return EXIT_FAILED if any(c.status == "fail" for c in checks) else EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ gate
+
+
+def cmd_gate(args) -> int:
+    if args.check_receipt:
+        return _check_receipt(args)
+    from imagebuild.gate import runner as gate_mod  # imports pytest: only when gating
+
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        if args.root:
+            raise
+        root = None  # a bare REF + --spec works outside a project too
+    target = gate_mod.resolve(root, args.target, ref=args.ref, spec=args.spec)
+    receipt = gate_mod.execute(target, require_gpu=args.require_gpu, junit=args.junit)
+    if args.json:
+        _print_json(receipt.data)
+    else:
+        print(gate_mod.render_table(receipt, target.root))
+    if not receipt.passed:
+        raise gate_mod.failure(receipt)
+    return EXIT_OK
+
+
+def _check_receipt(args) -> int:
+    """``gate --check-receipt``: a passing receipt for the image, in this project's state folder or
+    among those ``imagebuild sync`` carried to this node (receipts.synced_dir())."""
+    from pathlib import Path
+
+    from imagebuild.build import promote as promote_mod
+    from imagebuild.core import identity as identity_mod
+    from imagebuild.core.errors import GateFailed
+    from imagebuild.definition import gatespec
+    from imagebuild.gate import receipts
+
+    root = None
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        if args.root:
+            raise
+    is_defn = root is not None and defn_mod.NAME_RE.match(args.target) and \
+        (root / defn_mod.IMAGES_DIR / args.target / defn_mod.IMAGE_FILE).is_file()
+    if is_defn:
+        image, ref = args.target, args.ref or f"{args.target}:local"
+        spec = gatespec.digest(Path(args.spec)) if args.spec else promote_mod.current_spec_digest(root, image)
+        if spec is None:
+            raise UsageError(f"image {image!r} has no gate spec: no receipt can say it passed")
+    else:
+        if args.ref:
+            raise UsageError("--ref only goes with an IMAGE (a definition name)")
+        image, ref = None, args.target
+        spec = gatespec.digest(Path(args.spec)) if args.spec else None
+    ident = identity_mod.inspect(ref)
+    found, where = None, None
+    if root is not None and spec:
+        data = receipts.find_passing(root, ident.digest, spec)
+        if data:
+            found, where = data, receipts.receipt_path(root, ident.digest, spec)
+    if found is None:
+        hit = receipts.find_passing_synced(ident.digest, spec)
+        if hit:
+            found, where = hit
+    doc = {"schema": "imagebuild.receipt-check", "version": 1, "ref": ref, "identity": ident.digest, "spec": spec,
+           "passed": found is not None, "receipt": str(where) if where else None,
+           "synced": bool(where and receipts.synced_dir() in Path(where).parents),
+           "gpu_checks_skipped": bool(found and found.get("gpu_checks_skipped")),
+           "host": (found or {}).get("host", {}).get("hostname")}
+    if args.json:
+        _print_json(doc)
+    elif found:
+        print(f"PASSED  {ref}  identity {ident.digest}")
+        print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
+              f"; gated on {doc['host'] or '?'}" + ("; GPU checks skipped" if doc["gpu_checks_skipped"] else ""))
+    if found is None:
+        what = f"of {image}'s current gate spec ({spec[:19]})" if image else \
+            (f"of spec {spec[:19]}" if spec else "of any definition's gate spec")
+        raise GateFailed(f"{ref} ({ident.digest}) has no passing receipt {what}, here or carried by sync",
+                         hint=f"imagebuild gate {image or ref}" + ("" if image else " --spec FILE"))
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ build
+
+
+def cmd_build(args) -> int:
+    from imagebuild.core import remote_engine
+
+    engine = remote_engine.resolve(args.engine) if args.engine else None
+    with remote_engine.use(engine):
+        return _cmd_build(args)
+
+
+def _cmd_build(args) -> int:
+    from imagebuild.build import builder as build_mod
+
+    ctx = _ctx(args)
+    if args.cache_registry and args.no_cache_registry:
+        raise UsageError("--cache-registry and --no-cache-registry cannot be used together")
+    registry = None if args.no_cache_registry else (args.cache_registry or ctx.config.registry)
+    if registry:
+        from imagebuild.core import registry as registry_mod
+
+        registry_mod.parse(registry, what="--cache-registry" if args.cache_registry else "imagebuild.yaml: registry")
+    opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
+                             force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
+                             gate=not args.no_gate, progress=args.progress, registry=registry)
+    if args.dry_run:
+        doc = build_mod.dry_run(ctx, args.image, opts)
+        if args.json:
+            _print_json(doc)
+        else:
+            print(f"image     {doc['image']}  ({doc['platform']}, build id {doc['build_id']}, "
+                  f"SOURCE_DATE_EPOCH {doc['source_date_epoch']})")
+            import shlex
+
+            print(f"stages    {doc['stage_store']} (OCI layout; each stage's file times clamped to its SOURCE_DATE_EPOCH)")
+            for i, s in enumerate(doc["stages"], start=1):
+                print(f"{i}. {s['name']:<16} {s['action']:<14} {s['image']}  ({s['reason']}; network {s['network']})")
+                if s["command"]:
+                    print("   " + shlex.join(s["command"]))
+            print("then: release image, :b-<build id>, :candidate" if doc["release"] else
+                  "then: stop (--until), no release image")
+        return EXIT_OK
+    rec = build_mod.build(ctx, args.image, opts)
+    if args.json:
+        _print_json(rec)
+    else:
+        for s in rec["stages"]:
+            print(f"{s['name']:<16} {s['status']:<8} {s['image']}" +
+                  (f"  ({s['seconds']:.1f} s)" if s.get("seconds") is not None else ""))
+        if rec.get("release"):
+            print(f"candidate        {', '.join(rec['release']['tags'])}  identity {rec['release']['identity']}")
+        if rec.get("promotion"):
+            p = rec["promotion"]
+            print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else "") +
+                  (" (:local already held this identity)" if p["status"] == "unchanged" else ""))
+        if rec.get("registry"):
+            r = rec["registry"]
+            print(f"registry         {r['address']}: {r['pulled']} stage(s) pulled, {r['pushed']} pushed, "
+                  f"{r['refused']} refused" + (f"; dropped: {r['down']}" if r["down"] else ""))
+        if rec.get("publish"):
+            p = rec["publish"]
+            print(f"published        {p['repository']}:{p['release']['tag']} ({p['release']['digest'][:19]}), "
+                  f":local {'moved' if p['moved'] else 'unchanged'}" if p["status"] == "published" else
+                  f"published        {p['status']}: {p['reason']}")
+        print(f"run              {rec['run_id']} (imagebuild log {rec['image']} {rec['run_id']})")
+    return EXIT_OK
+
+
+def cmd_log(args) -> int:
+    from imagebuild.core import runs as runs_mod
+
+    ctx = _ctx(args)
+    if args.image:
+        defn_mod.check_image_name(args.image)
+    if args.run is None and args.stage is None:
+        runs = runs_mod.list_runs(ctx, args.image)
+        if args.json:
+            _print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
+            return EXIT_OK
+        if not runs:
+            print("no build runs recorded" + (f" for {args.image}" if args.image else ""))
+            return EXIT_OK
+        for r in runs:
+            s = r.summary()
+            print(f"{r.image:<20} {r.run_id:<24} {s['status']:<12} build {s['build_id'] or '-'}"
+                  + (f"  failed at {s['failed_stage']}" if s["failed_stage"] else "")
+                  + (f"  {s['promotion']}" if s["promotion"] else ""))
+        return EXIT_OK
+    if not args.image:
+        raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
+    run = runs_mod.find_run(ctx, args.image, args.run)
+    if args.stage:
+        path = run.dir / "logs" / f"{args.stage}.log"
+        if not path.is_file():
+            have = ", ".join(p.stem for p in run.logs()) or "none"
+            raise UsageError(f"run {run.run_id} of {args.image} has no log for stage {args.stage!r}",
+                             hint=f"logs of that run: {have}")
+        sys.stdout.write(path.read_text(encoding="utf-8", errors="replace"))
+        return EXIT_OK
+    if args.json:
+        _print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
+                     "logs": [ctx.show(p) for p in run.logs()]})
+        return EXIT_OK
+    s = run.summary()
+    print(f"run       {run.run_id}  ({args.image}, {s['status']})")
+    print(f"build id  {s['build_id'] or '-'}")
+    print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}")
+    for st in run.record.get("stages") or []:
+        took = f"{st['seconds']:.1f} s" if st.get("seconds") is not None else ""
+        print(f"  {st['name']:<16} {st.get('status', '-'):<8} {took:>9}  {st.get('log') or ''}")
+    if s["identity"]:
+        print(f"identity  {s['identity']}")
+    if s["promotion"]:
+        print(f"promotion {s['promotion']}")
+    for p in run.logs():
+        print(f"log       {ctx.show(p)}")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    from imagebuild.ops import gc as gc_mod
+
+    if args.peer:
+        return _cmd_gc_peer(args)
+    if args.keep is None:
+        args.keep = gc_mod.DEFAULT_KEEP
+    ctx = _ctx(args)
+    if args.keep < 0:
+        raise UsageError(f"--keep {args.keep}: expected 0 or more")
+    plan = gc_mod.plan_gc(ctx, args.image, args.keep)
+    if not args.dry_run:
+        gc_mod.apply(plan, ctx)
+    if args.json:
+        _print_json(plan.as_dict(args.dry_run))
+        return EXIT_OK
+    h = gc_mod.human
+    verb = "would remove" if args.dry_run else "removed"
+    for ip in plan.images:
+        kept = ", ".join(f"{b} ({why})" for b, why in ip.kept_builds.items()) or "none"
+        print(f"{ip.image}: keeping builds {kept}")
+        for it in ip.remove:
+            print(f"  {verb:<12} {it.kind:<12} {it.what}  {h(it.bytes)}  ({it.why})")
+        for sk in ip.skipped:
+            print(f"  left alone   {sk}")
+        print(f"  {ip.image}: {h(ip.freed)} {'to free' if args.dry_run else 'freed'}")
+    for it in plan.shared:
+        print(f"{verb:<12} {it.kind:<12} {it.what}  {h(it.bytes)}  ({it.why})")
+    print(f"total: {h(plan.freed)} {'would be freed' if args.dry_run else 'freed'}")
+    return EXIT_OK
+
+
+def cmd_df(args) -> int:
+    from imagebuild.ops import gc as gc_mod
+
+    ctx = _ctx(args)
+    doc = gc_mod.disk_usage(ctx, args.image)
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    h = gc_mod.human
+    print(f"{'IMAGE':<24} {'ENGINE':>12} {'STAGES':>12} {'PREFETCHED':>12} {'RUNS':>10} {'TOTAL':>12}")
+    for r in doc["images"]:
+        print(f"{r['image']:<24} {h(r['engine']['bytes']):>12} {h(r['stage_store']['bytes']):>12} "
+              f"{h(r['prefetched']['bytes']):>12} {h(r['runs']['bytes']):>10} {h(r['total_bytes']):>12}")
+        print(f"{'':<24} {r['engine']['releases']} release(s), {r['engine']['tags']} tag(s); "
+              f"{r['stage_store']['stages']} stage(s) in {r['stage_store']['path']}; {r['runs']['count']} run(s)")
+    if doc["buildkit_cache"]:
+        print(f"BuildKit build cache: {h(doc['buildkit_cache']['bytes'])} (docker builder prune frees it)")
+    print(f"git mirror cache: {h(doc['git_mirrors']['bytes'])} in {doc['git_mirrors']['path']}")
+    return EXIT_OK
+
+
+def cmd_patch(args) -> int:
+    from imagebuild.build import builder as build_mod
+
+    ctx = _ctx(args)
+    try:
+        doc = build_mod.patch(ctx, args.image, args.src, check=args.check, stage=args.stage)
+    except build_mod.PatchFailed as exc:
+        if args.json:
+            _print_json(exc.doc)
+        else:
+            _print_patches(exc.doc)
+        raise
+    if args.json:
+        _print_json(doc)
+    else:
+        _print_patches(doc)
+    return EXIT_OK
+
+
+def _print_patches(doc) -> None:
+    for p in doc["patches"]:
+        print(f"{p['outcome']:<16} {p['patch']}" + (f"  ({p['message']})" if p["message"] and
+                                                   p["outcome"] != "failed" else ""))
+
+
+def _cmd_gc_peer(args) -> int:
+    from imagebuild.ship import peergc
+
+    if args.image:
+        raise UsageError("gc --peer cleans a peer's sync cache: it takes no IMAGE")
+    keep = peergc.DEFAULT_KEEP if args.keep is None else args.keep
+    if keep < 0:
+        raise UsageError(f"--keep {keep}: expected 0 or more")
+    results = [peergc.gc_peer(host, keep=keep, dry_run=args.dry_run) for host in dict.fromkeys(args.peer)]
+    if args.json:
+        _print_json({"schema": "imagebuild.gc-peer", "version": 1, "dry_run": args.dry_run,
+                     "peers": [r.as_dict() for r in results]})
+    else:
+        for r in results:
+            print(peergc.render(r, args.dry_run))
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+
+
+# ------------------------------------------------------------------------------------------------ sync
+
+
+def cmd_sync(args) -> int:
+    from imagebuild.ship import sync as sync_mod
+
+    root = None
+    try:
+        root = _root(args)
+    except ImagebuildError:
+        if args.root:
+            raise
+    reg = None
+    if args.via == "registry":
+        from imagebuild.core import config as config_mod
+        from imagebuild.core import registry as registry_mod
+
+        value = args.registry or config_mod.load(root).registry
+        if not value:
+            raise UsageError("sync --via registry: which registry? none given and imagebuild.yaml has no registry:",
+                             hint="imagebuild sync --via registry --registry HOST:PORT/PREFIX PEER...")
+        reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
+    elif args.registry or args.tunnel is not None:
+        raise UsageError("--registry and --tunnel go with --via registry")
+    report = sync_mod.sync(root, args.peers, image=args.image, jobs=args.jobs, force=args.force,
+                           dry_run=args.dry_run, via=args.via, registry=reg, tunnel=args.tunnel)
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(sync_mod.render(report))
+    return report.exit_code
+
+
+def cmd_rollback(args) -> int:
+    from imagebuild.build import promote as promote_mod
+
+    ctx = _ctx(args)
+    if args.registry is not None:
+        return _rollback_registry(args, ctx)
+    doc = promote_mod.rollback(args.image, ctx)
+    if args.json:
+        _print_json(doc)
+    else:
+        print(f"{args.image}:local    -> {doc['local_id']}")
+        if doc["previous_id"]:
+            print(f"{args.image}:previous -> {doc['previous_id']}")
+    return EXIT_OK
+
+
+def _rollback_registry(args, ctx) -> int:
+    from imagebuild.build import registry_release
+    from imagebuild.core import registry as registry_mod
+
+    defn_mod.check_image_name(args.image)
+    value = args.registry or ctx.config.registry
+    if not value:
+        raise UsageError("rollback --registry: which registry? none given and imagebuild.yaml has no registry:",
+                         hint="imagebuild rollback IMAGE --registry HOST:PORT/PREFIX")
+    reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
+    doc = registry_release.rollback(reg, args.image, ctx)
+    if args.json:
+        _print_json(doc)
+    else:
+        print(f"{reg.repo(args.image)}:local    -> {doc['local_digest']}  (identity {doc['local_identity']})")
+        if doc["previous_digest"]:
+            print(f"{reg.repo(args.image)}:previous -> {doc['previous_digest']}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, with a suggestion for an unknown option and -v/-q refused together (exit 2)."""
+    args, extra = parser.parse_known_args(argv)
+    sp = _command_parsers(parser).get(getattr(args, "command", None), parser)
+    if extra:
+        msg = f"unrecognized arguments: {' '.join(extra)}"
+        known = [o for a in sp._actions for o in a.option_strings if o.startswith("--")]
+        for tok in extra:
+            name = tok.split("=", 1)[0]
+            starts = [o for o in known if name.startswith("--") and o.startswith(name)]
+            if starts:
+                msg += f" (options are never abbreviated: did you mean {' or '.join(starts)}?)"
+                break
+        sp.error(msg)
+    if args.verbose and args.quiet:
+        sp.error("-v/--verbose and -q/--quiet cannot be used together")
+    return args
+
+
+def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
+
+
+def _signals_as_interrupt() -> None:
+    """SIGTERM and SIGHUP behave like Ctrl-C: every ``finally`` runs (child processes stopped,
+    temporary files removed, locks released) and the exit code is 130."""
+    import _signal  # the C module: ``signal`` builds its enums at import (~1 ms of every start)
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (_signal.SIGTERM, _signal.SIGHUP):
+        try:
+            _signal.signal(sig, handler)
+        except (ValueError, OSError):  # not the main thread (tests call main() in-process from threads)
+            pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_command_in(argv))
+    args = _parse(parser, argv)
+    _setup_logging(args)
+    _signals_as_interrupt()
+    try:
+        return args.func(args)
+    except ImagebuildError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as exc:  # a bug: say so plainly, with the traceback behind --debug
+        if args.debug:
+            traceback.print_exc()
+        print(f"internal error: {type(exc).__name__}: {exc}\n  (rerun with --debug for the traceback; "
+              "please report it)", file=sys.stderr)
+        return EXIT_FAILED
+
+
+# Commands that only read: the installed ``imagebuild`` (imagebuild/launch.py) runs them without the
+# cyclic garbage collector and ends them without the interpreter's teardown (docs/cli.md,
+# "Start-up time"). They hold no child process, lock, temporary file or thread that a teardown
+# would close.
+READ_ONLY_COMMANDS = frozenset({"list", "validate", "plan"})
+
+
+__all__ = ["main", "build_parser", "EXIT_REFUSED", "EXIT_GATE_FAILED", "EXIT_FAILED"]

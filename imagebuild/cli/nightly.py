@@ -1,0 +1,181 @@
+"""Command line of ``nightly``, ``report`` and ``diff`` (argument parsing and output only; cli.py
+registers them). Docs: docs/nightly.md, docs/cli.md."""
+
+from __future__ import annotations
+
+import argparse
+
+# Only argparse here: cli.py registers these commands on every start (--version, list, ...), which
+# must not pay for what only these commands use (tests/unit/test_startup.py).
+
+NIGHTLY_EPILOG = """
+nightly exit code: the worst of the images' results, in this order (worst last):
+  0 ok, 3 refused (serving container, lock held), 4 gate failed, 1 a step failed,
+  2 bad input (a definition error), 130 interrupted
+
+nightly environment:
+  IMAGEBUILD_NOTIFY   default for --notify: a command run with the report's path (Markdown)
+  GITHUB_TOKEN        optional, for PR states from the GitHub API (never shown, never in a report)
+  IMAGEBUILD_SSH      how to reach the peers (default ssh), as for doctor
+"""
+
+
+def register(sub, epilog: str) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    sp = sub.add_parser(
+        "nightly", help="the whole chain per image: prefetch, build, gate, promote, copy to the peers, gc, and a report",
+        description="For each IMAGE in turn: prefetch (with --refresh, PR heads and followed branches move), "
+        "build every stage offline (skipped by key), gate the candidate, promote it to IMAGE:local only on a "
+        "passing receipt, copy :local to the peers; then gc under the retention, and write the run report "
+        "(Markdown + JSON, atomically; the last N kept). A failed gate never promotes or copies; a serving "
+        "container stops the run before anything is built (exit 3); one image failing does not stop the next. "
+        "Details: docs/nightly.md.", epilog=epilog + NIGHTLY_EPILOG, formatter_class=fmt)
+    sp.add_argument("images", nargs="+", metavar="IMAGE", help="image definitions, built in this order")
+    sp.add_argument("--peers", nargs="*", metavar="PEER", default=None,
+                    help="copy :local to these SSH peers (default: peers: in imagebuild.yaml; --peers alone: none)")
+    sp.add_argument("--refresh", action="store_true",
+                    help="move pinned PR heads and followed branches to their latest commits (prefetch --refresh)")
+    sp.add_argument("--report-dir", metavar="DIR", help="where reports go (default .imagebuild/nightly)")
+    sp.add_argument("--keep-reports", type=int, default=14, metavar="N", help="keep the last N reports (default 14)")
+    sp.add_argument("--keep-builds", type=int, default=3, metavar="N",
+                    help="gc retention: also keep the last N builds per image (default 3; docs/build.md, 'Disk')")
+    sp.add_argument("--no-gc", action="store_true", help="do not run gc at the end")
+    sp.add_argument("--notify", metavar="CMD", default=None,
+                    help="run CMD with the report's path as its last argument (default $IMAGEBUILD_NOTIFY)")
+    sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
+                    help="the builds' progress on stderr (as for build)")
+    sp.add_argument("--json", action="store_true", help="print the report (schema imagebuild.nightly-report, "
+                    "version 1)")
+    sp.set_defaults(func=cmd_nightly)
+
+    sp = sub.add_parser(
+        "report", help="print a nightly run report",
+        description="Print a nightly report: the latest (default), or RUN (a run id or a unique prefix). With "
+        "IMAGE, the latest report that covers IMAGE, and only its part. Reports live in .imagebuild/nightly/ "
+        "(or --report-dir).", epilog=epilog, formatter_class=fmt)
+    sp.add_argument("args", nargs="*", metavar="[IMAGE] [latest|RUN]", help="an image, a run, or both")
+    sp.add_argument("--report-dir", metavar="DIR", help="where the reports are (default .imagebuild/nightly)")
+    sp.add_argument("--summary", action="store_true", help="only the summary lines")
+    sp.add_argument("--json", action="store_true", help="print the report's JSON")
+    sp.set_defaults(func=cmd_report)
+
+    sp = sub.add_parser(
+        "diff", help="what changed between two built images: pins, patches, packages, layers",
+        description="Compare two images the engine holds (any references: IMAGE:local, IMAGE:previous, "
+        "IMAGE:b-<build id>, an id): the pins and patch outcomes they carry (/opt/imagebuild), their Python "
+        "distributions and dpkg packages, and their layers with sizes. Starts no process in either image when "
+        "the lists are baked in; otherwise lists Python distributions in a throwaway --network none container.",
+        epilog=epilog, formatter_class=fmt)
+    sp.add_argument("ref1", metavar="REF1", help="the older image")
+    sp.add_argument("ref2", metavar="REF2", help="the newer image")
+    sp.add_argument("--limit", type=int, default=50, metavar="N", help="show at most N rows per section (default 50)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.image-diff, version 1)")
+    sp.set_defaults(func=cmd_diff)
+
+
+def _root(args):
+    from imagebuild.definition import reader as defn_mod
+
+    return defn_mod.find_root(explicit=args.root)
+
+
+def _print_json(obj) -> None:
+    import json
+    import sys
+
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def _shown(p) -> str:
+    """A path as the user can paste it: relative to the current folder when under it."""
+    from pathlib import Path
+
+    p = Path(p).resolve()
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
+def cmd_nightly(args) -> int:
+    from pathlib import Path
+
+    from imagebuild.core import config
+    from imagebuild.ops import nightly as nightly_mod
+
+    root = _root(args)
+    peers = tuple(args.peers) if args.peers is not None else config.load(root).peers
+    opts = nightly_mod.Options(peers=peers, refresh=args.refresh,
+                               report_dir=Path(args.report_dir) if args.report_dir else None,
+                               keep_reports=args.keep_reports, keep_builds=args.keep_builds, gc=not args.no_gc,
+                               notify=args.notify, progress=args.progress)
+    doc, stored = nightly_mod.nightly(root, args.images, opts)
+    if args.json:
+        _print_json(doc)
+    else:
+        from imagebuild.ops import report as report_mod
+
+        where = (["--root", _shown(root)] if Path.cwd().resolve() != Path(root).resolve() else [])
+        extra = ["--report-dir", _shown(stored.md_path.parent)] if args.report_dir else []
+        print(f"report: {_shown(stored.md_path)} (JSON beside it; "
+              f"imagebuild {' '.join([*where, 'report', doc['run_id'], *extra])})")
+        print("\n".join(report_mod.summary_lines(doc)))
+    return doc["exit_code"]
+
+
+def cmd_report(args) -> int:
+    import sys
+    from pathlib import Path
+
+    from imagebuild.core.errors import EXIT_OK
+    from imagebuild.definition import reader as defn_mod
+    from imagebuild.ops import report as report_mod
+
+    root = _root(args)
+    rdir = Path(args.report_dir) if args.report_dir else report_mod.default_dir(root)
+    if len(args.args) > 2:
+        from imagebuild.core.errors import UsageError
+
+        raise UsageError("too many arguments", hint="imagebuild report [IMAGE] [latest|RUN]")
+    image = which = None
+    if len(args.args) == 2:
+        image, which = args.args
+    elif len(args.args) == 1:
+        a = args.args[0]
+        if a != "latest" and (root / defn_mod.IMAGES_DIR / a).is_dir():
+            image = a
+        else:
+            which = a
+    if image is not None:
+        defn_mod.check_image_name(image)
+    st = report_mod.find(rdir, which, image)
+    doc = st.load()
+    if image is not None:
+        doc = {**doc, "images": [i for i in doc["images"] if i.get("image") == image]}
+    if args.json:
+        _print_json(doc)
+    elif args.summary:
+        print("\n".join(report_mod.summary_lines(doc)))
+    elif image is None and st.md_path.is_file():
+        sys.stdout.write(st.md_path.read_text(encoding="utf-8"))
+    else:
+        sys.stdout.write(report_mod.render_markdown(doc))
+    return EXIT_OK
+
+
+def cmd_diff(args) -> int:
+    from imagebuild.core.errors import EXIT_OK, ImagebuildError
+    from imagebuild.ops import imagediff
+
+    try:
+        root = _root(args)
+    except ImagebuildError:  # two references can be compared outside a project (no inventory cache then)
+        root = None
+    a = imagediff.inventory(args.ref1, root)
+    b = imagediff.inventory(args.ref2, root)
+    d = imagediff.diff(a, b)
+    if args.json:
+        _print_json(d)
+    else:
+        print(imagediff.render(d, limit=args.limit))
+    return EXIT_OK

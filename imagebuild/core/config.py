@@ -1,0 +1,94 @@
+"""Project settings: ``<root>/imagebuild.yaml`` (optional). Pins never live here (versions.env).
+
+    peers: [dgx4]          # nodes that `doctor` checks and `sync` copies images to
+    peer_lists:            # named lists: `imagebuild sync @rack2`
+      rack2: [dgx5, dgx6]
+    registry: 10.0.0.5:5000/imagebuild   # shared stage cache and release tags (docs/fleet.md)
+
+Unknown keys are errors with file, line and a suggestion, like every definition file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from imagebuild.core import yamlread
+from imagebuild.core.errors import DefinitionError, Problem
+
+CONFIG_FILE = "imagebuild.yaml"
+KEYS = ("peers", "peer_lists", "registry")
+
+
+@dataclass(frozen=True)
+class ProjectConfig:
+    peers: tuple[str, ...] = ()
+    path: Path | None = None
+    peer_lists: dict[str, tuple[str, ...]] | None = None
+    registry: str | None = None  # HOST[:PORT][/PREFIX] (registry.py)
+
+
+def load(root: Path | None) -> ProjectConfig:
+    if root is None:
+        return ProjectConfig()
+    path = Path(root) / CONFIG_FILE
+    if not path.is_file():
+        return ProjectConfig()
+    shown = CONFIG_FILE
+    try:
+        node = yamlread.load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DefinitionError([Problem(shown, f"cannot read: {exc}")]) from None
+    except yamlread.YamlError as exc:
+        raise DefinitionError([Problem(shown, str(exc), line=exc.line)]) from None
+    if node is None:
+        return ProjectConfig(path=path)
+    if not isinstance(node.value, dict):
+        raise DefinitionError([Problem(shown, "expected a mapping (e.g. 'peers: [dgx4]')", line=node.line)])
+    problems = []
+    for key, line in (node.key_lines or {}).items():
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            problems.append(Problem(shown, f"unknown key {key!r}", line=line, key=key,
+                                    hint=f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(KEYS)}"))
+    peers: list[str] = []
+    if "peers" in node.value:
+        pn = node.value["peers"]
+        if not isinstance(pn.value, list) or not all(isinstance(p.value, str) and p.value.strip()
+                                                      and " " not in p.value for p in pn.value):
+            problems.append(Problem(shown, "expected a list of host names (user@host works)", line=pn.line,
+                                    key="peers"))
+        else:
+            peers = [p.value for p in pn.value]
+    lists: dict[str, tuple[str, ...]] = {}
+    if "peer_lists" in node.value:
+        ln = node.value["peer_lists"]
+        if not isinstance(ln.value, dict):
+            problems.append(Problem(shown, "expected a mapping of list names to host lists "
+                                    "(peer_lists: {rack2: [dgx5, dgx6]})", line=ln.line, key="peer_lists"))
+        else:
+            for name, hosts in ln.value.items():
+                if not isinstance(hosts.value, list) or not all(isinstance(h.value, str) and h.value.strip()
+                                                                and " " not in h.value for h in hosts.value):
+                    problems.append(Problem(shown, "expected a list of host names (user@host works)",
+                                            line=hosts.line, key=f"peer_lists.{name}"))
+                else:
+                    lists[str(name)] = tuple(h.value for h in hosts.value)
+    registry = None
+    if "registry" in node.value:
+        rn = node.value["registry"]
+        if not isinstance(rn.value, str):
+            problems.append(Problem(shown, "expected HOST[:PORT][/PREFIX] (registry: 10.0.0.5:5000/imagebuild)",
+                                    line=rn.line, key="registry"))
+        else:
+            from imagebuild.core import registry as registry_mod
+            from imagebuild.core.errors import UsageError
+
+            try:
+                registry = str(registry_mod.parse(rn.value, what="registry"))
+            except UsageError as exc:
+                problems.append(Problem(shown, exc.message, line=rn.line, key="registry", hint=exc.hint))
+    if problems:
+        raise DefinitionError(problems)
+    return ProjectConfig(tuple(peers), path, lists, registry)

@@ -1,0 +1,108 @@
+"""Small file-system helpers: atomic writes and content digests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from imagebuild.core import lazy
+
+# imported on first use: `list` and `validate` need none of them (docs/cli.md, "Start-up time")
+hashlib = lazy.module("hashlib")
+json = lazy.module("json")
+tempfile = lazy.module("tempfile")
+
+_CHUNK = 1 << 20
+# Below this size the interpreter's own SHA-256 is used: loading OpenSSL (hashlib) costs more at
+# start-up (~4 ms here) than the builtin's slower hashing of a file this small (~1 ms per 200 KiB).
+_SMALL = 256 << 10
+
+
+def _sha256(size: int):
+    """A new SHA-256 object for about ``size`` bytes: the same digest either way."""
+    if size < _SMALL and "_hashlib" not in sys.modules:
+        if sys.version_info >= (3, 12):
+            from _sha2 import sha256
+        else:
+            from _sha256 import sha256
+        return sha256()
+    return hashlib.sha256()
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder and a rename.
+
+    A reader sees the old file or the new one, never a half-written one; a crash leaves at most
+    a ``.tmp`` file that nothing accepts.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), mode)
+
+
+def atomic_write_json(path: Path, obj: object) -> None:
+    """Write ``obj`` as stable, sorted, indented JSON (no timestamps added)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def sha256_bytes(data: bytes) -> str:
+    h = _sha256(len(data))
+    h.update(data)
+    return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        h = _sha256(os.fstat(f.fileno()).st_size)
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_tree(path: Path) -> str:
+    """Digest of a file, or of a folder's files: relative names, modes (x bit) and contents.
+
+    Independent of mtimes, owners and the folder's location, so the same content gives the
+    same digest on every machine.
+    """
+    path = Path(path)
+    if path.is_file():
+        return sha256_bytes(f"F . {_xbit(path)} {sha256_file(path)}\n".encode())
+    h = _sha256(0)  # a line per file
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = Path(root) / name
+            rel = full.relative_to(path).as_posix()
+            if full.is_symlink():
+                h.update(f"L {rel} {os.readlink(full)}\n".encode())
+                continue
+            h.update(f"F {rel} {_xbit(full)} {sha256_file(full)}\n".encode())
+    return h.hexdigest()
+
+
+def _xbit(path: Path) -> str:
+    return "x" if os.stat(path).st_mode & 0o111 else "-"
+
+
+def canonical_json(obj: object) -> bytes:
+    """The one serialisation that keys are hashed over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()

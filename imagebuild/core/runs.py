@@ -1,0 +1,81 @@
+"""The records of past build runs: ``<state>/builds/<image>/<run id>/`` (record.json, logs/).
+
+Every ``imagebuild build`` run gets its own folder (run ids sort by start time), so no run ever
+overwrites another's record or logs. ``imagebuild log`` reads them; ``imagebuild gc`` prunes
+them. Read-only here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from imagebuild.core.context import Context, of
+from imagebuild.core.errors import UsageError
+
+
+def builds_dir(ctx: Context | Path) -> Path:
+    return of(ctx).state / "builds"
+
+
+@dataclass(frozen=True)
+class Run:
+    image: str
+    run_id: str
+    dir: Path
+    record: dict  # {} when record.json is missing or unreadable (a run killed before it wrote one)
+
+    @property
+    def status(self) -> str:
+        return str(self.record.get("status") or "unknown")
+
+    def logs(self) -> list[Path]:
+        d = self.dir / "logs"
+        return sorted(d.glob("*.log")) if d.is_dir() else []
+
+    def summary(self) -> dict:
+        r = self.record
+        return {"image": self.image, "run_id": self.run_id, "status": self.status, "build_id": r.get("build_id"),
+                "started": r.get("started"), "finished": r.get("finished"),
+                "failed_stage": r.get("failed_stage"),
+                "identity": (r.get("release") or {}).get("identity"),
+                "promotion": (r.get("promotion") or {}).get("status")}
+
+
+def _read(d: Path) -> dict:
+    try:
+        data = json.loads((d / "record.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def list_runs(ctx: Context | Path, image: str | None = None) -> list[Run]:
+    """Runs, newest first (of one image, or of every image)."""
+    top = builds_dir(ctx)
+    images = [image] if image else sorted(p.name for p in top.iterdir() if p.is_dir()) if top.is_dir() else []
+    out = []
+    for img in images:
+        d = top / img
+        if not d.is_dir():
+            continue
+        for rd in d.iterdir():
+            if rd.is_dir() and not rd.name.startswith("."):
+                out.append(Run(img, rd.name, rd, _read(rd)))
+    return sorted(out, key=lambda r: r.run_id, reverse=True)
+
+
+def find_run(ctx: Context | Path, image: str, run_id: str | None) -> Run:
+    runs = list_runs(ctx, image)
+    if not runs:
+        raise UsageError(f"no build runs of {image!r} recorded in {builds_dir(ctx) / image}",
+                         hint=f"imagebuild build {image}")
+    if run_id in (None, "latest"):
+        return runs[0]
+    hits = [r for r in runs if r.run_id == run_id] or [r for r in runs if r.run_id.startswith(run_id)]
+    if len(hits) != 1:
+        shown = ", ".join(r.run_id for r in runs[:5])
+        raise UsageError(f"run {run_id!r} of {image}: " + ("ambiguous" if hits else "not found"),
+                         hint=f"recent runs: {shown} (imagebuild log {image})")
+    return hits[0]

@@ -1,0 +1,469 @@
+"""Read and validate a gate spec (``docker-images/<image>/gate.yaml``) -> a frozen ``GateSpec``.
+
+A gate spec lists the checks an image must pass before it may be promoted or synced. Every
+problem is collected and raised at once as ``DefinitionError`` (exit 2), each naming the file,
+the line and the key, what was expected and a hint. Nothing here touches Docker. The format is
+documented in docs/gate.md.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from imagebuild.core import lazy, parsecache, yamlread
+from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.core.records import dataclass, field
+
+difflib = lazy.module("difflib")  # error hints only
+
+SPEC_VERSION = 1
+TOP_KEYS = ("version", "description", "python", "timeout", "checks")
+COMMON_KEYS = ("id", "kind", "description", "requires", "severity")
+SEVERITIES = ("error", "warn")
+REQUIRES = ("gpu",)
+ID_RE = lazy.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+SHA256_RE = lazy.compile(r"[0-9a-f]{64}\Z")
+MODULE_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+DEFAULT_PYTHON = "python3"
+DEFAULT_TIMEOUT_S = 600
+
+# ELF e_machine values (System V ABI) by the names people write; docs/gate.md lists them.
+ELF_MACHINES = {
+    "aarch64": 183, "arm64": 183, "x86_64": 62, "x86-64": 62, "amd64": 62, "i386": 3, "386": 3,
+    "arm": 40, "ppc64le": 21, "ppc64": 21, "s390x": 22, "riscv64": 243,
+}
+
+# kind -> (required keys, optional keys)
+KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "import": (("module",), ()),
+    "version": (("distribution", "specifier"), ()),
+    "command": (("run",), ("exit", "stdout", "stderr", "stdout_not", "stderr_not")),
+    "file": (("path",), ("exists", "contains", "matches", "sha256")),
+    "metadata": ((), ("architecture", "os", "labels", "env", "entrypoint", "cmd", "user", "workdir")),
+    "expression": (("expr",), ("imports",)),
+    "elf": (("path", "machine"), ("glob", "min_files")),
+    "pip-check": ((), ("allow",)),
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    kind: str
+    params: dict  # the kind-specific keys, validated and normalised
+    requires_gpu: bool = False
+    severity: str = "error"
+    description: str | None = None
+    line: int = 0
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "severity": self.severity,
+                "requires": ["gpu"] if self.requires_gpu else [], "description": self.description,
+                "params": self.params}
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    file: str  # as displayed in messages (relative to the project root where possible)
+    path: Path
+    python: str
+    timeout_s: int
+    description: str | None
+    checks: tuple[Check, ...] = field(default=())
+
+    def check(self, check_id: str) -> Check:
+        for c in self.checks:
+            if c.id == check_id:
+                return c
+        raise KeyError(check_id)
+
+
+class _Problems:
+    def __init__(self, file: str):
+        self.file = file
+        self.items: list[Problem] = []
+
+    def err(self, line: int | None, key: str | None, message: str, hint: str | None = None) -> None:
+        self.items.append(Problem(self.file, message, line=line, key=key, hint=hint))
+
+
+def digest(path: Path) -> str:
+    """The digest a receipt is keyed by: the spec file's exact bytes."""
+    from imagebuild.core.fsutil import sha256_file
+
+    return "sha256:" + sha256_file(Path(path))
+
+
+def load(path: Path, *, display: str | None = None) -> GateSpec:
+    """Parse and validate the spec at ``path``; raise ``DefinitionError`` listing every problem."""
+    path = Path(path)
+    shown = display or str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DefinitionError([Problem(shown, "gate spec not found",
+                                       hint="create it (docs/gate.md) or point image.yaml's `gate:` at it")]
+                              ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DefinitionError([Problem(shown, f"cannot read gate spec: {exc}")]) from None
+    return parse(text, shown, path)
+
+
+def parse(text: str, file: str, path: Path | None = None) -> GateSpec:
+    """The spec in ``text`` (shown as ``file``); DefinitionError listing every problem. A text that
+    parsed before gives that result again without re-validating (parsecache.py): validation
+    compiles every pattern and imports packaging for the version specifiers."""
+    return parsecache.cached("gatespec", (text, file, "" if path is None else str(path)),
+                             lambda: _parse(text, file, path))
+
+
+def _parse(text: str, file: str, path: Path | None) -> GateSpec:
+    p = _Problems(file)
+    try:
+        root = yamlread.load(text)
+    except yamlread.YamlError as exc:
+        raise DefinitionError([Problem(file, str(exc), line=exc.line,
+                                       hint="check the indentation and quoting near that line")]) from None
+    if root is None or not isinstance(root.value, dict):
+        raise DefinitionError([Problem(file, "expected a mapping with a `checks:` list",
+                                       line=root.line if root else 1, hint="see docs/gate.md")])
+    m: dict[str, yamlread.Node] = root.value
+    kl = root.key_lines or {}
+    for key in m:
+        if key not in TOP_KEYS:
+            _unknown(p, kl.get(key), key, key, TOP_KEYS)
+
+    if "version" in m and m["version"].value != SPEC_VERSION:
+        p.err(m["version"].line, "version", f"unsupported gate spec version {m['version'].value!r}",
+              hint=f"this imagebuild reads version {SPEC_VERSION}")
+    python = DEFAULT_PYTHON
+    if "python" in m:
+        v = m["python"].value
+        if not isinstance(v, str) or not v.strip() or any(ch.isspace() for ch in v):
+            p.err(m["python"].line, "python", f"expected the interpreter's path or name, got {v!r}",
+                  hint="e.g. python3 or /opt/venv/bin/python")
+        else:
+            python = v
+    timeout = DEFAULT_TIMEOUT_S
+    if "timeout" in m:
+        v = m["timeout"].value
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            p.err(m["timeout"].line, "timeout", f"expected a positive number of seconds, got {v!r}")
+        else:
+            timeout = v
+    description = _opt_str(p, m, "description", "description")
+
+    checks: list[Check] = []
+    if "checks" not in m:
+        p.err(root.line, "checks", "missing `checks:` (the list of checks)", hint="see docs/gate.md")
+    else:
+        node = m["checks"]
+        if node.value is None:
+            node = yamlread.Node([], node.line)
+        if not isinstance(node.value, list):
+            p.err(node.line, "checks", "expected a list of checks")
+        else:
+            seen: dict[str, int] = {}
+            for i, cn in enumerate(node.value):
+                c = _check(p, cn, i)
+                if c is None:
+                    continue
+                if c.id in seen:
+                    p.err(c.line, f"checks[{i}].id", f"duplicate check id {c.id!r} (first on line {seen[c.id]})",
+                          hint="every check needs its own id")
+                    continue
+                seen[c.id] = c.line
+                checks.append(c)
+    if p.items:
+        raise DefinitionError(p.items)
+    return GateSpec(file, Path(path) if path else Path(file), python, timeout, description, tuple(checks))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _unknown(p: _Problems, line, where: str, key: str, allowed) -> None:
+    close = difflib.get_close_matches(key, list(allowed), n=1)
+    p.err(line, where, f"unknown key {key!r}",
+          hint=f"did you mean {close[0]!r}?" if close else f"allowed here: {', '.join(allowed)}")
+
+
+def _opt_str(p: _Problems, m: dict, key: str, where: str) -> str | None:
+    if key not in m or m[key].value is None:
+        return None
+    v = m[key].value
+    if not isinstance(v, str):
+        p.err(m[key].line, where, f"expected a string, got {v!r}")
+        return None
+    return v
+
+
+def _str_list(p: _Problems, node: yamlread.Node, where: str, *, allow_single=True) -> list[str] | None:
+    v = node.value
+    if isinstance(v, str) and allow_single:
+        return [v]
+    if isinstance(v, list) and all(isinstance(x.value, str) for x in v):
+        return [x.value for x in v]
+    p.err(node.line, where, f"expected a string{' or a list of strings' if allow_single else ' list'}, "
+          f"got {node.plain()!r}")
+    return None
+
+
+def _regexes(p: _Problems, node: yamlread.Node, where: str) -> list[str] | None:
+    pats = _str_list(p, node, where)
+    if pats is None:
+        return None
+    ok = True
+    for pat in pats:
+        try:
+            re.compile(pat)
+        except re.error as exc:
+            p.err(node.line, where, f"invalid regular expression {pat!r}: {exc}",
+                  hint="Python `re` syntax; escape literal dots and brackets with a backslash")
+            ok = False
+    return pats if ok else None
+
+
+def _check(p: _Problems, cn: yamlread.Node, i: int) -> Check | None:
+    where = f"checks[{i}]"
+    if not isinstance(cn.value, dict):
+        p.err(cn.line, where, f"expected a mapping with `id:` and `kind:`, got {cn.plain()!r}")
+        return None
+    m: dict[str, yamlread.Node] = cn.value
+    kl = cn.key_lines or {}
+    before = len(p.items)
+
+    cid = m["id"].value if "id" in m else None
+    if cid is None:
+        p.err(cn.line, f"{where}.id", "missing `id:`", hint="a short unique name, e.g. vllm-import")
+    elif not isinstance(cid, str) or not ID_RE.match(cid):
+        p.err(m["id"].line, f"{where}.id", f"invalid check id {cid!r}",
+              hint="letters, digits, '.', '_', '-' (starting with a letter or digit)")
+        cid = None
+    label = f"checks[{cid}]" if cid else where
+
+    kind = m["kind"].value if "kind" in m else None
+    if kind is None:
+        p.err(cn.line, f"{label}.kind", "missing `kind:`", hint=f"one of: {', '.join(KINDS)}")
+    elif kind not in KINDS:
+        close = difflib.get_close_matches(str(kind), list(KINDS), n=1)
+        p.err(m["kind"].line, f"{label}.kind", f"unknown check kind {kind!r}",
+              hint=f"did you mean {close[0]!r}?" if close else f"one of: {', '.join(KINDS)}")
+        kind = None
+
+    severity = "error"
+    if "severity" in m:
+        severity = m["severity"].value
+        if severity not in SEVERITIES:
+            p.err(m["severity"].line, f"{label}.severity", f"expected one of {', '.join(SEVERITIES)}, "
+                  f"got {severity!r}", hint="`warn` reports a failure without failing the gate")
+    requires_gpu = False
+    if "requires" in m:
+        req = _str_list(p, m["requires"], f"{label}.requires")
+        for r in req or []:
+            if r not in REQUIRES:
+                p.err(m["requires"].line, f"{label}.requires", f"unknown requirement {r!r}",
+                      hint=f"one of: {', '.join(REQUIRES)}")
+            else:
+                requires_gpu = True
+    description = _opt_str(p, m, "description", f"{label}.description")
+
+    params: dict = {}
+    if kind is not None:
+        required, optional = KINDS[kind]
+        allowed = COMMON_KEYS + required + optional
+        for key in m:
+            if key not in allowed:
+                _unknown(p, kl.get(key), f"{label}.{key}", key, allowed)
+        for key in required:
+            if key not in m:
+                p.err(cn.line, f"{label}.{key}", f"a `{kind}` check needs `{key}:`", hint="see docs/gate.md")
+        params = _PARAMS[kind](p, m, label)
+    if len(p.items) != before or cid is None or kind is None:
+        return None
+    return Check(cid, kind, params, requires_gpu, severity, description, cn.line)
+
+
+# ---------------------------------------------------------------------------------------------
+# kind-specific keys
+
+
+def _p_import(p, m, label):
+    v = m.get("module")
+    if v is not None and (not isinstance(v.value, str) or not MODULE_RE.match(v.value)):
+        p.err(v.line, f"{label}.module", f"expected a dotted module name, got {v.plain()!r}",
+              hint="e.g. vllm._C_stable_libtorch")
+    return {"module": v.value if v else None}
+
+
+def _p_version(p, m, label):
+    out = {}
+    d = m.get("distribution")
+    if d is not None:
+        if not isinstance(d.value, str) or not d.value.strip():
+            p.err(d.line, f"{label}.distribution", f"expected a distribution name, got {d.plain()!r}",
+                  hint="the name pip installs, e.g. flashinfer-python")
+        out["distribution"] = d.value
+    s = m.get("specifier")
+    if s is not None:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet  # only here: ~5 ms to import
+
+        text = s.value
+        if isinstance(text, int | float) and not isinstance(text, bool):
+            text = None  # a bare number is almost surely a forgotten operator
+        try:
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidSpecifier(str(s.plain()))
+            SpecifierSet(text)
+        except InvalidSpecifier:
+            p.err(s.line, f"{label}.specifier", f"invalid PEP 440 version specifier {s.plain()!r}",
+                  hint="quote it and give an operator, e.g. \"==2.13.0\", \">=0.6.17,<0.7\" or "
+                  "\"==0.1.dev20489+g06f922207\"")
+        out["specifier"] = s.value
+    return out
+
+
+def _p_command(p, m, label):
+    out: dict = {}
+    r = m.get("run")
+    if r is not None:
+        if isinstance(r.value, str) and r.value.strip():
+            out["run"] = r.value
+        elif isinstance(r.value, list) and r.value and all(isinstance(x.value, str | int) for x in r.value):
+            out["run"] = [str(x.value) for x in r.value]
+        else:
+            p.err(r.line, f"{label}.run", f"expected a shell command or an argv list, got {r.plain()!r}")
+    out["exit"] = 0
+    if "exit" in m:
+        e = m["exit"].value
+        if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e <= 255:
+            p.err(m["exit"].line, f"{label}.exit", f"expected an exit code 0-255, got {e!r}")
+        else:
+            out["exit"] = e
+    for key in ("stdout", "stderr", "stdout_not", "stderr_not"):
+        if key in m:
+            out[key] = _regexes(p, m[key], f"{label}.{key}")
+    return out
+
+
+def _p_file(p, m, label):
+    out: dict = {}
+    path = m.get("path")
+    if path is not None:
+        if not isinstance(path.value, str) or not path.value.startswith("/"):
+            p.err(path.line, f"{label}.path", f"expected an absolute path in the image, got {path.plain()!r}")
+        out["path"] = path.value
+    out["exists"] = True
+    if "exists" in m:
+        if not isinstance(m["exists"].value, bool):
+            p.err(m["exists"].line, f"{label}.exists", f"expected true or false, got {m['exists'].value!r}")
+        else:
+            out["exists"] = m["exists"].value
+    if "contains" in m:
+        out["contains"] = _str_list(p, m["contains"], f"{label}.contains")
+    if "matches" in m:
+        out["matches"] = _regexes(p, m["matches"], f"{label}.matches")
+    if "sha256" in m:
+        v = m["sha256"].value
+        v = v[7:] if isinstance(v, str) and v.startswith("sha256:") else v
+        if not isinstance(v, str) or not SHA256_RE.match(v):
+            p.err(m["sha256"].line, f"{label}.sha256", f"expected 64 lower-case hex digits, got {m['sha256'].value!r}")
+        out["sha256"] = v
+    if out["exists"] is False and any(k in out for k in ("contains", "matches", "sha256")):
+        p.err(m["exists"].line, f"{label}.exists", "`exists: false` cannot be combined with contents checks")
+    return out
+
+
+def _p_metadata(p, m, label):
+    out: dict = {}
+    fields = KINDS["metadata"][1]
+    if not any(k in m for k in fields):
+        p.err(None if not m else min(n.line for n in m.values()), label,
+              "a `metadata` check needs at least one of: " + ", ".join(fields))
+    for key in ("architecture", "os", "user", "workdir"):
+        if key in m:
+            v = m[key].value
+            if not isinstance(v, str):
+                p.err(m[key].line, f"{label}.{key}", f"expected a string, got {v!r}")
+            out[key] = v
+    for key in ("labels", "env"):
+        if key in m:
+            v = m[key].value
+            if not isinstance(v, dict) or not all(isinstance(x.value, str | int | float) or x.value is None
+                                                  for x in v.values()):
+                p.err(m[key].line, f"{label}.{key}", "expected a mapping of names to values (null = absent)")
+                continue
+            out[key] = {k: (None if x.value is None else str(x.value)) for k, x in v.items()}
+    for key in ("entrypoint", "cmd"):
+        if key in m:
+            v = m[key]
+            if v.value is None or v.value == []:
+                out[key] = None
+            elif isinstance(v.value, list) and all(isinstance(x.value, str) for x in v.value):
+                out[key] = [x.value for x in v.value]
+            else:
+                p.err(v.line, f"{label}.{key}", f"expected a list of strings or null (empty), got {v.plain()!r}")
+    return out
+
+
+def _p_expression(p, m, label):
+    out: dict = {"imports": []}
+    e = m.get("expr")
+    if e is not None:
+        if not isinstance(e.value, str) or not e.value.strip():
+            p.err(e.line, f"{label}.expr", f"expected a Python expression, got {e.plain()!r}")
+        else:
+            try:
+                compile(e.value, "<expr>", "eval")
+            except SyntaxError as exc:
+                p.err(e.line, f"{label}.expr", f"not a Python expression: {exc.msg}",
+                      hint="one expression, e.g. hasattr(mod.Enum, 'B12X'); quote the YAML value")
+        out["expr"] = e.value
+    if "imports" in m:
+        mods = _str_list(p, m["imports"], f"{label}.imports")
+        for mod in mods or []:
+            if not MODULE_RE.match(mod):
+                p.err(m["imports"].line, f"{label}.imports", f"not a module name: {mod!r}")
+        out["imports"] = mods or []
+    return out
+
+
+def _p_elf(p, m, label):
+    out: dict = {"glob": ["*.so", "*.so.*"], "min_files": 1}
+    path = m.get("path")
+    if path is not None:
+        if not isinstance(path.value, str) or not path.value.startswith("/"):
+            p.err(path.line, f"{label}.path", f"expected an absolute path in the image, got {path.plain()!r}")
+        out["path"] = path.value
+    mach = m.get("machine")
+    if mach is not None:
+        v = mach.value
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out["machine"] = v
+        elif isinstance(v, str) and v.lower() in ELF_MACHINES:
+            out["machine"] = ELF_MACHINES[v.lower()]
+        else:
+            p.err(mach.line, f"{label}.machine", f"unknown ELF machine {v!r}",
+                  hint="aarch64 (183), x86_64 (62), or the e_machine number")
+        out["machine_name"] = str(v)
+    if "glob" in m:
+        out["glob"] = _str_list(p, m["glob"], f"{label}.glob")
+    if "min_files" in m:
+        v = m["min_files"].value
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            p.err(m["min_files"].line, f"{label}.min_files", f"expected a number >= 1, got {v!r}",
+                  hint="a check that finds no file would pass on an empty folder")
+        out["min_files"] = v
+    return out
+
+
+def _p_pip_check(p, m, label):
+    out: dict = {"allow": []}
+    if "allow" in m:
+        out["allow"] = _regexes(p, m["allow"], f"{label}.allow") or []
+    return out
+
+
+_PARAMS = {"import": _p_import, "version": _p_version, "command": _p_command, "file": _p_file,
+           "metadata": _p_metadata, "expression": _p_expression, "elf": _p_elf, "pip-check": _p_pip_check}

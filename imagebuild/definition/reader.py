@@ -1,0 +1,194 @@
+"""Read and validate an image definition: ``docker-images/<name>/`` -> a frozen ``Definition``.
+
+A definition folder holds:
+
+- ``versions.env``: every pin (git sources, base images, versions fed to build args);
+- ``image.yaml``: target platform, the stages in build order (Dockerfile, parent, context
+  files, patches, sources), and where the gate spec lives;
+- one Dockerfile per stage, and the files and patches the stages consume.
+
+Every problem found is collected and raised at once as ``DefinitionError`` (exit 2), each naming
+its file, line or key, what was expected, and a hint. Nothing here writes anything.
+The format is documented in docs/image-definition.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+from imagebuild.core import parsecache, yamlread
+from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.definition import envfile, pkgspec
+from imagebuild.definition import source_options as source_options_mod
+from imagebuild.definition.model import *  # noqa: F403  (the records, names and rules: imported from here)
+from imagebuild.definition.model import (
+    DEFAULT_GATE_FILE,
+    IMAGE_FILE,
+    IMAGES_DIR,
+    PLATFORM_RE,
+    TOP_KEYS,
+    VERSIONS_FILE,
+    Collector,
+    Definition,
+    ImageRef,
+    Stage,
+    check_image_name,
+    difflib,
+    display_path,
+    list_images,
+    read_text,
+    safe_rel_path,
+    unknown_keys,
+)
+from imagebuild.definition.pins import git_sources, parse_image_ref  # noqa: F401  (parse_image_ref: re-exported)
+from imagebuild.definition.source_options import (  # noqa: F401  (re-exported: prefetch and tests import them from here)
+    ENV_NAME_RE,
+    SOURCE_KEYS,
+    SourceOptions,
+    default_source_options,
+)
+from imagebuild.definition.stages import parse_stage
+
+
+def load(root: Path, name: str) -> Definition:
+    """Read, validate and return the definition ``name``; raise DefinitionError on any problem.
+    The parse cache keeps what was parsed only when the definition has no problem (parsecache.py)."""
+    with parsecache.batch():
+        return _load(root, name)
+
+
+def _load(root: Path, name: str) -> Definition:
+    check_image_name(name)
+    root = root.resolve()
+    d = root / IMAGES_DIR / name
+    c = Collector()
+    disp = lambda p: display_path(root, p)  # noqa: E731
+    if not d.is_dir():
+        known = list_images(root) if (root / IMAGES_DIR).is_dir() else []
+        close = difflib.get_close_matches(name, known, n=1)
+        raise DefinitionError([Problem(
+            disp(d), "no such image definition (folder not found)", key="IMAGE",
+            hint=f"did you mean {close[0]!r}?" if close else
+            f"known images: {', '.join(known) or 'none'} (imagebuild list)")], image=name)
+
+    env = _load_env(d / VERSIONS_FILE, disp(d / VERSIONS_FILE), c)
+    spec = _load_yaml(d / IMAGE_FILE, disp(d / IMAGE_FILE), c)
+    if env is None or spec is None:
+        raise DefinitionError(c.problems, image=name)
+
+    yfile = disp(d / IMAGE_FILE)
+    sources = git_sources(env, c)
+    platform, description, gate, stage_nodes = _top_level(spec, yfile, d, c)
+    python, apt_snapshot, _ = pkgspec.top_level(spec.value, yfile, env, c.err)
+    source_options = source_options_mod.source_options(spec, yfile, env, sources, c.err)
+
+    stages: list[Stage] = []
+    images: dict[str, ImageRef] = {}
+    seen_names: dict[str, int] = {}
+    broken: set = set()  # stages with problems: later stages that use them report nothing more
+    all_names = [n.value["name"].value for n in stage_nodes
+                 if isinstance(n.value, dict) and "name" in n.value]
+    for node in stage_nodes:
+        st = parse_stage(node, yfile, root, d, env, sources, seen_names, stages, images, all_names, broken, c)
+        if st is not None:
+            stages.append(st)
+        elif isinstance(node.value, dict) and "name" in node.value:
+            broken.add(node.value["name"].value)
+
+    if python is None and "python" not in spec.value:
+        for st in stages:
+            if st.requirements is not None:
+                c.err(yfile, f"stage {st.name!r} installs wheels but image.yaml has no 'python:'",
+                      key=f"stages[{st.name}].requirements", line=1,
+                      hint='add e.g. python: "3.12" (the base image\'s CPython) at the top level')
+                break
+    if c.problems:
+        raise DefinitionError(c.problems, image=name)
+    return Definition(
+        name=name, root=root, dir=d, platform=platform, description=description, env=env,
+        stages=tuple(stages), sources=sources, images=images, gate=gate, notices=tuple(c.notices),
+        source_options=source_options, python=python, apt_snapshot=apt_snapshot)
+
+
+def _load_env(path: Path, display: str, c: Collector) -> envfile.EnvFile | None:
+    if not path.is_file():
+        c.err(display, "missing", hint="every image folder holds a versions.env with its pins")
+        return None
+    text = read_text(path, display, c)
+    if text is None:
+        return None
+    # problems are collected into c.problems; keep going so every file is checked in one run
+    return envfile.parse_text(text, path, display, c.problems)
+
+
+
+
+def _load_yaml(path: Path, display: str, c: Collector) -> yamlread.Node | None:
+    if not path.is_file():
+        c.err(display, "missing", hint="every image folder holds an image.yaml listing its stages "
+              "(see docs/image-definition.md)")
+        return None
+    text = read_text(path, display, c)
+    if text is None:
+        return None
+    try:
+        node = yamlread.load(text)
+    except yamlread.YamlError as exc:
+        c.err(display, str(exc), line=exc.line)
+        return None
+    if node is None or not isinstance(node.value, dict):
+        c.err(display, "expected a mapping with 'platform' and 'stages'", line=node.line if node else 1)
+        return None
+    return node
+
+
+def _top_level(spec: yamlread.Node, yfile: str, d: Path, c: Collector):
+    unknown_keys(spec, TOP_KEYS, yfile, "image.yaml", c)
+    m = spec.value
+    platform = ""
+    if "platform" not in m:
+        c.err(yfile, "missing required key", key="platform", line=1,
+              hint="the target platform, e.g. 'platform: linux/arm64' for DGX Spark")
+    else:
+        platform = m["platform"].value
+        if not isinstance(platform, str) or not PLATFORM_RE.match(platform):
+            c.err(yfile, f"invalid platform {platform!r}: expected linux/<arch>, e.g. linux/arm64",
+                  line=m["platform"].line, key="platform")
+            platform = ""
+    description = m["description"].value if "description" in m else None
+    if description is not None and not isinstance(description, str):
+        c.err(yfile, "expected a string", line=m["description"].line, key="description")
+        description = None
+
+    gate = None
+    if "gate" in m:
+        g = m["gate"].value
+        gp = safe_rel_path(g, d, yfile, m["gate"].line, "gate", c)
+        if gp is not None:
+            if not gp.is_file():
+                c.err(yfile, f"gate spec {g!r} not found", line=m["gate"].line, key="gate")
+            else:
+                gate = gp
+    elif (d / DEFAULT_GATE_FILE).is_file():
+        gate = d / DEFAULT_GATE_FILE
+    if gate is not None:  # the gate spec is part of the definition: validate it too (docs/gate.md)
+        from imagebuild.definition import gatespec
+
+        try:
+            shown = (PurePosixPath(yfile).parent / gate.relative_to(d).as_posix()).as_posix()
+        except ValueError:
+            shown = str(gate)
+        try:
+            gatespec.load(gate, display=shown)
+        except DefinitionError as exc:
+            c.problems.extend(exc.problems)
+
+    stage_nodes: list[yamlread.Node] = []
+    if "stages" not in m:
+        c.err(yfile, "missing required key", key="stages", line=1,
+              hint="list the stages in build order, each with name and from")
+    elif not isinstance(m["stages"].value, list) or not m["stages"].value:
+        c.err(yfile, "expected a non-empty list of stages", line=m["stages"].line, key="stages")
+    else:
+        stage_nodes = m["stages"].value
+    return platform, description, gate, stage_nodes

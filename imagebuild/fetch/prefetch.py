@@ -1,0 +1,812 @@
+"""``imagebuild prefetch``: pin every git source by SHA, compose the forks, pack deterministic
+tarballs and write the lock, so that the build needs no network.
+
+Per image (docs/prefetch.md):
+
+1. **Fast path**: when every pin is a SHA, the lock's ``sources`` section matches the definition
+   and every tarball still has the lock's digest, nothing is run at all (no git, no network).
+2. **Resolve** (network only for what is unpinned, or with ``--refresh``): ref names and bare PR
+   numbers via ``git ls-remote`` (``refs/pull/N/head``); PR state from the GitHub API when
+   reachable. A name is pinned as ``<name>@<sha>`` (``--refresh`` moves it).
+3. **Fetch** into the mirror cache (gitcache.py) only the commits that are missing, by raw SHA.
+4. **Compose** (compose.py): base, then each PR merged in order; record the tree hash.
+5. **FetchContent** (fetchcontent.py reads, depcheck.py decides): every declaration in the
+   composed tree pinned or excluded with a reason, each override one the tree reads, tags given
+   through variables resolved and compared.
+6. **Submodules** as the declaration asks (or image.yaml lists), fetched by the SHAs their
+   parents record.
+7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<id12>.tar.gz`` + ``SHA256SUMS``, only
+   what changed: a tarball the lock already has for the same content is kept.
+8. **Commit**: versions.env pins written back in place, then the lock (the commit point; a
+   failure or interruption before it leaves the previous lock and tarballs as they were), then
+   ``SHA256SUMS`` and the removal of tarballs no lock refers to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imagebuild.core import lock, state
+from imagebuild.core.errors import (
+    CommandFailed,
+    DefinitionError,
+    OperationFailed,
+    UsageError,
+)
+from imagebuild.core.fsutil import (
+    atomic_write_text,
+    canonical_json,
+    sha256_bytes,
+    sha256_file,
+)
+from imagebuild.definition import reader as d
+from imagebuild.fetch import compose as compose_mod
+from imagebuild.fetch import depcheck, fetchcontent, gitcache, packages, tarball
+
+log = logging.getLogger("imagebuild")
+
+REPORT_SCHEMA = "imagebuild.prefetch"
+REPORT_VERSION = 1
+SHA_RE = re.compile(r"[0-9a-f]{40}\Z")
+SUMS_FILE = "SHA256SUMS"
+GITHUB_API_DEFAULT = "https://api.github.com"
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+@dataclass
+class Pin:
+    """One git source of one image, being resolved."""
+
+    name: str
+    repo: str
+    ref: str  # 40-hex once resolved
+    prs: list[list]  # [[number, sha or None], ...]
+    opts: d.SourceOptions
+    ref_key: str
+    prs_key: str
+    follows: str | None = None  # the branch or tag the pin follows (NAME_REF=<name>@<sha>)
+
+    def ref_value(self) -> str:
+        """NAME_REF as versions.env holds it: ``<name>@<sha>`` when it follows a name."""
+        return f"{self.follows}@{self.ref}" if self.follows else self.ref
+
+    def shas(self) -> list[str]:
+        return [self.ref] + [sha for _, sha in self.prs]
+
+    def what(self, sha: str) -> str:
+        if sha == self.ref:
+            return self.ref_key
+        for num, s in self.prs:
+            if s == sha:
+                return f"{self.prs_key} {num}"
+        return self.name
+
+    def prs_value(self) -> str:
+        return " ".join(f"{n}@{s}" if s else str(n) for n, s in self.prs)
+
+
+@dataclass
+class ImageReport:
+    image: str
+    status: str = "ok"  # "ok" (written) or "unchanged" (fast path)
+    lock: str | None = None
+    build_id: str | None = None
+    sources: dict = field(default_factory=dict)
+    pinned: list[dict] = field(default_factory=list)  # versions.env keys written back
+    moved: list[dict] = field(default_factory=list)  # --refresh: PR heads and followed branches that moved
+    pr_states: list[dict] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    packages: dict | None = None  # base images, wheels, apt (packages.summary)
+
+    def as_dict(self) -> dict:
+        return {"image": self.image, "status": self.status, "lock": self.lock, "build_id": self.build_id,
+                "sources": self.sources, "pinned": self.pinned, "moved": self.moved,
+                "pr_states": self.pr_states, "notices": self.notices, "packages": self.packages}
+
+
+@dataclass
+class Report:
+    images: list[ImageReport]
+    cache: str
+    network_operations: int
+    fetches: int
+    retries: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"schema": REPORT_SCHEMA, "version": REPORT_VERSION, "cache": self.cache,
+                "network_operations": self.network_operations, "fetches": self.fetches,
+                "retries": self.retries, "images": [i.as_dict() for i in self.images]}
+
+
+# ------------------------------------------------------------------------------------------------ entry
+
+
+def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] | None = None,
+             offline: bool = False, jobs: int = 4, cache_dir: str | os.PathLike | None = None) -> Report:
+    """Prefetch ``images`` (default: every image with git sources). ``refresh``: None = no
+    refresh, [] = every source, [NAME...] = those sources."""
+    t0 = time.monotonic()
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs}: expected a positive number")
+    if offline and refresh is not None:
+        raise UsageError("--refresh needs the network; it cannot be combined with --offline")
+    root = Path(root).resolve()
+    if images:
+        defns = [d.load(root, n) for n in images]
+    else:  # every image with git sources or packages (a broken definition is reported, not skipped)
+        defns = [x for x in (d.load(root, n) for n in d.list_images(root))
+                 if x.sources or packages.has_packages(x)]
+    names = [x.name for x in defns]
+    if refresh:
+        known = {s for defn in defns for s in defn.sources}
+        unknown = [r for r in refresh if r not in known]
+        if unknown:
+            raise UsageError(f"--refresh {unknown[0]}: no such git source in "
+                             f"{', '.join(names) or 'any image'}",
+                             hint=f"known sources: {', '.join(sorted(known)) or 'none'}")
+    cache = gitcache.Cache(gitcache.default_cache_dir(cache_dir), offline=offline)
+    reports = []
+    for defn in defns:
+        with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
+            ir = _prefetch_image(defn, cache, refresh, jobs)
+            if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
+                _, prep = packages.prefetch_packages(root, defn.name, offline=offline)
+                ir.packages = packages.summary(prep)
+        if ir.lock is not None or packages.has_packages(defn):
+            ir.lock = defn.rel(lock.lock_path(defn.dir))
+            ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
+            log.info("%s: lock %s (build id %s)", defn.name, ir.lock, ir.build_id)
+        reports.append(ir)
+    st = cache.stats
+    return Report(reports, str(cache.root), st.network, st.fetch, st.retries, time.monotonic() - t0)
+
+
+def _pmap(fn: Callable, items: Iterable, jobs: int) -> list:
+    """``fn`` over ``items`` with ``jobs`` threads; the first error (in item order) is raised."""
+    items = list(items)
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=min(jobs, len(items))) as ex:
+        futs = [ex.submit(fn, i) for i in items]
+        return [f.result() for f in futs]
+
+
+# ------------------------------------------------------------------------------------------------ image
+
+
+def _pins(defn: d.Definition) -> dict[str, Pin]:
+    out = {}
+    for name, src in sorted(defn.sources.items()):
+        opts = defn.source_options.get(name) or d.default_source_options(name)
+        out[name] = Pin(name, src.repo, src.ref, [[p.number, p.sha] for p in src.prs], opts,
+                        f"{name}_REF", f"{name}_PRS", src.follows)
+    return out
+
+
+def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str] | None, jobs: int) -> ImageReport:
+    rep = ImageReport(defn.name)
+    ddir = state.deps_dir(defn.root, defn.name)
+    srcdir = ddir / "src"
+    lock_disp = defn.rel(lock.lock_path(defn.dir))
+    old_lock = lock.read(defn.dir, lock_disp)
+    pins = _pins(defn)
+    refreshing = refresh is not None and (not refresh or any(n in pins for n in refresh))
+    if not pins:
+        log.info("%s: no git sources", defn.name)
+        rep.status = "unchanged"
+        return rep
+
+    if not refreshing and old_lock is not None:
+        fast, why = _fast_path(defn, pins, old_lock)
+        if fast is not None:
+            log.info("%s: %d sources unchanged (lock and tarballs verified; nothing fetched)",
+                     defn.name, len(pins))
+            rep.status = "unchanged"
+            rep.sources = fast
+            rep.lock = lock_disp
+            return rep
+        log.info("%s: %s", defn.name, why)
+
+    _clean_stale_tmp(srcdir)
+    log.info("%s: %d git sources", defn.name, len(pins))
+
+    # 2. resolve
+    todo = [p for p in pins.values()
+            if not SHA_RE.match(p.ref) or any(s is None for _, s in p.prs)
+            or (refresh is not None and (not refresh or p.name in refresh) and (p.prs or p.follows))]
+    _pmap(lambda p: _resolve(p, cache, refresh, rep), todo, jobs)
+
+    # 3. fetch (grouped by URL: one fetch per mirror) and 4. compose, the scanned sources first:
+    # a FetchContent problem is reported before any dependency is downloaded
+    composed: dict[str, compose_mod.Composed] = {}
+
+    def do_compose(p: Pin) -> None:
+        m = cache.mirror(p.repo)
+        composed[p.name] = _local(lambda: compose_mod.compose(m, p.name, p.ref, [(n, s) for n, s in p.prs]))
+
+    def fetch_and_compose(group: list[Pin]) -> None:
+        by_url: dict[str, list[Pin]] = {}
+        for p in group:
+            by_url.setdefault(p.repo, []).append(p)
+        _pmap(lambda item: _fetch(cache, item[0], item[1]), sorted(by_url.items()), jobs)
+        _pmap(do_compose, group, jobs)
+
+    fetch_and_compose([p for p in pins.values() if p.opts.scan_fetchcontent])
+
+    # 5. FetchContent: every declaration pinned or excluded, overrides read by the tree, tags compared
+    scans, check = _check_fetchcontent(defn, pins, composed, cache, rep)
+    fetch_and_compose([p for p in pins.values() if not p.opts.scan_fetchcontent])
+    declared = {q: _compare_tag(pins[pins[q].opts.dependency_of], pins[q], info.decl, cache, rep)
+                for q, info in sorted(check.deps.items()) if info.decl is not None}
+
+    # 6. submodules + 7. pack (only what changed: a tarball the lock already has is kept)
+    srcdir.mkdir(parents=True, exist_ok=True)
+    old_sources = (old_lock or {}).get("sources") if isinstance((old_lock or {}).get("sources"), dict) else {}
+
+    def do_pack(p: Pin) -> dict:
+        m = cache.mirror(p.repo)
+        c = composed[p.name]
+        tree = _local(lambda: compose_mod.subtree(m, p.name, c.commit, p.opts.subdir))
+        info = check.deps.get(p.name)
+        subs = info.submodules if info else depcheck.submodules_for(p.opts, None)[0]
+        entries, packed_subs = _entries(cache, p, m, c.commit, p.opts.subdir, subs, p.repo, "")
+        pid = packed_id(tree, packed_subs, c.epoch)
+        fname = f"{p.name.lower()}-{pid[:12]}.tar.gz"
+        dest = srcdir / fname
+        digest = _reusable(defn, p, old_sources.get(p.name), dest, pid, rep)
+        if digest is None:
+            log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
+            digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
+        decl = info.decl if info else None
+        scanned = p.name in scans
+        return {
+            "repo": p.repo, "ref": p.ref, "follows": p.follows,
+            "prs": [{"number": n, "sha": s} for n, s in p.prs],
+            "commit": c.commit, "tree": tree, "source_date_epoch": c.epoch,
+            "packed_id": pid, "tarball_format": tarball.FORMAT,
+            "tarball": d.display_path(defn.root, dest), "sha256": digest,
+            "dependency_of": p.opts.dependency_of,
+            "declared_as": declared.get(p.name) if decl else None,
+            "env": info.override["name"] if info and info.override else None,
+            "override": info.override if info else None,
+            "subdir": p.opts.subdir,
+            "submodules": packed_subs,
+            "submodules_wanted": subs.as_dict(),
+            "options": p.opts.setting(),
+            "fetchcontent": ([_decl_entry(x, pins, p) for x in sorted(scans[p.name].declarations.values(),
+                                                                        key=lambda x: x.name.lower())]
+                             if scanned else None),
+            "excluded": check.excluded.get(p.name) if scanned else None,
+        }
+
+    entries = _pmap(do_pack, pins.values(), jobs)
+    sources = {p.name: e for p, e in zip(pins.values(), entries, strict=True)}
+
+    # 8. commit: versions.env, the lock (the commit point), then SHA256SUMS and pruning
+    updates = {}
+    for p in pins.values():
+        src = defn.sources[p.name]
+        old_ref = f"{src.follows}@{src.ref}" if src.follows else src.ref
+        if old_ref != p.ref_value():
+            updates[p.ref_key] = p.ref_value()
+            rep.pinned.append({"key": p.ref_key, "from": old_ref, "to": p.ref_value()})
+        old = src.pins()["prs"]
+        new = [f"{n}@{s}" for n, s in p.prs]
+        if old != new:
+            updates[p.prs_key] = p.prs_value()
+            rep.pinned.append({"key": p.prs_key, "from": " ".join(old), "to": p.prs_value()})
+    if updates:
+        defn.env.update(updates)
+        for u in rep.pinned:
+            log.info("  pinned %s=%s in %s", u["key"], u["to"], defn.env.display)
+    lock.update_sections(defn.dir, defn.name, {"sources": sources})
+    sums = "".join(f"{e['sha256']}  {Path(e['tarball']).name}\n"
+                   for e in sorted(sources.values(), key=lambda e: Path(e["tarball"]).name))
+
+    def commit() -> None:  # after the lock (the commit point): SHA256SUMS, then the old tarballs go
+        atomic_write_text(srcdir / SUMS_FILE, sums)
+        _prune(srcdir, {Path(e["tarball"]).name for e in sources.values()})
+
+    lock.after_write(defn.dir, commit)
+    rep.sources = sources
+    rep.lock = lock_disp
+    return rep
+
+
+def packed_id(tree: str, submodules: list[dict], epoch: int) -> str:
+    """The digest of everything that decides a tarball's bytes: the format, the packed tree, the
+    submodule commits packed with it and the mtime. It names the tarball, so the name changes
+    whenever the bytes would (not only when the top-level tree does)."""
+    doc = {"format": tarball.FORMAT, "tree": tree, "epoch": epoch,
+           "submodules": [[s["path"], s["commit"]] for s in submodules]}
+    return sha256_bytes(canonical_json(doc))
+
+
+def _reusable(defn: d.Definition, p: Pin, old: dict | None, dest: Path, pid: str, rep: ImageReport) -> str | None:
+    """The sha256 of the tarball already at ``dest`` when the lock has it for exactly this content
+    (nothing to repack); None when it must be packed. A damaged one is said, not silently redone."""
+    if not isinstance(old, dict) or old.get("packed_id") != pid or not dest.is_file():
+        return None
+    if old.get("tarball") != d.display_path(defn.root, dest):
+        return None
+    got = sha256_file(dest)
+    if got == old.get("sha256"):
+        log.info("  %s: %s unchanged (kept)", p.name, defn.rel(dest))
+        return got
+    msg = (f"{p.name}: {defn.rel(dest)} does not match the lock (sha256 {got}, the lock says {old.get('sha256')}): "
+           "corrupted or changed since the last prefetch; repacking it")
+    rep.notices.append(msg)
+    log.warning("  warning: %s", msg)
+    return None
+
+
+def _build_id(defn: d.Definition) -> str:
+    from imagebuild.plan.planner import make_plan
+
+    return make_plan(d.load(defn.root, defn.name)).build_id
+
+
+def _local(fn):
+    """Run a local git step; a failing git command becomes an OperationFailed with its output."""
+    try:
+        return fn()
+    except CommandFailed as exc:
+        raise OperationFailed(exc.message) from None
+
+
+# ------------------------------------------------------------------------------------------------ fast path
+
+
+def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dict | None, str]:
+    """(the lock's sources, "") when they still describe the definition and the tarballs are
+    intact; else (None, why not)."""
+    srcs = old.get("sources")
+    if not isinstance(srcs, dict) or set(srcs) != set(pins):
+        return None, "the lock's sources differ from the definition's"
+    for p in pins.values():
+        e = srcs[p.name]
+        if not isinstance(e, dict):
+            return None, f"{p.name}: no lock entry"
+        if not SHA_RE.match(p.ref) or any(s is None for _, s in p.prs):
+            return None, f"{p.name}: not pinned yet"
+        want = {"repo": p.repo, "ref": p.ref, "follows": p.follows,
+                "prs": [{"number": n, "sha": s} for n, s in p.prs], "options": p.opts.setting()}
+        changed = [k for k, v in want.items() if e.get(k) != v]
+        if changed:
+            return None, f"{p.name}: {', '.join(changed)} changed since the lock was written"
+        if e.get("tarball_format") != tarball.FORMAT:
+            return None, f"{p.name}: the lock's tarball is of another format"
+        tb = e.get("tarball")
+        if not isinstance(tb, str):
+            return None, f"{p.name}: no tarball in the lock"
+        path = defn.root / tb
+        if not path.is_file():
+            return None, f"{p.name}: {tb} is missing"
+        if sha256_file(path) != e.get("sha256"):
+            return None, f"{p.name}: {tb} does not match the lock's sha256"
+    sums = state.deps_dir(defn.root, defn.name) / "src" / SUMS_FILE
+    if not sums.is_file():
+        return None, f"{defn.rel(sums)} is missing"
+    return srcs, ""
+
+
+# ------------------------------------------------------------------------------------------------ resolve
+
+
+def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: ImageReport) -> None:
+    m = cache.mirror(p.repo)
+    patterns = []
+    refreshing = refresh is not None and (not refresh or p.name in refresh)
+    ref_is_name = not SHA_RE.match(p.ref)
+    # the branch or tag to look up: an unpinned name, or (with --refresh) the name a pin follows
+    name = p.ref if ref_is_name else (p.follows if refreshing else None)
+    if name:
+        patterns += [f"refs/heads/{name}", f"refs/tags/{name}", f"refs/tags/{name}^{{}}"]
+    want_prs = [n for n, s in p.prs if s is None or refreshing]
+    patterns += [f"refs/pull/{n}/head" for n in want_prs]
+    if not patterns:
+        return
+    log.info("  %s: resolving %s on %s", p.name,
+             ", ".join(([name] if name else []) + [f"PR {n}" for n in want_prs]), gitcache.redact(p.repo))
+    if cache.offline:
+        raise gitcache.OfflineMissing(
+            f"{p.name}: --offline, but {p.ref_key if ref_is_name else p.prs_key} is not pinned to a commit "
+            f"({p.ref if ref_is_name else ', '.join(str(n) for n in want_prs)})",
+            hint="run prefetch once with the network to pin it")
+    refs = m.ls_remote(patterns, p.name)
+    if name:
+        sha = (refs.get(f"refs/tags/{name}^{{}}") or refs.get(f"refs/tags/{name}")
+               or refs.get(f"refs/heads/{name}"))
+        if not sha and ref_is_name:
+            raise gitcache.RemoteMissing(f"{p.name}: {p.ref_key}={p.ref}: no branch or tag of that name on "
+                                         f"{gitcache.redact(p.repo)}",
+                                         hint=f"set {p.ref_key} to a full 40-hex commit sha")
+        if not sha:
+            msg = f"{p.name}: {name} is gone upstream; keeping the pinned {p.ref[:12]}"
+            rep.notices.append(msg)
+            log.warning("  warning: %s", msg)
+        else:
+            if not ref_is_name and sha != p.ref:
+                rep.moved.append({"source": p.name, "ref": name, "from": p.ref, "to": sha})
+                log.info("  %s: %s moved %s -> %s", p.name, name, p.ref[:12], sha[:12])
+            p.ref, p.follows = sha, name
+    states = _github_states(p.repo, want_prs)
+    for item in p.prs:
+        n, old = item
+        if n not in want_prs:
+            continue
+        head = refs.get(f"refs/pull/{n}/head")
+        st = states.get(n)
+        if st:
+            rep.pr_states.append({"source": p.name, "number": n, **st})
+            if st.get("state") == "closed" and not st.get("merged"):
+                msg = f"{p.name}: PR {n} is closed and unmerged"
+                rep.notices.append(msg)
+                log.warning("  warning: %s", msg)
+        if head is None:
+            if old is None:
+                raise gitcache.RemoteMissing(
+                    f"{p.name}: pull request {n} not found: {gitcache.redact(p.repo)} has no refs/pull/{n}/head",
+                    hint=f"check the number in {p.prs_key}; a closed PR whose ref is gone can still be used "
+                    f"pinned as {n}@<sha>")
+            msg = f"{p.name}: PR {n}: refs/pull/{n}/head is gone upstream; keeping the pinned {old[:12]}"
+            rep.notices.append(msg)
+            log.warning("  warning: %s", msg)
+            continue
+        if old is not None and old != head:
+            rep.moved.append({"source": p.name, "number": n, "from": old, "to": head})
+            log.info("  %s: PR %d moved %s -> %s", p.name, n, old[:12], head[:12])
+        item[1] = head
+
+
+def _github_states(url: str, numbers: list[int]) -> dict[int, dict]:
+    """PR state from the GitHub API (only for github.com URLs, only when reachable)."""
+    m = re.match(r"(?:https?://(?:[^@/]+@)?github\.com/|git@github\.com:|ssh://git@github\.com/)"
+                 r"([^/]+)/([^/]+?)(?:\.git)?/?\Z", url)
+    if not m or not numbers:
+        return {}
+    import requests  # only needed here
+
+    api = os.environ.get("IMAGEBUILD_GITHUB_API", GITHUB_API_DEFAULT).rstrip("/")
+    headers = {"Accept": "application/vnd.github+json", "User-Agent": "imagebuild"}
+    token = os.environ.get("GITHUB_TOKEN")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    out: dict[int, dict] = {}
+    for n in numbers:
+        for attempt in range(3):
+            try:
+                r = requests.get(f"{api}/repos/{m.group(1)}/{m.group(2)}/pulls/{n}", headers=headers, timeout=5)
+            except requests.RequestException as exc:
+                log.debug("GitHub API unreachable (%s): PR states not reported", type(exc).__name__)
+                return out
+            if r.status_code in (500, 502, 503, 504) and attempt < 2:
+                time.sleep(0.5 * (2 ** attempt))
+                continue
+            if r.status_code != 200:
+                log.debug("GitHub API answered %d for PR %d: state not reported", r.status_code, n)
+                break
+            try:
+                data = r.json()
+            except ValueError:
+                break
+            out[n] = {"state": data.get("state"), "merged": bool(data.get("merged"))}
+            break
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ fetch
+
+
+def _fetch(cache: gitcache.Cache, url: str, pins: list[Pin]) -> None:
+    m = cache.mirror(url)
+    shas = [s for p in pins for s in p.shas()]
+    shallow = all(not p.prs for p in pins)
+    name = "/".join(p.name for p in pins)
+    missing = m.missing(shas)
+    if cache.offline:
+        if missing:
+            p = next(p for p in pins if missing[0] in p.shas())
+            raise gitcache.OfflineMissing(
+                f"{p.name}: --offline: commit {missing[0]} ({p.what(missing[0])}) is not in the cache "
+                f"{m.path}", hint="run prefetch once without --offline")
+        if not shallow and m.is_shallow():
+            raise gitcache.OfflineMissing(f"{name}: --offline: the cached mirror {m.path} is shallow and "
+                                          "merging the PRs needs history", hint="run once without --offline")
+        return
+    if not missing and not (not shallow and m.is_shallow()):
+        return
+    try:
+        m.fetch(shas, name, shallow=shallow)
+    except gitcache.RemoteMissing as exc:
+        # name the versions.env key that holds the missing sha
+        for p in pins:
+            for s in p.shas():
+                if s in exc.message:
+                    raise gitcache.RemoteMissing(
+                        f"{p.name}: commit {s} ({p.what(s)}) does not exist on {gitcache.redact(url)} "
+                        f"({exc.message.split(': ', 2)[-1]})",
+                        hint=f"check {p.what(s).split()[0]} in versions.env") from None
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ FetchContent
+
+
+def _check_fetchcontent(defn, pins: dict[str, Pin], composed, cache, rep: ImageReport):
+    """(scans, depcheck result); raises DefinitionError (exit 2) for a declaration nothing pins or
+    excludes, and for an override the tree does not read."""
+    scans: dict[str, fetchcontent.Scan] = {}
+    for p in pins.values():
+        if p.opts.scan_fetchcontent:
+            m = cache.mirror(p.repo)
+            scans[p.name] = _local(lambda m=m, p=p: fetchcontent.scan(m, composed[p.name].commit))
+    res = depcheck.check(pins, scans, {n: composed[n].commit for n in scans}, env_file=defn.env.display,
+                         yaml_file=defn.rel(defn.dir / d.IMAGE_FILE), env_keys=set(defn.env.entries))
+    if res.problems:
+        raise DefinitionError(res.problems, image=defn.name)
+    for msg in res.notices:
+        rep.notices.append(msg)
+        log.warning("  note: %s", msg)
+    return scans, res
+
+
+def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache, rep: ImageReport) -> dict:
+    """The dependency's ``declared_as`` record: the declaration, the tag it gives (resolved through
+    variables), the commit that names, and whether the pin matches it (None: cannot tell)."""
+    rec = {"name": decl.name, "file": decl.file, "line": decl.line, "repository": decl.repository_value,
+           "tag": decl.tag, "tag_value": decl.tag_value,
+           "tag_from": decl.tag_resolved.origin if decl.tag_resolved else None,
+           "submodule_paths": decl.submodule_paths, "commit": None, "matches": None}
+    tag = decl.tag_value
+    if not tag:
+        return rec
+    if re.fullmatch(r"[0-9a-f]{7,40}", tag):
+        rec["commit"] = tag if len(tag) == 40 else None
+        rec["matches"] = dep.ref.startswith(tag)
+    elif dep.follows == tag:
+        rec["matches"] = True  # pinned from this very tag name
+        rec["commit"] = dep.ref
+    else:
+        sha = _tag_commit(cache.mirror(dep.repo), tag, dep.name, cache.offline)
+        rec["commit"] = sha
+        rec["matches"] = None if sha is None else sha == dep.ref
+    if rec["matches"] is False:
+        declared = tag if rec["commit"] in (None, tag) else f"{tag} ({rec['commit'][:12]})"
+        via = f" (GIT_TAG {decl.tag}, set at {', '.join(decl.tag_resolved.origin)})" if decl.tag_resolved else ""
+        pinned = f"{dep.follows} ({dep.ref[:12]})" if dep.follows else dep.ref[:12]
+        alt = next((a for a in decl.alternatives if a.tag_value and (dep.ref.startswith(a.tag_value)
+                                                                     or a.tag_value == dep.follows)), None)
+        msg = (f"{dep.name}: pinned {pinned} differs from {declared} that {parent.name} declares for "
+               f"{decl.name!r} at {decl.where}{via}")
+        msg += (f"; it matches the other declaration at {alt.where}" if alt else
+                " (an override: make sure it is deliberate)")
+        rep.notices.append(msg)
+        log.warning("  note: %s", msg)
+    return rec
+
+
+_TAGS_FILE = "imagebuild-tags.json"
+_tags_lock = threading.Lock()
+
+
+def _tag_commit(m: gitcache.Mirror, tag: str, source: str, offline: bool) -> str | None:
+    """The commit a tag names upstream, remembered in the mirror (no network the second time)."""
+    f = m.path / _TAGS_FILE
+    with _tags_lock:
+        known = json.loads(f.read_text()) if f.is_file() else {}
+    if tag in known:
+        return known[tag]
+    if offline:
+        return None
+    try:
+        refs = m.ls_remote([f"refs/tags/{tag}", f"refs/tags/{tag}^{{}}"], source)
+    except OperationFailed as exc:
+        log.warning("  %s: cannot check tag %s: %s", source, tag, exc.message)
+        return None
+    sha = refs.get(f"refs/tags/{tag}^{{}}") or refs.get(f"refs/tags/{tag}")
+    if sha and m.exists:
+        with _tags_lock:
+            known = json.loads(f.read_text()) if f.is_file() else {}
+            known[tag] = sha
+            atomic_write_text(f, json.dumps(known, indent=1, sort_keys=True) + "\n")
+    return sha
+
+
+def _decl_entry(decl: fetchcontent.Declaration, pins: dict[str, Pin], parent: Pin) -> dict:
+    by = [q.name for q in pins.values()
+          if q.opts.dependency_of == parent.name and q.opts.declares.lower() == decl.name.lower()]
+    return {**decl.as_dict(), "pinned_by": by[0] if by else None,
+            "excluded": parent.opts.excluded(decl.name) if not by else None}
+
+
+# ------------------------------------------------------------------------------------------------ pack
+
+
+def resolve_submodule_url(parent_url: str, url: str) -> str:
+    """A .gitmodules URL relative to its superproject's URL (``../x.git``, as git reads it), or as is."""
+    if not url.startswith(("./", "../")):
+        return url
+    base, rel = parent_url.rstrip("/"), url
+    scheme = base.find("://")
+    while rel.startswith(("./", "../")):
+        if rel.startswith("./"):
+            rel = rel[2:]
+            continue
+        rel = rel[3:]
+        host_end = base.find("/", scheme + 3) if scheme >= 0 else base.find(":")
+        cut = base.rfind("/")
+        if scheme < 0 and cut < 0:
+            cut = base.rfind(":")
+        if cut < 0 or (scheme >= 0 and (host_end < 0 or cut < host_end)):
+            raise OperationFailed(f"submodule URL {url!r} climbs above {parent_url!r}")
+        base = base[:cut] if base[cut] == "/" else base[:cut + 1]
+    return base + ("" if base.endswith(":") else "/") + rel
+
+
+def _entries(cache, p: Pin, m: gitcache.Mirror, commit: str, subdir: str | None, subs: depcheck.Submodules,
+             url: str, prefix: str, depth: int = 0) -> tuple[list[tarball.Entry], list[dict]]:
+    """Archive entries of ``commit`` (under ``subdir``) plus the submodules ``subs`` asks for, and
+    the list of submodules packed ({path, url, commit}, recursively, paths as in the archive)."""
+    listing = _local(lambda: tarball.list_tree(m, commit))
+    out: list[tarball.Entry] = []
+    links: dict[str, str] = {}
+    sub_prefix = (subdir.rstrip("/") + "/") if subdir else ""
+    for mode, sha, path in listing:
+        if sub_prefix and not path.startswith(sub_prefix):
+            continue
+        rel = path[len(sub_prefix):]
+        if mode == "160000":
+            links[path] = sha
+            continue
+        out.append(tarball.Entry(prefix + rel, mode, sha, m))
+    label = p.name + (f" ({prefix.rstrip('/')})" if prefix else "")
+    if subs.paths is not None:
+        missing = [w for w in subs.paths if w not in links]
+        if missing:
+            raise OperationFailed(
+                f"{label}: {', '.join(repr(w) for w in missing)} (from {subs.origin}) "
+                f"{'is not a submodule' if len(missing) == 1 else 'are not submodules'} of commit {commit[:12]}; "
+                f"its submodules: {', '.join(sorted(links)) or 'none'}",
+                hint=f"fix sources.{p.name}.submodules in image.yaml")
+        chosen = [(path, links[path]) for path in sorted(links) if path in subs.paths]
+    else:
+        chosen = sorted(links.items())
+    if not chosen:
+        return out, []
+    if depth > 8:
+        raise OperationFailed(f"{p.name}: submodules nested deeper than 8 levels")
+    urls = _gitmodules(m, commit)
+    jobs = []
+    for path, sha in chosen:
+        sub_url = urls.get(path)
+        if sub_url is None:
+            raise OperationFailed(f"{label}: submodule at {path!r} (commit {sha[:12]}) has no URL in .gitmodules "
+                                  f"of {commit[:12]}")
+        jobs.append((path, sha, resolve_submodule_url(url, sub_url)))
+    packed: list[dict] = []
+    nested = depcheck.Submodules(None if subs.recurse else [], subs.recurse, subs.origin)
+    for path, sha, sub_url in jobs:
+        sm = cache.mirror(sub_url)
+        missing = sm.missing([sha])
+        what = f"{p.name}:{prefix}{path}"
+        if missing:
+            if cache.offline:
+                raise gitcache.OfflineMissing(f"{what}: --offline: submodule commit {sha} is not in the cache {sm.path}",
+                                              hint="run prefetch once without --offline")
+            try:
+                sm.fetch([sha], what, shallow=True)
+            except gitcache.RemoteMissing as exc:
+                raise gitcache.RemoteMissing(
+                    f"{what}: submodule commit {sha} could not be fetched from {gitcache.redact(sub_url)}: "
+                    f"{exc.message.split(': ', 1)[-1]}",
+                    hint=f"if the build does not need {path}, list only the submodules it needs in "
+                    f"sources.{p.name}.submodules") from None
+        rel = path[len(sub_prefix):]
+        packed.append({"path": prefix + rel, "url": gitcache.redact(sub_url), "commit": sha})
+        sub_entries, sub_packed = _entries(cache, p, sm, sha, None, nested, sub_url, prefix + rel + "/", depth + 1)
+        out += sub_entries
+        packed += sub_packed
+    return out, packed
+
+
+def _gitmodules(m: gitcache.Mirror, commit: str) -> dict[str, str]:
+    r = m.git("config", "--blob", f"{commit}:.gitmodules", "-z", "--get-regexp", r"^submodule\..*\.(path|url)$",
+              check=False)
+    if r.returncode not in (0, 1):
+        return {}
+    paths: dict[str, str] = {}
+    urls: dict[str, str] = {}
+    for rec in r.stdout.decode("utf-8", "replace").split("\0"):
+        if not rec:
+            continue
+        key, _, value = rec.partition("\n")
+        name, _, kind = key[len("submodule."):].rpartition(".")
+        (paths if kind == "path" else urls)[name] = value
+    return {paths[n]: urls[n] for n in paths if n in urls}
+
+
+# ------------------------------------------------------------------------------------------------ housekeeping
+
+
+def _clean_stale_tmp(srcdir: Path) -> None:
+    """Remove temp files an interrupted prefetch left (their process is gone)."""
+    if not srcdir.is_dir():
+        return
+    for f in srcdir.glob(".*.tmp"):
+        parts = f.name.split(".")
+        pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            continue
+        try:
+            f.unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prune(srcdir: Path, keep: set[str]) -> None:
+    for f in srcdir.glob("*.tar.gz"):
+        if f.name not in keep:
+            try:
+                f.unlink()
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def render(report: Report) -> str:
+    lines = []
+    for ir in report.images:
+        lines.append(f"{ir.image}: {ir.status}  lock {ir.lock or '-'}  build id {ir.build_id or '-'}")
+        for name, e in sorted(ir.sources.items()):
+            prs = " ".join(f"#{x['number']}@{x['sha'][:12]}" for x in e.get("prs", []))
+            follows = f" ({e['follows']})" if e.get("follows") else ""
+            extra = f" (dependency of {e['dependency_of']})" if e.get("dependency_of") else ""
+            subs = e.get("submodules") or []
+            lines.append(f"  {name:<16} {e['ref'][:12]}{follows}{' + ' + prs if prs else ''}  tree {e['tree'][:12]}"
+                         f"{f' + {len(subs)} submodules' if isinstance(subs, list) and subs else ''}  "
+                         f"{e['tarball']}{extra}")
+            ov = e.get("override")
+            if isinstance(ov, dict):
+                lines.append(f"  {'':<16} override {ov['name']} ({'environment' if ov['via'] == 'env' else '-D'})")
+            for x in e.get("excluded") or []:
+                lines.append(f"  {'':<16} excluded {x['name']} ({x['file']}:{x['line']}): {x['reason']}")
+        for u in ir.pinned:
+            lines.append(f"  pinned {u['key']}: {u['from'] or '-'} -> {u['to']}")
+        for mv in ir.moved:
+            what = f"PR {mv['number']}" if "number" in mv else mv["ref"]
+            lines.append(f"  moved  {mv['source']} {what}: {mv['from'][:12]} -> {mv['to'][:12]}")
+        for s in ir.pr_states:
+            lines.append(f"  state  {s['source']} PR {s['number']}: {s['state']}"
+                         f"{' (merged)' if s.get('merged') else ''}")
+        for n in ir.notices:
+            lines.append(f"  note   {n}")
+        if ir.packages is not None:
+            lines += packages.render(ir.packages)
+    lines.append(f"network operations: {report.network_operations} (fetches {report.fetches}, "
+                 f"retries {report.retries}); cache {report.cache}")
+    return "\n".join(lines)

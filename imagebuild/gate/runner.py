@@ -1,0 +1,497 @@
+"""Gate an image: run its gate spec's checks inside a container of it, write a receipt.
+
+    spec (gatespec.py) + image ref
+      -> identity (identity.py, store-independent) + ``docker image inspect`` data
+      -> a keep-alive container: entrypoint overridden, ``--network none``, ``--gpus all`` only
+         when the host has NVIDIA GPUs
+      -> pytest, in-process, one test item per check; the items reach the container through
+         pytest-testinfra's docker backend (``docker exec``); gatechecks.py holds the kinds
+      -> log + receipt (receipts.py) keyed by the identity digest; the container is removed in
+         every case (also on Ctrl-C, SIGTERM or a timeout)
+
+``run_gate`` raises ``GateFailed`` (exit 4) after writing the receipt when the gate fails;
+``execute`` returns the receipt either way. Nothing here prints: progress goes to the
+``imagebuild`` logger (stderr), the CLI prints the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import os
+import platform
+import secrets
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from imagebuild import __version__
+from imagebuild.core import identity as identity_mod
+from imagebuild.core import run as run_mod
+from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
+from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
+from imagebuild.definition import gatespec
+from imagebuild.definition import reader as defn_mod
+from imagebuild.gate import checks as gatechecks
+from imagebuild.gate import receipts
+
+log = logging.getLogger("imagebuild")
+
+CANDIDATE_TAG = "candidate"
+CONTAINER_PREFIX = "imagebuild-gate-"
+CONTAINER_LABEL = "imagebuild.gate"
+# Works with busybox ash and dash/bash; keeps PID 1 alive and stops on TERM/INT.
+KEEPALIVE = 'trap "exit 0" TERM INT; sleep 2147483647 & wait'
+NO_GPU_ENV = "IMAGEBUILD_NO_GPU"
+
+
+def default_ref(image: str) -> str:
+    """The image a definition's gate runs against when no --ref is given."""
+    return f"{image}:{CANDIDATE_TAG}"
+
+
+# ------------------------------------------------------------------------------------------------ host
+
+
+def detect_gpus() -> list[str]:
+    """Names of the host's NVIDIA GPUs (``nvidia-smi``); empty without one or with IMAGEBUILD_NO_GPU=1.
+    With ``--engine`` the host is the engine's node (remote_engine.facts, over ssh)."""
+    if os.environ.get(NO_GPU_ENV) == "1":
+        return []
+    from imagebuild.core import remote_engine
+
+    eng = remote_engine.active()
+    if eng is not None:
+        return list(remote_engine.facts(eng).gpus or [])
+    if run_mod.which("nvidia-smi") is None:
+        return []
+    try:
+        proc = run_mod.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False, timeout=30)
+    except OperationFailed:
+        return []
+    if proc.returncode != 0:
+        return []
+    return [ln.strip() for ln in proc.stdout.decode("utf-8", "replace").splitlines() if ln.strip()]
+
+
+def _inspect(ref: str) -> dict:
+    return identity_mod.inspect_data(
+        ref, hint="docker image ls; build it first (imagebuild build), or pass --ref")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# ------------------------------------------------------------------------------------------------ target
+
+
+@dataclass(frozen=True)
+class Target:
+    root: Path  # where receipts go (the project root, or the current folder for a bare REF)
+    image: str | None  # definition name, None for a bare image reference
+    ref: str
+    spec_path: Path
+    spec_display: str
+    authority: str = receipts.AUTHORITY_AD_HOC  # "definition": the definition's own spec ran
+
+
+def resolve(root: Path | None, target: str, *, ref: str | None = None, spec: str | Path | None = None) -> Target:
+    """``IMAGE`` (a definition: its gate spec, ref ``IMAGE:candidate`` unless --ref) or ``REF`` + --spec."""
+    if root is not None and defn_mod.NAME_RE.match(target) and \
+            (root / defn_mod.IMAGES_DIR / target / defn_mod.IMAGE_FILE).is_file():
+        dfn = defn_mod.load(root, target)
+        if spec is None:
+            if dfn.gate is None:
+                raise UsageError(f"image {target!r} has no gate spec",
+                                 hint=f"create {defn_mod.IMAGES_DIR}/{target}/{defn_mod.DEFAULT_GATE_FILE} "
+                                 "(docs/gate.md) or set `gate:` in image.yaml")
+            spec_path = dfn.gate
+        else:
+            spec_path = Path(spec).resolve()
+        # only the definition's own spec file proves its gate; any other --spec is an ad-hoc run
+        own = dfn.gate is not None and spec_path.resolve() == Path(dfn.gate).resolve()
+        return Target(root, target, ref or default_ref(target), spec_path, _display(root, spec_path, spec),
+                      receipts.AUTHORITY_DEFINITION if own else receipts.AUTHORITY_AD_HOC)
+    if spec is None:
+        where = f"under {root / defn_mod.IMAGES_DIR}" if root else "(no project root found)"
+        raise UsageError(f"{target!r} is not an image definition {where}",
+                         hint="to gate an image reference, give its gate spec: imagebuild gate REF --spec FILE")
+    if ref is not None:
+        raise UsageError("--ref only goes with an IMAGE (a definition name); here REF is the image",
+                         hint=f"imagebuild gate {ref} --spec {spec}")
+    spec_path = Path(spec).resolve()
+    base = root or Path.cwd()
+    return Target(base, None, target, spec_path, _display(base, spec_path, spec))
+
+
+def _display(root: Path, path: Path, given=None) -> str:
+    shown = defn_mod.display_path(root, path)
+    return str(given) if given is not None and shown.startswith("../") else shown
+
+
+# ------------------------------------------------------------------------------------------------ pytest
+
+
+PLUGIN_KEY = pytest.StashKey["GatePlugin"]()
+
+
+@dataclass
+class _Result:
+    outcome: str = "failed"
+    detail: str = "not run"
+    duration_s: float = 0.0
+    ran: bool = False
+
+
+class GateFile(pytest.File):
+    def collect(self):
+        plugin = self.config.stash[PLUGIN_KEY]
+        for c in plugin.spec.checks:
+            yield GateItem.from_parent(self, name=c.id, check=c)
+
+
+class GateItem(pytest.Item):
+    def __init__(self, *, check: gatespec.Check, **kw):
+        super().__init__(**kw)
+        self.check = check
+        self.add_marker(pytest.mark.imagebuild_gate)
+
+    def runtest(self) -> None:
+        self.config.stash[PLUGIN_KEY].run_check(self.check)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, gatechecks.CheckFailed):
+            return excinfo.value.detail
+        return f"{excinfo.type.__name__}: {excinfo.value}"
+
+    def reportinfo(self):
+        return self.path, self.check.line - 1, f"{self.check.kind} check {self.check.id}"
+
+
+@dataclass
+class GatePlugin:
+    spec: gatespec.GateSpec
+    container: str
+    inspect: dict
+    gpu: bool
+    require_gpu: bool
+    transcript: list[str] = field(default_factory=list)
+    results: dict[str, _Result] = field(default_factory=dict)
+    collected: int = 0
+    timed_out: bool = False
+    _host: object = None
+
+    def pytest_configure(self, config) -> None:
+        config.stash[PLUGIN_KEY] = self
+        config.addinivalue_line("markers", "imagebuild_gate: a check of an imagebuild gate spec")
+
+    def pytest_collect_file(self, file_path, parent):
+        if Path(file_path) == self.spec.path:
+            return GateFile.from_parent(parent, path=file_path)
+        return None
+
+    def pytest_collection_modifyitems(self, items) -> None:
+        self.collected = len(items)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        cid = report.nodeid.rsplit("::", 1)[-1]
+        r = self.results.setdefault(cid, _Result())
+        r.duration_s += report.duration
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            r.ran = True
+            if report.passed:
+                r.outcome = "passed"
+            elif report.skipped and hasattr(report, "wasxfail"):
+                r.outcome = "warned"
+            elif report.skipped:
+                r.outcome = "skipped"
+            else:
+                r.outcome = "failed"
+                if r.detail == "not run":
+                    r.detail = report.longreprtext.strip().splitlines()[-1] if report.longreprtext else "failed"
+        elif report.when == "teardown" and report.failed:
+            r.outcome, r.detail = "failed", report.longreprtext.strip()[:300]
+        if report.when == "teardown":
+            log.info("  %-7s %s  %s", _LABEL[r.outcome], cid, r.detail)
+
+    # the one thing each item does
+    def run_check(self, check: gatespec.Check) -> None:
+        r = self.results.setdefault(check.id, _Result())
+        if check.requires_gpu and not self.gpu:
+            if self.require_gpu:
+                r.detail = "requires a GPU; this host has none (--require-gpu)"
+                pytest.fail(r.detail, pytrace=False)
+            r.detail = "requires a GPU; this host has none"
+            pytest.skip(r.detail)
+        if self.timed_out:
+            r.detail = f"not run: the gate timed out after {self.spec.timeout_s} s"
+            pytest.fail(r.detail, pytrace=False)
+        ctx = gatechecks.Context(self.host, self.spec.python, self.inspect, self.transcript.append)
+        try:
+            r.detail = gatechecks.CHECKS[check.kind](ctx, check)
+        except gatechecks.CheckFailed as exc:
+            r.detail = exc.detail
+            if self.timed_out:
+                r.detail = f"the gate timed out after {self.spec.timeout_s} s ({exc.detail})"
+            if check.severity == "warn":
+                pytest.xfail(r.detail)
+            raise
+        except Exception as exc:  # the check could not run (docker exec failed, ...): a failure too
+            r.detail = f"could not run: {type(exc).__name__}: {str(exc).strip()[:200]}"
+            if check.severity == "warn":
+                pytest.xfail(r.detail)
+            raise gatechecks.CheckFailed(r.detail) from exc
+
+    @property
+    def host(self):
+        if self._host is None:
+            import testinfra
+
+            self._host = testinfra.get_host(f"docker://{self.container}")
+        return self._host
+
+
+_LABEL = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIPPED", "warned": "WARN"}
+
+
+def _pytest_args(spec_path: Path, ini: Path, junit: Path | None) -> list[str]:
+    args = [str(spec_path), "-c", str(ini), "--rootdir", str(spec_path.parent), "--noconftest",
+            "-p", "no:cacheprovider", "-p", "no:faulthandler", "-p", "no:stepwise", "-p", "no:terminal",
+            "-s", "-o", "junit_suite_name=imagebuild-gate", "-o", "junit_family=xunit2",
+            "-o", "junit_logging=no", "-o", "console_output_style=classic"]
+    if junit is not None:
+        args += ["--junitxml", str(junit)]
+    return args
+
+
+@contextlib.contextmanager
+def _clean_pytest_env():
+    """No PYTEST_* of the caller; and pytest-testinfra's ``docker exec`` (its own subprocesses) reaches the
+    engine of the build (``--engine``: remote_engine.use), through this process's environment."""
+    from imagebuild.core import run as run_mod
+
+    saved = {k: os.environ.pop(k) for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS") if k in os.environ}
+    engine = run_mod.engine_env()
+    saved.update({k: os.environ[k] for k in engine if k in os.environ and k not in saved})
+    added = [k for k in engine if k not in os.environ]
+    for k, v in engine.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (e.g. a CI cancel) ends the gate like Ctrl-C: the container is still removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# ------------------------------------------------------------------------------------------------ container
+
+
+def _start_container(name: str, ref: str, identity_digest: str, gpu: bool) -> None:
+    # the owner label says which process gated (to find a leftover's owner: host and pid)
+    argv = ["docker", "run", "-d", "--name", name, "--label", f"{CONTAINER_LABEL}={identity_digest}",
+            "--label", f"{CONTAINER_LABEL}.owner={socket.gethostname()}:{os.getpid()}",
+            "--pull", "never", "--network", "none", "--entrypoint", "/bin/sh"]
+    if gpu:
+        argv += ["--gpus", "all"]
+    argv += [ref, "-c", KEEPALIVE]
+    run_mod.run(argv, timeout=120, hint="the gate needs /bin/sh in the image; with a GPU, the NVIDIA "
+                "container toolkit (docker run --gpus all)")
+
+
+def _remove_container(name: str) -> None:
+    with contextlib.suppress(OperationFailed):
+        run_mod.run(["docker", "rm", "-f", "-v", name], check=False, timeout=60)
+
+
+def _container_log(name: str) -> str:
+    try:
+        proc = run_mod.run(["docker", "logs", name], check=False, timeout=60)
+    except OperationFailed as exc:
+        return f"(docker logs failed: {exc.message})\n"
+    return proc.stdout.decode("utf-8", "replace")
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = None) -> receipts.Receipt:
+    """Run the gate for ``target``; write the log and the receipt; return the receipt (pass or fail)."""
+    spec = gatespec.load(target.spec_path, display=target.spec_display)  # exit 2 before touching docker
+    started, t0 = _now(), time.monotonic()
+    data = _inspect(target.ref)
+    ident = identity_mod.from_inspect(data)
+    gpus = detect_gpus()
+    gpu = bool(gpus)
+    log.info("gate %s (%s) with %s: %d check(s), %s", target.ref, ident.digest[:19], target.spec_display,
+             len(spec.checks), f"GPU: {gpus[0]}" if gpu else "no GPU on this host")
+
+    name = f"{CONTAINER_PREFIX}{ident.digest[7:19]}-{secrets.token_hex(4)}"
+    plugin = GatePlugin(spec, name, data, gpu, require_gpu)
+    container_log = ""
+    exit_code = None
+    reason = None
+    if not spec.checks:
+        reason = "no checks in the gate spec (a gate with zero checks fails)"
+    else:
+        watchdog = threading.Timer(spec.timeout_s, _timeout, args=(plugin, name))
+        watchdog.daemon = True
+        try:
+            with _sigterm_as_interrupt():
+                log.info("starting container %s (entrypoint overridden, --network none%s)", name,
+                         ", --gpus all" if gpu else "")
+                _start_container(name, target.ref, ident.digest, gpu)
+                watchdog.start()
+                with tempfile.TemporaryDirectory(prefix="imagebuild-gate-") as tmp, _clean_pytest_env():
+                    ini = Path(tmp) / "pytest.ini"
+                    ini.write_text("[pytest]\n", encoding="utf-8")
+                    # pytest writes the report beside its ini; it reaches --junit whole, in one rename,
+                    # creating the missing parent folders, and not at all when the run was interrupted
+                    tmp_junit = Path(tmp) / "junit.xml" if junit is not None else None
+                    exit_code = pytest.main(_pytest_args(spec.path, ini, tmp_junit), plugins=[plugin])
+                    if tmp_junit is not None and tmp_junit.is_file() and \
+                            exit_code != pytest.ExitCode.INTERRUPTED:
+                        atomic_write_bytes(Path(junit), tmp_junit.read_bytes())
+                if exit_code == pytest.ExitCode.INTERRUPTED:
+                    raise KeyboardInterrupt
+        finally:
+            watchdog.cancel()
+            if watchdog.is_alive():  # a timeout is removing the container right now: let it finish
+                watchdog.join(120)
+            container_log = _container_log(name)
+            _remove_container(name)
+        if exit_code == pytest.ExitCode.NO_TESTS_COLLECTED or plugin.collected == 0:
+            reason = "no checks collected (a gate with zero checks fails)"
+        elif exit_code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            reason = f"pytest ended with {pytest.ExitCode(exit_code).name}"
+        elif plugin.timed_out:
+            reason = f"the gate timed out after {spec.timeout_s} s"
+
+    checks = []
+    for c in spec.checks:
+        r = plugin.results.get(c.id) or _Result()
+        checks.append({"id": c.id, "kind": c.kind, "severity": c.severity, "requires_gpu": c.requires_gpu,
+                       "description": c.description, "outcome": r.outcome, "detail": r.detail,
+                       "duration_s": round(r.duration_s, 3)})
+    summary = {o: sum(1 for c in checks if c["outcome"] == o) for o in receipts.OUTCOMES}
+    summary["total"] = len(checks)
+    failed = [c for c in checks if c["outcome"] == "failed"]
+    if reason is None and failed:
+        reason = f"{len(failed)} check(s) failed: " + ", ".join(c["id"] for c in failed)
+    gpu_skipped = any(c["requires_gpu"] and c["outcome"] == "skipped" for c in checks)
+    spec_digest = "sha256:" + sha256_file(spec.path)
+    log_file = receipts.log_path(target.root, ident.digest, spec_digest)
+    doc = {
+        "schema": receipts.SCHEMA, "version": receipts.VERSION,
+        "result": "failed" if reason else "passed",
+        "reason": reason,
+        "authority": target.authority,
+        "identity": {"digest": ident.digest, **ident.document()},
+        "image": {"ref": target.ref, "definition": target.image, "local_id": ident.local_id},
+        "spec": {"file": target.spec_display, "sha256": spec_digest, "python": spec.python},
+        "require_gpu": require_gpu,
+        "gpu_checks_skipped": gpu_skipped,
+        "summary": summary,
+        "checks": checks,
+        "host": {"hostname": socket.gethostname(), "arch": platform.machine(), "gpus": gpus,
+                 "gpu_model": gpus[0] if gpus else None},
+        "imagebuild_version": __version__,
+        "run": {"started": started, "finished": _now(), "duration_s": round(time.monotonic() - t0, 3)},
+        "log": log_file.relative_to(receipts.receipts_dir(target.root).parent).as_posix(),
+    }
+    text = (f"# imagebuild gate {target.ref} {ident.digest} ({started})\n"
+            + "".join(t if t.endswith("\n") else t + "\n" for t in plugin.transcript)
+            + f"# container log ({name})\n" + container_log)
+    atomic_write_text(log_file, text)
+    return receipts.write(target.root, doc)
+
+
+def _timeout(plugin: GatePlugin, name: str) -> None:
+    plugin.timed_out = True
+    log.warning("gate timed out after %d s: removing container %s", plugin.spec.timeout_s, name)
+    _remove_container(name)
+
+
+def run_gate(root: Path, image: str | None, ref: str | None = None, *, require_gpu: bool = False,
+             junit: Path | None = None, spec: Path | None = None) -> receipts.Receipt:
+    """Gate ``image`` (a definition name; its gate spec) at ``ref`` (default ``IMAGE:candidate``),
+    or, with ``image=None``, the image ``ref`` against ``spec``. Raises ``GateFailed`` (exit 4)
+    after writing the receipt when the gate fails."""
+    if image is not None:
+        target = resolve(root, image, ref=ref, spec=spec)
+    else:
+        if ref is None or spec is None:
+            raise UsageError("gating an image reference needs both the reference and a spec")
+        target = resolve(root, ref, spec=spec)
+    receipt = execute(target, require_gpu=require_gpu, junit=junit)
+    if not receipt.passed:
+        raise failure(receipt)
+    return receipt
+
+
+def failure(receipt: receipts.Receipt) -> GateFailed:
+    d = receipt.data
+    return GateFailed(f"gate of {d['image']['ref']} failed: {d['reason']}",
+                      hint=f"the log of every command: {_shown(receipt.path.with_suffix('.log'))}; "
+                      f"the receipt: {_shown(receipt.path)}")
+
+
+def _shown(path: Path) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def render_table(receipt: receipts.Receipt, root: Path | None = None) -> str:
+    """The human table of a receipt: one row per check, then the verdict."""
+    d = receipt.data
+    rows = [(_LABEL[c["outcome"]] + (" (warn)" if c["severity"] == "warn" and c["outcome"] == "passed" else ""),
+             c["id"], c["kind"] + (" [gpu]" if c["requires_gpu"] else ""), c["detail"]) for c in d["checks"]]
+    head = ("RESULT", "CHECK", "KIND", "DETAIL")
+    w = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    lines = [f"gate {d['image']['ref']}  identity {d['identity']['digest']}",
+             f"spec {d['spec']['file']} ({d['spec']['sha256'][:19]}, {d['authority']})  host {d['host']['hostname']} ({d['host']['arch']}, "
+             f"{'GPU: ' + d['host']['gpu_model'] if d['host']['gpu_model'] else 'no GPU'})", ""]
+    lines += [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}" for r in [head, *rows]]
+    s = d["summary"]
+    verdict = "PASSED" if receipt.passed else "FAILED"
+    lines += ["", f"{verdict}: {s['passed']} passed, {s['failed']} failed, {s['warned']} warned, "
+              f"{s['skipped']} skipped of {s['total']}" + (f" ({d['reason']})" if d["reason"] else "")]
+    if d["gpu_checks_skipped"]:
+        lines.append("GPU checks skipped: no GPU on this host (run with a GPU, or --require-gpu to make that a "
+                     "failure)")
+    if d["authority"] == receipts.AUTHORITY_AD_HOC:
+        lines.append("ad-hoc spec: this receipt never authorizes a promotion (only the definition's own gate "
+                     "spec does)")
+    lines.append(f"receipt {_shown(receipt.path)}")
+    return "\n".join(lines)

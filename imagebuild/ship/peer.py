@@ -1,0 +1,491 @@
+"""A peer node as ``imagebuild sync`` sees it: one ssh connection (multiplexed), the shell agent
+(``peer_agent.py``) run through it, and what a probe learns about the peer.
+
+The peer is reached only through ``$IMAGEBUILD_SSH`` (remote.py) and its own ``docker`` CLI; never
+through a TCP socket of its engine. Nothing is installed there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imagebuild.core import remote
+from imagebuild.core.errors import GuardRefused, OperationFailed
+from imagebuild.ship import peer_agent
+
+log = logging.getLogger("imagebuild")
+
+# aes128-gcm moved data 1.5x faster than chacha20 on this machine class (../shared/FACTS.md); "^" puts
+# it first in ssh's own list, so a peer without it still negotiates
+DEFAULT_CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
+STAGING_REPO = "imagebuild-incoming"
+
+
+class PeerUnreachable(OperationFailed):
+    pass
+
+
+class AgentFailed(OperationFailed):
+    def __init__(self, host: str, code: str, message: str, output: str = ""):
+        self.host, self.code, self.detail, self.output = host, code, message, output
+        super().__init__(f"{host}: {message}")
+
+
+class AgentRefused(GuardRefused):
+    def __init__(self, host: str, message: str):
+        self.host = host
+        super().__init__(f"{host}: {message}")
+
+
+@dataclass
+class AgentResult:
+    host: str
+    rc: int
+    text: str
+    sections: dict[str, str]
+    sent: int  # bytes of script sent
+
+    def section(self, name: str) -> str:
+        return self.sections.get(name, "")
+
+    def lines(self, name: str) -> list[str]:
+        return [ln for ln in self.section(name).splitlines() if ln.strip()]
+
+
+def parse_sections(text: str) -> tuple[dict[str, str], tuple[str, str] | None]:
+    sections: dict[str, list[str]] = {}
+    cur = "_"
+    error = None
+    for line in text.splitlines():
+        if line.startswith("@@error "):
+            _, code, *msg = line.split(" ", 2)
+            error = (code, msg[0] if msg else "")
+            continue
+        if line.startswith("@@") and not line.startswith("@@rc "):
+            cur = line[2:].strip()
+            sections.setdefault(cur, [])
+            continue
+        sections.setdefault(cur, []).append(line)
+    return {k: "\n".join(v) for k, v in sections.items()}, error
+
+
+class Connection:
+    """One ssh session to a peer that runs the agent for the whole conversation: the library is sent
+    once, then each call is a frame (``@@call ID N`` + N bytes of script) answered by its output and
+    ``@@done ID RC``. One ssh connection and one remote shell per sync, whatever the number of steps
+    (each ssh session start costs 0.2-0.6 s: key exchange, the remote login shell). rsync opens its own
+    connection with the same options (``rsync_shell``). ``close()`` ends the session: the agent exits
+    when its stdin closes (a step that runs finishes first)."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.proc: subprocess.Popen | None = None
+        self.bytes_sent = 0
+        self._lines: queue.Queue = queue.Queue()
+        self._seq = 0
+        self._early: list[str] = []
+        self.timings: list[tuple[str, float]] = []  # (what, seconds) of the session start and each call
+        self.control: str | None = None  # the ssh control socket, once a master runs
+
+    # -- the ssh command line
+
+    def options(self) -> list[str]:
+        opts = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={remote.CONNECT_TIMEOUT_S}",
+                "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+        ciphers = os.environ.get("IMAGEBUILD_SYNC_CIPHERS", DEFAULT_CIPHERS)
+        if ciphers:
+            opts += ["-o", f"Ciphers={ciphers}"]
+        if self.control:
+            opts += ["-o", f"ControlPath={self.control}", "-o", "ControlMaster=no"]
+        return opts
+
+    # -- connection sharing
+
+    def _control_path(self) -> str | None:
+        """A control socket shared by the ssh calls of this user to this peer with this ssh command
+        (``IMAGEBUILD_SSH_MUX=0``: none). Its master persists 60 s after the last use, so a sync
+        started right after another (sync, then nightly's sync) skips the key exchange."""
+        if os.environ.get("IMAGEBUILD_SSH_MUX", "1") == "0":
+            return None
+        import hashlib
+
+        key = hashlib.sha256("\0".join([*remote.ssh_command(), self.host]).encode()).hexdigest()[:20]
+        d = Path(tempfile.gettempdir()) / f"imagebuild-sync-ssh-{os.getuid()}"
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            if d.stat().st_uid != os.getuid() or d.stat().st_mode & 0o077:
+                return None
+        except OSError:
+            return None
+        return str(d / key)
+
+    def _ensure_master(self, ctl: str) -> None:
+        base = [*remote.ssh_command(), "-o", f"ControlPath={ctl}"]
+        if subprocess.run([*base, "-O", "check", self.host], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0:
+            return
+        opts = [o for o in self.options() if not o.startswith(("ControlPath", "ControlMaster"))]
+        opts = [o for i, o in enumerate(opts) if not (o == "-o" and i + 1 < len(opts) and
+                                                       opts[i + 1].startswith(("ControlPath", "ControlMaster")))]
+        argv = [*base, "-f", "-N", "-o", "ControlMaster=yes", "-o", "ControlPersist=60", *opts, self.host]
+        log.debug("+ %s", shlex.join(argv))
+        # the master goes to the background once authenticated; its stderr goes to a file, never to a pipe
+        # that anyone waits on (it outlives this call)
+        with tempfile.TemporaryFile() as errf:
+            try:
+                rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errf,
+                                    timeout=60, start_new_session=True).returncode
+            except subprocess.TimeoutExpired:
+                raise PeerUnreachable(f"cannot reach {self.host} over ssh: no answer within 60 s",
+                                      hint=f"check `ssh {self.host} true`") from None
+            errf.seek(0)
+            err = errf.read().decode("utf-8", "replace")
+        if rc != 0:
+            raise self._unreachable(err, rc)
+
+    def ssh_argv(self, *remote_cmd: str) -> list[str]:
+        return [*remote.ssh_command(), *self.options(), self.host, *remote_cmd]
+
+    def rsync_shell(self) -> str:
+        """The ``rsync -e`` value: the same ssh command and options."""
+        return shlex.join([*remote.ssh_command(), *self.options()])
+
+    # -- the session
+
+    def open(self, timeout: float = 60) -> None:
+        """Start the session. Raises PeerUnreachable with ssh's own words."""
+        t_open = time.monotonic()
+        ctl = self._control_path()
+        if ctl:
+            self._ensure_master(ctl)
+            self.control = ctl
+        boot = (peer_agent.AGENT + peer_agent.LOOP).encode()
+        argv = self.ssh_argv(f"sh -c 'eval \"$(head -c {len(boot)})\"'")
+        log.debug("+ %s", shlex.join(argv))
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT)
+        except FileNotFoundError:
+            raise OperationFailed(f"{argv[0]}: command not found", hint="install an ssh client") from None
+        threading.Thread(target=self._reader, daemon=True, name=f"ssh-{self.host}").start()
+        try:
+            self.proc.stdin.write(boot)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        self.bytes_sent += len(boot)
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self._next(deadline)
+            if line is None:
+                self._kill()
+                text = "\n".join(self._early)
+                rc = self.proc.returncode if self.proc.returncode is not None else 255
+                raise self._unreachable(text, rc) if rc == 255 or not text.startswith("@@") else \
+                    AgentFailed(self.host, "start", f"the agent did not start: {text[-300:]}")
+            if line.startswith("@@ready"):
+                self.timings.append(("ssh session", round(time.monotonic() - t_open, 3)))
+                return
+            self._early.append(line)
+
+    def _reader(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            self._lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+        self._lines.put(None)
+
+    def _next(self, deadline: float | None) -> str | None:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                line = self._lines.get(timeout=wait)
+            except queue.Empty:
+                raise OperationFailed(f"{self.host}: no answer from the peer within the time allowed") from None
+            if line is None:
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+                return None
+            return line
+
+    def _unreachable(self, text: str, rc: int) -> PeerUnreachable:
+        lines = [ln for ln in text.strip().splitlines() if ln.strip() and "Warning: Permanently added" not in ln]
+        why = lines[-1] if lines else f"ssh exit {rc}"
+        return PeerUnreachable(f"cannot reach {self.host} over ssh: {why}",
+                               hint=f"make `ssh {self.host} true` work without a password (check the host name, "
+                               "~/.ssh/config, $IMAGEBUILD_SSH)")
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        self.proc = None
+
+    def agent(self, *lines: str, timeout: float | None = 120, what: str = "") -> AgentResult:
+        """Run the agent steps ``lines`` as one call. Raises PeerUnreachable (the session broke),
+        AgentRefused (a peer-side guard) or AgentFailed (``@@error``)."""
+        if self.proc is None:
+            self.open()
+        self._seq += 1
+        body = peer_agent.script(*lines).encode()
+        frame = f"@@call {self._seq} {len(body)}\n".encode() + body
+        log.debug("%s: agent call %d (%s, %d bytes)", self.host, self._seq, what or "step", len(frame))
+        try:
+            self.proc.stdin.write(frame)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise PeerUnreachable(f"the ssh session to {self.host} ended", hint="rerun imagebuild sync") from None
+        self.bytes_sent += len(frame)
+        t_call = time.monotonic()
+        deadline = None if timeout is None else t_call + timeout
+        out: list[str] = []
+        rc = None
+        while True:
+            line = self._next(deadline)
+            if line is None:
+                raise PeerUnreachable(f"the ssh session to {self.host} ended during {what or 'a step'}: "
+                                      f"{(out or ['no output'])[-1]}", hint="rerun imagebuild sync")
+            if line.startswith(f"@@done {self._seq} "):
+                rc = int(line.split()[2])
+                break
+            out.append(line)
+        self.timings.append((what or "step", round(time.monotonic() - t_call, 3)))
+        text = "\n".join(out)
+        sections, error = parse_sections(text)
+        if error is not None:
+            code, msg = error
+            if code == "refused":
+                raise AgentRefused(self.host, msg)
+            raise AgentFailed(self.host, code, msg, text)
+        if rc != 0:
+            tail = "\n".join(text.strip().splitlines()[-5:])
+            raise AgentFailed(self.host, "exit", f"{what or 'the peer agent'} exited {rc}: {tail}", text)
+        return AgentResult(self.host, rc, text, sections, len(frame))
+
+
+# ------------------------------------------------------------------------------------------------ probe
+
+
+def chain_ids(diff_ids: list[str]) -> list[str]:
+    """The layer chain ids (OCI image spec): what an engine keys an unpacked layer stack by."""
+    import hashlib
+
+    out: list[str] = []
+    for d in diff_ids:
+        out.append(d if not out else "sha256:" + hashlib.sha256(f"{out[-1]} {d}".encode()).hexdigest())
+    return out
+
+
+@dataclass
+class DiskFree:
+    available: int  # bytes
+    mount: str
+    path: str
+
+
+def _df(line: str) -> DiskFree | None:
+    parts = line.split()
+    if len(parts) < 6:
+        return None
+    try:
+        return DiskFree(int(parts[3]) * 1024, parts[5], "")
+    except ValueError:
+        return None
+
+
+@dataclass
+class PeerImage:
+    id: str
+    tags: list[str]
+    layers: list[str]
+
+
+@dataclass
+class PeerState:
+    """What one probe learned (read only: a probe changes nothing on the peer)."""
+
+    host: str
+    cache: str = ""
+    tools: dict[str, str] = field(default_factory=dict)
+    rsync_version: str = ""
+    rsync_zstd: bool = False
+    docker_error: str | None = None  # None: the engine answered
+    engine: dict = field(default_factory=dict)  # docker info
+    containerd_store: bool = False
+    df_cache: DiskFree | None = None
+    df_docker: DiskFree | None = None
+    images: list[PeerImage] = field(default_factory=list)
+    listing: list[tuple[str, str]] = field(default_factory=list)  # (id, repo:tag) from docker image ls
+    target: dict | None = None  # docker image inspect of the target ref
+    staging: dict | None = None
+    containers: list[dict] = field(default_factory=list)  # running: id, image (id), config_image, name
+    incoming: dict[str, int] = field(default_factory=dict)  # hex -> size of files in incoming/
+    records: list[dict] = field(default_factory=list)
+    pending: list[dict] = field(default_factory=list)
+    has_receipt: bool = False
+    quick: bool = False  # only the target was inspected (it is the image already)
+
+    @property
+    def store(self) -> str:
+        return "containerd" if self.containerd_store else "classic"
+
+    @property
+    def server_version(self) -> str:
+        return str(self.engine.get("ServerVersion") or "?")
+
+    def chains(self) -> set[str]:
+        out: set[str] = set()
+        for im in self.images:
+            out.update(chain_ids(im.layers))
+        return out
+
+    def image_ids(self) -> set[str]:
+        return {im.id for im in self.images}
+
+    def known_blobs(self) -> set[str]:
+        """Blob digests the peer's content store holds for sure: those of images this tool loaded there
+        that the engine still has (a containerd store keeps an image's content while the image exists)."""
+        ids = self.image_ids()
+        out: set[str] = set()
+        for r in self.records:
+            if r.get("image_id") in ids:
+                out.update(r.get("blobs") or [])
+        return out
+
+    def listed(self, image_id: str) -> list[str]:
+        return [tag for i, tag in self.listing if i == image_id]
+
+
+def _json_or_none(text: str):
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("@@")).strip()
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _first_inspect(text: str) -> dict | None:
+    data = _json_or_none(text)
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        return data[0]
+    return None
+
+
+def _norm_ref(ref: str) -> str:
+    return ref.removeprefix("docker.io/").removeprefix("library/")
+
+
+def _inspect_for(items: list, ref: str | None) -> dict | None:
+    """The object of ``docker image inspect A B`` whose tags include ``ref``."""
+    if not ref or not isinstance(items, list):
+        return None
+    want = _norm_ref(ref)
+    for it in items:
+        if isinstance(it, dict) and any(_norm_ref(t) == want for t in it.get("RepoTags") or []):
+            return it
+    return None
+
+
+def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
+                staging_ref: str | None = None) -> PeerState:
+    st = PeerState(host)
+    for line in res.lines("meta"):
+        k, _, v = line.partition(" ")
+        if k == "cache":
+            st.cache = v.strip()
+        elif k == "tool":
+            name, _, path = v.partition(" ")
+            if path.strip():
+                st.tools[name] = path.strip()
+    st.has_receipt = "present" in res.section("receipt")
+    if "quick" in res.sections:  # the target already is the image: only what the no-op needs was asked
+        st.quick = True
+        st.target = _first_inspect(res.section("target"))
+        st.listing = [tuple(ln.split(" ", 1)) for ln in res.lines("target-listed") if " " in ln]
+        return st
+    st.rsync_version = (res.lines("rsync") or [""])[0]
+    st.rsync_zstd = "zstd" in res.section("rsync")
+    st.df_cache = _df((res.lines("df-cache") or [""])[-1])
+    if "docker" not in st.tools:
+        st.docker_error = "docker: command not found on the peer"
+        return st
+    info_text = res.section("info").strip()
+    info = None
+    for line in reversed(info_text.splitlines()):
+        info = _json_or_none(line)
+        if isinstance(info, dict):
+            break
+    if not isinstance(info, dict) or not info.get("ServerVersion"):
+        why = next((ln for ln in info_text.splitlines() if "Cannot connect" in ln or "rror" in ln),
+                   info_text.splitlines()[-1] if info_text else "docker info failed")
+        st.docker_error = f"the peer's Docker engine does not answer: {why.strip()[:200]}"
+        return st
+    st.engine = info
+    status = dict(info.get("DriverStatus") or [])
+    st.containerd_store = str(info.get("Driver", "")).startswith("overlayfs") or \
+        "io.containerd" in str(status.get("driver-type", ""))
+    st.df_docker = _df((res.lines("df-docker") or [""])[-1])
+    for line in res.lines("images"):
+        parts = line.split("\t")
+        if len(parts) != 3:
+            continue
+        tags, layers = _json_or_none(parts[1]) or [], _json_or_none(parts[2]) or []
+        st.images.append(PeerImage(parts[0], list(tags), list(layers)))
+    for line in res.lines("target-listed"):
+        i, _, tag = line.partition(" ")
+        st.listing.append((i, tag))
+    refs = _json_or_none(res.section("refs")) or []
+    st.target = _inspect_for(refs, target_ref)
+    st.staging = _inspect_for(refs, staging_ref)
+    for line in res.lines("containers"):
+        parts = line.split("\t")
+        if len(parts) == 4:
+            st.containers.append({"id": parts[0], "image": parts[1], "config_image": parts[2],
+                                  "name": parts[3].lstrip("/")})
+    for line in res.lines("incoming"):
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[0].isdigit():
+            st.incoming[os.path.basename(parts[2])] = int(parts[0])
+    st.records = [r for r in (_json_or_none(ln.split(" ", 1)[1]) for ln in res.lines("records") if " " in ln)
+                  if isinstance(r, dict)]
+    st.pending = [r for r in (_json_or_none(ln.split(" ", 1)[1]) for ln in res.lines("pending") if " " in ln)
+                  if isinstance(r, dict)]
+    return st
+
+
+def probe(conn: Connection, target_ref: str, staging_ref: str, identity_hex: str, spec_hex: str | None,
+          quick_ids: list[str] | None = None) -> PeerState:
+    """Read-only. With ``quick_ids`` (engine ids the image has on some store: its index, manifest or
+    config digest), a peer whose target already has one of them answers only what the no-op needs."""
+    res = conn.agent(peer_agent.call("ib_probe", target_ref, staging_ref, identity_hex, spec_hex or "-",
+                                     ",".join(quick_ids or [])), timeout=120, what="the probe")
+    return parse_probe(conn.host, res, target_ref, staging_ref)
+
+
+def wait_text(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(seconds))

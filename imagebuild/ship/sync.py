@@ -1,0 +1,882 @@
+"""``imagebuild sync PEER...``: put the gated image on peer nodes, sending only what they lack, verified.
+
+Per peer (several in parallel, ``jobs``), in this order; nothing on the peer changes before step 4:
+
+1. **Preflight** (one read-only probe over ssh): the peer is reachable, has docker and an engine,
+   rsync, flock; which layers its engine already holds (by chain id) and, on a containerd-store
+   peer, which blobs its content store holds (the images this tool loaded there and that still
+   exist); running containers on the tag that would move; free disk for the transfer and the load.
+   A peer whose tag already holds the identity is skipped ("unchanged").
+2. **Transfer** of only the missing layer blobs, by digest, with rsync into the peer's cache
+   (``$CACHE/incoming/<hex>``): ``--partial --append-verify``, so an interrupted transfer resumes
+   where it stopped and the resumed file is checked whole. The blobs are read where they already
+   are on this host (localblobs.py), never exported first.
+3. **Load** on the peer: an OCI layout (index.json, manifest.json for the classic store) holding
+   the image's manifest and config and only the missing layers, hard-linked from the cache, piped
+   into the peer's own ``docker load`` under a staging name (``imagebuild-incoming:<identity>``).
+4. **Verify**: the staging image's store-independent identity (identity.py, computed from the
+   peer's own ``docker image inspect``) must equal the source's; it must be listed by
+   ``docker image ls`` and run (``docker run --rm --pull never ... /bin/sh -c true``).
+5. **Promote** on the peer: the old tag becomes ``:previous`` (for ``:local``), the tag moves to the
+   verified image id, the gate receipt is carried into the peer's cache (``receipts/``), a record
+   is written; the cached blobs of this run are removed (the engine holds them now).
+
+Refusals (exit 3) happen before any byte moves: no passing gate receipt of the definition's
+current spec (unless ``force``), a running container on the tag (unless ``force``), too little
+disk. Docs: docs/sync.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from imagebuild.core import config as config_mod
+from imagebuild.core import identity as identity_mod
+from imagebuild.core import run as run_mod
+from imagebuild.core.errors import GuardRefused, OperationFailed, UsageError
+from imagebuild.definition import reader as defn_mod
+from imagebuild.ship import localblobs, peer_agent
+from imagebuild.ship import peer as peer_mod
+
+log = logging.getLogger("imagebuild")
+
+SCHEMA = "imagebuild.sync"
+VERSION = 1
+RECORD_SCHEMA = "imagebuild.peer-record"
+STATUSES = ("synced", "unchanged", "failed", "refused", "dry-run")
+DEFAULT_MIN_FREE_GIB = 1.0
+PROGRESS_EVERY_S = 2.0
+INLINE_LAYERS_MAX = 4 << 20  # missing layers up to this much travel inside the load call (no rsync)
+LOAD_TIMEOUT_S = 6 * 3600
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class PeerResult:
+    peer: str
+    status: str  # "synced" | "unchanged" | "failed" | "refused" | "dry-run"
+    bytes_sent: int
+    seconds: float
+    message: str
+    identity: str | None  # the identity verified on the peer
+    store: str | None = None  # the peer's image store: classic | containerd
+    layers_sent: int = 0
+    layers_total: int = 0
+    details: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"peer": self.peer, "status": self.status, "bytes_sent": self.bytes_sent,
+                "seconds": round(self.seconds, 3), "message": self.message, "identity": self.identity,
+                "store": self.store, "layers_sent": self.layers_sent, "layers_total": self.layers_total,
+                "details": self.details}
+
+
+@dataclass
+class SyncReport:
+    image: str | None
+    ref: str
+    identity: str
+    peers: list[PeerResult]
+    receipt: dict | None = None  # {"spec", "authority", "result"} of the receipt that authorized it
+    forced: bool = False
+    source: str | None = None  # where the blobs were read: content-store | docker-save
+    via: str = "ssh"  # ssh | registry (registry_sync.py)
+    registry: dict | None = None  # with --via registry: what was pushed where (registry_sync.Delivery)
+
+    @property
+    def ok(self) -> bool:
+        return all(p.status in ("synced", "unchanged", "dry-run") for p in self.peers)
+
+    @property
+    def exit_code(self) -> int:
+        from imagebuild.core.errors import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
+
+        if self.ok:
+            return EXIT_OK
+        bad = [p for p in self.peers if p.status not in ("synced", "unchanged", "dry-run")]
+        return EXIT_REFUSED if all(p.status == "refused" for p in bad) else EXIT_FAILED
+
+    def have_image(self) -> list[str]:
+        return [p.peer for p in self.peers if p.status in ("synced", "unchanged")]
+
+    def as_dict(self) -> dict:
+        return {"schema": SCHEMA, "version": VERSION, "image": self.image, "ref": self.ref,
+                "identity": self.identity, "ok": self.ok, "forced": self.forced, "source": self.source,
+                "receipt": self.receipt, "peers": [p.as_dict() for p in self.peers],
+                "have_image": self.have_image(), "via": self.via, "registry": self.registry}
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+
+def resolve_peers(root: Path | None, peers: list[str]) -> list[str]:
+    """Peer names: SSH destinations, or ``@NAME`` for a named list of the project config
+    (``peer_lists:``); none given: the config's ``peers:``."""
+    cfg = config_mod.load(root)
+    out: list[str] = []
+    for p in peers or []:
+        if p.startswith("@"):
+            lists = getattr(cfg, "peer_lists", {}) or {}
+            if p[1:] not in lists:
+                known = ", ".join("@" + k for k in sorted(lists)) or "none"
+                raise UsageError(f"no peer list {p!r} in {config_mod.CONFIG_FILE}",
+                                 hint=f"named lists: {known} (peer_lists: {{{p[1:]}: [dgx4, dgx5]}})")
+            out += lists[p[1:]]
+        else:
+            out.append(p)
+    if not peers:
+        out = list(cfg.peers)
+    if not out:
+        raise UsageError("no peer to sync to",
+                         hint="name one (imagebuild sync dgx4) or list them in imagebuild.yaml (peers: [dgx4])")
+    for p in out:
+        if not p or p.startswith("-") or any(c.isspace() for c in p):
+            raise UsageError(f"not an SSH destination: {p!r}", hint="dgx4, user@host or an ssh config alias")
+    return list(dict.fromkeys(out))
+
+
+def resolve_image(root: Path | None, image: str | None, ref: str | None) -> tuple[str | None, str]:
+    """(definition name or None, image reference). IMAGE means IMAGE:local."""
+    if image and ref:
+        raise UsageError("give the image or a reference, not both")
+    if image and any(c in image for c in ":/@"):
+        image, ref = None, image
+    if image:
+        defn_mod.check_image_name(image)
+        if root is None or not (Path(root) / defn_mod.IMAGES_DIR / image).is_dir():
+            raise UsageError(f"no image definition {image!r} (docker-images/{image}/)",
+                             hint="imagebuild list; or pass a full reference: --image NAME:TAG")
+        return image, f"{image}:local"
+    if ref:
+        repo = _repo(ref)
+        known = root is not None and "/" not in repo and (Path(root) / defn_mod.IMAGES_DIR / repo).is_dir()
+        return (repo if known else None), ref
+    names = defn_mod.list_images(root) if root is not None else []
+    if len(names) == 1:
+        return names[0], f"{names[0]}:local"
+    raise UsageError("which image? (--image IMAGE or --image REF)",
+                     hint=f"definitions here: {', '.join(names) or 'none'}")
+
+
+def _repo(ref: str) -> str:
+    if "@" in ref:
+        return ref.split("@", 1)[0]
+    last = ref.rsplit("/", 1)[-1]
+    return ref.rsplit(":", 1)[0] if ":" in last else ref
+
+
+def _tag(ref: str) -> str | None:
+    last = ref.rsplit("/", 1)[-1]
+    return last.rsplit(":", 1)[1] if ":" in last and "@" not in ref else None
+
+
+def previous_ref(ref: str) -> str | None:
+    """What the replaced image is kept as: ``NAME:previous`` when ``ref`` is ``NAME:local``."""
+    return f"{_repo(ref)}:previous" if _tag(ref) == "local" else None
+
+
+def staging_ref(identity: str) -> str:
+    return f"{peer_mod.STAGING_REPO}:{identity.split(':', 1)[1][:24]}"
+
+
+def _hexof(digest: str | None) -> str:
+    return digest.split(":", 1)[1] if digest else "-"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _gib_env(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    try:
+        return float(v) if v else default
+    except ValueError:
+        raise UsageError(f"{name}={v!r}: expected a number of GiB") from None
+
+
+# ------------------------------------------------------------------------------------------------ compression
+
+
+@dataclass(frozen=True)
+class Compression:
+    args: tuple[str, ...]
+    why: str
+
+
+_LINK_RATES: dict[str, float] = {}
+
+
+def _measure_link(conn: peer_mod.Connection, nbytes: int = 32 << 20) -> float:
+    """Bytes per second through ``conn`` (incompressible data into the peer's /dev/null)."""
+    if conn.host in _LINK_RATES:
+        return _LINK_RATES[conn.host]
+    # timed on the peer, after a first MiB: the connection's set-up is not part of the rate
+    warm = 1 << 20
+    cmd = (f"sh -c 'head -c {warm} >/dev/null; a=$(date +%s.%N); head -c {nbytes} >/dev/null; "
+           "b=$(date +%s.%N); echo \"$a $b\"'")
+    t0 = time.monotonic()
+    out = run_mod.output(conn.ssh_argv(cmd), input=os.urandom(warm + nbytes), timeout=120)
+    try:
+        a, b = (float(x) for x in out.split()[-2:])
+        took = b - a
+    except ValueError:
+        took = time.monotonic() - t0
+    rate = nbytes / max(took, 1e-3)
+    conn.bytes_sent += warm + nbytes
+    _LINK_RATES[conn.host] = rate
+    return rate
+
+
+def _zstd_rate(sample: bytes) -> tuple[float, float] | None:
+    """(bytes/s, ratio) of ``zstd -1`` on ``sample`` (None without zstd)."""
+    if not run_mod.which("zstd"):
+        return None
+    t0 = time.monotonic()
+    out = run_mod.run(["zstd", "-1", "-c", "-q"], input=sample, timeout=60).stdout
+    return len(sample) / max(time.monotonic() - t0, 1e-3), len(out) / max(len(sample), 1)
+
+
+def choose_compression(conn: peer_mod.Connection, st: peer_mod.PeerState, layers: list[localblobs.Layer],
+                       files: dict[str, Path]) -> Compression:
+    """Compression on the wire: ``IMAGEBUILD_SYNC_COMPRESS`` = auto (default) | none | zstd[:LEVEL].
+
+    auto: layers that are already compressed (gzip, zstd: what the containerd store holds) are sent
+    as they are; for uncompressed layers (the classic store's docker save) the link is measured
+    (32 MiB through the same ssh) and zstd -1 on a sample of the data, and rsync compresses with
+    zstd only when that is clearly faster than sending plain (compression must never be the
+    bottleneck: on a 200 Gb/s link it is not used)."""
+    mode = os.environ.get("IMAGEBUILD_SYNC_COMPRESS", "auto").strip().lower()
+    if mode in ("none", "off", "0", ""):
+        return Compression((), "off (IMAGEBUILD_SYNC_COMPRESS=none)")
+    if mode.startswith("zstd"):
+        level = mode.partition(":")[2] or "1"
+        if not st.rsync_zstd:
+            return Compression((), f"off: the peer's rsync has no zstd ({st.rsync_version})")
+        return Compression(("--compress", "--compress-choice=zstd", f"--compress-level={level}"),
+                           f"zstd -{level} (IMAGEBUILD_SYNC_COMPRESS)")
+    if mode != "auto":
+        raise UsageError(f"IMAGEBUILD_SYNC_COMPRESS={mode!r}: expected auto, none or zstd[:LEVEL]")
+    plain = [la for la in layers if not la.compressed]
+    plain_bytes = sum(la.size for la in plain)
+    if plain_bytes < (64 << 20):
+        return Compression((), "off: the layers are compressed already" if layers else "off: nothing to send")
+    if not st.rsync_zstd:
+        return Compression((), "off: the peer's rsync has no zstd")
+    biggest = max(plain, key=lambda la: la.size)
+    try:
+        with open(files[biggest.digest], "rb") as f:
+            f.seek(min(biggest.size // 3, max(0, biggest.size - (16 << 20))))
+            sample = f.read(16 << 20)
+    except OSError:
+        return Compression((), "off: cannot sample the data")
+    z = _zstd_rate(sample)
+    if z is None:
+        return Compression((), "off: no zstd here to measure it")
+    zrate, ratio = z
+    link = _measure_link(conn)
+    t_plain = plain_bytes / link
+    t_zstd = max(plain_bytes / zrate, plain_bytes * ratio / link)
+    facts = f"link {human(link)}/s, zstd -1 {human(zrate)}/s at ratio {ratio:.2f}"
+    if t_zstd < 0.8 * t_plain:
+        return Compression(("--compress", "--compress-choice=zstd", "--compress-level=1"), f"zstd -1 ({facts})")
+    return Compression((), f"off ({facts}: sending plain is as fast)")
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+class _Shared:
+    """What every peer's worker shares: the source image, the verifier, the options."""
+
+    def __init__(self, root, image, ref, img: localblobs.LocalImage, receipt: dict | None, spec: str | None,
+                 force: bool, dry_run: bool):
+        self.root, self.image, self.ref, self.img = root, image, ref, img
+        self.receipt, self.spec, self.force, self.dry_run = receipt, spec, force, dry_run
+        self.verifier = localblobs.Verifier()
+        self.lock = threading.Lock()
+        self.verified: set[str] = set()
+        self.sessions: dict[str, _Session] = {}
+        self.identity = img.identity.digest
+        self.staging = staging_ref(self.identity)
+        self.previous = previous_ref(ref)
+        self.quick_ids = list(dict.fromkeys([img.target.digest, *img.inline]))
+        self.pauses = {p.strip() for p in os.environ.get("IMAGEBUILD_SYNC_PAUSE", "").split(",") if p.strip()}
+        self.worker = _PeerSync  # per peer; registry_sync.RegistryPeerSync with --via registry
+        self.delivery = None  # registry_sync.Delivery with --via registry
+
+    def verify_files(self, layers) -> None:
+        """Every blob file we send is first checked against its digest (once per file)."""
+        for la in layers:
+            with self.lock:
+                if la.digest in self.verified:
+                    continue
+                path = self.img.files[la.digest]
+                if not self.verifier.check(path, la.digest):
+                    raise OperationFailed(f"the local blob {path} does not match its digest {la.digest}",
+                                          hint="IMAGEBUILD_SYNC_SOURCE=save reads the image with docker save instead")
+                self.verified.add(la.digest)
+
+    def pause(self, phase: str, host: str) -> None:
+        """Test and debug hook: IMAGEBUILD_SYNC_PAUSE=PHASE[,PHASE] stops before that phase (transfer,
+        load, promote) for up to an hour, so a test can kill the sender at a known point."""
+        if phase in self.pauses:
+            log.info("%s: paused before %s (IMAGEBUILD_SYNC_PAUSE)", host, phase)
+            time.sleep(3600)
+
+
+def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | None = None, jobs: int = 4,
+         force: bool = False, dry_run: bool = False, via: str = "ssh", registry=None,
+         tunnel: bool | None = None) -> SyncReport:
+    """Put ``ref`` (default ``image:local``) on every peer; returns the report (see the module doc).
+    ``via="registry"`` (with ``registry``, a registry.Registry): the peers pull it from there
+    (registry_sync.py); ``tunnel``: through an ssh tunnel (None: when the registry is this host's
+    loopback)."""
+    from imagebuild.build import promote as promote_mod
+    from imagebuild.gate import receipts as receipts_mod
+
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs}: expected 1 or more")
+    peers = resolve_peers(root, peers)
+    image, ref = resolve_image(root, image, ref)
+    # the ssh sessions start now, while the image is read here (a session start costs 0.2-0.7 s)
+    sessions = {p: _Session(p, start=i < jobs) for i, p in enumerate(peers)}
+    try:
+        img = localblobs.load(ref)
+    except BaseException:
+        for sess in sessions.values():
+            sess.close()
+        raise
+    ident = img.identity.digest
+    spec = promote_mod.current_spec_digest(root, image) if (image and root is not None) else None
+    receipt = receipts_mod.find_passing(Path(root), ident, spec) if spec else None
+    rinfo = None
+    if receipt:
+        rinfo = {"spec": spec, "authority": receipt.get("authority"), "result": receipt.get("result"),
+                 "gpu_checks_skipped": bool(receipt.get("gpu_checks_skipped"))}
+    if receipt is None:
+        if spec is None and image is None:
+            why = (f"{ref} is not an image of this project (no docker-images/{_repo(ref)}/): no gate spec can "
+                   "authorize it")
+        elif spec is None:
+            why = f"{image} has no gate spec: nothing can authorize syncing {ref}"
+        else:
+            why = (f"{ref} ({ident}) has no passing receipt of {image}'s current gate spec ({spec[:19]})")
+        if not force:
+            for sess in sessions.values():
+                sess.close()
+            hint = f"imagebuild gate {image} --ref {ref}" if image else "gate it, or --force"
+            log.warning("refused: %s (%s; --force syncs it anyway)", why, hint)
+            return SyncReport(image, ref, ident, [PeerResult(p, "refused", 0, 0.0, f"{why}; {hint}, or --force", None)
+                                                  for p in peers], None, False, img.source)
+        log.warning("warning: %s; syncing anyway (--force)", why)
+    where = "the engine's content store" if img.source == "content-store" else "docker save (spooled)"
+    log.info("sync %s (identity %s, %d layers, %s; blobs read from %s) to %s", ref, ident, len(img.layers),
+             human(img.compressed_size()), where, ", ".join(peers))
+    shared = _Shared(root, image, ref, img, receipt, spec, force, dry_run)
+    shared.sessions = sessions
+    if via == "registry":
+        from imagebuild.ship import registry_sync
+
+        shared.worker = registry_sync.RegistryPeerSync
+        shared.delivery = registry_sync.Delivery(registry, image, ref, ident, tunnel)
+        if not dry_run:
+            try:
+                shared.delivery.publish()
+            except BaseException:
+                for sess in sessions.values():
+                    sess.close()
+                raise
+    results: dict[str, PeerResult] = {}
+    try:
+        _run_parallel(shared, peers, jobs, results)
+    finally:
+        shared.verifier.save()
+        for sess in sessions.values():
+            sess.close()
+    report = SyncReport(image, ref, ident, [results[p] for p in peers], rinfo, bool(force and receipt is None),
+                        img.source, via, shared.delivery.as_dict() if shared.delivery is not None else None)
+    return report
+
+
+class _Session:
+    """A peer's ssh session, opened in the background as soon as the peers are known (the first
+    ``jobs`` of them; the others when their turn comes)."""
+
+    def __init__(self, host: str, start: bool = True):
+        self.conn = peer_mod.Connection(host)
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.thread is None and not self._closed:
+                self.thread = threading.Thread(target=self._open, daemon=True, name=f"open-{self.conn.host}")
+                self.thread.start()
+
+    def _open(self) -> None:
+        try:
+            self.conn.open()
+        except BaseException as exc:  # noqa: BLE001 - reported by the peer's worker
+            self.error = exc
+        with self._lock:
+            if self._closed:  # closed while it was opening: end it now
+                self.conn.close()
+
+    def get(self) -> peer_mod.Connection:
+        self.start()
+        while self.thread is not None and self.thread.is_alive():
+            self.thread.join(0.2)
+        if self.error is not None:
+            raise self.error
+        return self.conn
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            opening = self.thread is not None and self.thread.is_alive()
+        if not opening:
+            try:
+                self.conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _run_parallel(shared: _Shared, peers: list[str], jobs: int, results: dict[str, PeerResult]) -> None:
+    """Daemon threads (a Ctrl-C or kill ends the process, and with it every child: rsync has
+    ``die_with_parent``), at most ``jobs`` at a time."""
+    sem = threading.Semaphore(jobs)
+    threads = []
+
+    def work(host: str) -> None:
+        with sem:
+            results[host] = _sync_peer(shared, host)
+
+    for host in peers:
+        t = threading.Thread(target=work, args=(host,), name=f"sync-{host}", daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)
+
+
+def _sync_peer(shared: _Shared, host: str) -> PeerResult:
+    t0 = time.monotonic()
+    res = PeerResult(host, "failed", 0, 0.0, "", None)
+    sess = shared.sessions[host]
+    conn = sess.conn
+    try:
+        conn = sess.get()
+        shared.worker(shared, conn, res).run()
+    except peer_mod.AgentRefused as exc:
+        res.status, res.message = "refused", exc.message.removeprefix(f"{host}: ")
+    except GuardRefused as exc:
+        res.status, res.message = "refused", exc.message
+    except OperationFailed as exc:
+        res.status, res.message = "failed", exc.message.removeprefix(f"{host}: ")
+        if exc.hint:
+            res.message += f" ({exc.hint})"
+    except Exception as exc:  # a bug must not take the other peers down
+        log.debug("sync to %s", host, exc_info=True)
+        res.status, res.message = "failed", f"internal error: {type(exc).__name__}: {exc}"
+    finally:
+        sess.close()
+        res.bytes_sent += conn.bytes_sent
+        if res.status != "refused" or conn.timings:
+            res.details["timings"] = conn.timings
+        res.seconds = time.monotonic() - t0
+    level = logging.INFO if res.status in ("synced", "unchanged", "dry-run") else logging.WARNING
+    log.log(level, "%s: %s: %s", host, res.status, res.message)
+    return res
+
+
+_PROGRESS = re.compile(r"^\s*([\d,.]+)\s+(\d+)%\s+(\S+/s)\s+(\d+:\d\d:\d\d)")
+
+
+class _PeerSync:
+    def __init__(self, shared: _Shared, conn: peer_mod.Connection, res: PeerResult):
+        self.s, self.conn, self.res = shared, conn, res
+        self.host = conn.host
+        self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+    def say(self, msg: str, *args) -> None:
+        log.info(f"{self.host}: " + msg, *args)
+
+    # -- the steps
+
+    def run(self) -> None:
+        s, res = self.s, self.res
+        img = s.img
+        spec_hex = _hexof(s.spec) if s.spec else None
+        st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, s.quick_ids)
+        if st.quick and not self._unchanged(st):
+            st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex)
+        res.store = st.store if st.docker_error is None else None
+        res.layers_total = len(img.layers)
+        if self._unchanged(st):
+            res.identity = s.identity
+            if s.receipt and not st.has_receipt and not s.dry_run:
+                self._carry_receipt_only()
+                res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity} (receipt carried)"
+            else:
+                res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity}"
+            return
+        self._preflight_tools(st)
+        old_id = (st.target or {}).get("Id")
+        self._check_serving(st, old_id)
+        need = self._needed_layers(st)
+        to_send = sum(max(0, la.size - st.incoming.get(_hexof(la.digest), 0)) for la in need)
+        resumed = sum(min(la.size, st.incoming.get(_hexof(la.digest), 0)) for la in need)
+        res.layers_sent = len(need)
+        res.details = {"layers_needed": [la.digest for la in need], "bytes_needed": sum(la.size for la in need),
+                       "bytes_resumed": resumed, "store": st.store, "engine": st.server_version}
+        self._check_disk(st, need, to_send)
+        plan = (f"{len(need)} of {len(img.layers)} layers missing on the {st.store}-store peer (Docker "
+                f"{st.server_version}): {human(to_send)} to send" + (f" ({human(resumed)} already there from an "
+                                                                    "interrupted run)" if resumed else ""))
+        if s.dry_run:
+            res.status, res.message = "dry-run", "would sync: " + plan
+            return
+        self.say("%s", plan)
+        # an earlier run (killed after its load) may have left the verified image under the staging name
+        if st.staging is not None and identity_mod.from_inspect(st.staging).digest == s.identity:
+            got = self._verify_existing()
+            if got is not None:
+                self._promote(st, got, need)
+                return
+        got = self._deliver(st, need)
+        s.pause("promote", self.host)
+        self._promote(st, got, need)
+
+    def _deliver(self, st: peer_mod.PeerState, need) -> str:
+        """Put the missing layers on the peer and load them; the verified image id (the registry
+        transport, registry_sync.py, pulls instead)."""
+        s = self.s
+        # small blobs travel inside the load call; large ones with rsync (resumable)
+        inline = sum(la.size for la in need) <= INLINE_LAYERS_MAX
+        if not inline:
+            self._prepare(need)
+            s.pause("transfer", self.host)
+            self._transfer(st, need)
+        else:
+            s.verify_files(need)
+        s.pause("load", self.host)
+        got = self._load(need, inline)
+        if got is None:  # the loaded image is not the source's: find bad blobs, send them again, once
+            bad = self._check_incoming()
+            if not bad:
+                raise OperationFailed(self._mismatch or "the loaded image failed verification")
+            s.verify_files([la for la in need if _hexof(la.digest) in bad])  # a bad local file: say so
+            self.say("%d blob(s) in the peer's cache did not match their digest (%s): sending them again",
+                     len(bad), ", ".join(b[:12] for b in bad))
+            self._transfer(st, need)
+            got = self._load(need, False)
+            if got is None:
+                raise OperationFailed(self._mismatch or "the loaded image failed verification")
+        return got
+
+    def _unchanged(self, st: peer_mod.PeerState) -> bool:
+        """The target tag already holds the identity, and docker image ls lists it."""
+        if st.target is None:
+            return False
+        have = identity_mod.from_inspect(st.target)
+        return have.digest == self.s.identity and bool(st.listed(have.local_id or ""))
+
+    def _preflight_tools(self, st: peer_mod.PeerState) -> None:
+        if st.docker_error:
+            raise OperationFailed(st.docker_error, hint=f"install Docker on {self.host} and let the ssh user use it "
+                                  "(imagebuild doctor --peer " + self.host + ")")
+        missing = [t for t in ("rsync", "flock", "tar", "stat", "df") if t not in st.tools]
+        if missing:
+            raise OperationFailed(f"missing on the peer: {', '.join(missing)}",
+                                  hint=f"install them on {self.host} (Debian/Ubuntu: apt-get install rsync "
+                                  "util-linux coreutils tar)")
+
+    def _check_serving(self, st: peer_mod.PeerState, old_id: str | None) -> None:
+        if not old_id:
+            return
+        users = [c for c in st.containers if c["image"] == old_id]
+        if not users:
+            return
+        names = ", ".join(f"{c['name']} ({c['config_image']})" for c in users)
+        if self.s.force:
+            log.warning("warning: %s: running containers use %s: %s; moving the tag anyway (--force); they keep "
+                        "their image", self.host, self.s.ref, names)
+            self.res.details["serving"] = names
+            return
+        raise GuardRefused(f"running containers use {self.s.ref} ({old_id[:19]}): {names}; the tag would move "
+                           "under them", hint="stop them first, or --force (a running container keeps its image)")
+
+    def _needed_layers(self, st: peer_mod.PeerState) -> list[localblobs.Layer]:
+        chains = st.chains()
+        known = st.known_blobs() if st.containerd_store else set()
+        need = []
+        for la in self.s.img.layers:
+            if la.chain_id in chains and (not st.containerd_store or la.digest in known):
+                continue
+            need.append(la)
+        for b in self.s.img.extra:
+            if b.digest not in known:
+                need.append(localblobs.Layer(b.digest, b.size, b.media_type, "", ""))
+        return need
+
+    def _check_disk(self, st: peer_mod.PeerState, need, to_send: int) -> None:
+        margin = int(_gib_env("IMAGEBUILD_PEER_MIN_FREE_GB", DEFAULT_MIN_FREE_GIB) * (1 << 30))
+        files = self.s.img.files
+        unpacked = sum(localblobs.unpacked_estimate(la, files.get(la.digest)) for la in need if la.diff_id)
+        load_bytes = sum(la.size for la in need) + unpacked
+        checks = []
+        if st.df_cache and st.df_docker and st.df_cache.mount == st.df_docker.mount:
+            checks.append(("its Docker data root and the sync cache", st.df_docker, to_send + load_bytes))
+        else:
+            if st.df_cache:
+                checks.append((f"the sync cache ({st.cache})", st.df_cache, to_send))
+            if st.df_docker:
+                checks.append(("its Docker data root", st.df_docker, load_bytes))
+        for what, df, need_bytes in checks:
+            if need_bytes and df.available - need_bytes < margin:
+                raise GuardRefused(
+                    f"not enough disk on {self.host}: {human(df.available)} free on {df.mount} ({what}); the transfer "
+                    f"and load need about {human(need_bytes)} ({human(to_send)} sent, {human(unpacked)} unpacked, "
+                    f"estimated) and {human(margin)} must stay free",
+                    hint=f"free disk on {self.host} (imagebuild gc --peer {self.host}; docker image prune), or lower "
+                    "IMAGEBUILD_PEER_MIN_FREE_GB")
+
+    def _carry_receipt_only(self) -> None:
+        s = self.s
+        self.conn.agent("ib_lock\n", peer_agent.heredoc(f"receipts/{_hexof(s.identity)}/{_hexof(s.spec)}.json",
+                                                       json.dumps(s.receipt, indent=2, sort_keys=True)),
+                        timeout=120, what="writing the receipt")
+
+    def _prepare(self, need) -> None:
+        s = self.s
+        blobs = "".join(f"{_hexof(la.digest)} {la.size}\n" for la in need)
+        pending = {"schema": "imagebuild.peer-pending", "version": 1, "run": self.run_id, "ref": s.ref,
+                   "identity": s.identity, "started": _now(), "from": socket.gethostname(),
+                   "blobs": [la.digest for la in need]}
+        self.conn.agent("ib_lock\n", peer_agent.heredoc(f"pending/{self.run_id}.json", json.dumps(pending)),
+                        peer_agent.heredoc(f"pending/{self.run_id}.blobs", blobs or "\n"),
+                        peer_agent.call("ib_prepare", self.run_id), timeout=300, what="prepare")
+
+    def _transfer(self, st: peer_mod.PeerState, need) -> None:
+        if not need:
+            return
+        # the local files are not hashed first: the content store wrote each under its digest only after
+        # checking it, the spool too, and the peer's load checks every blob again (the containerd store
+        # by digest, the classic store by diff id); a blob the peer finds wrong is traced back below
+        self._rsync(st, need)
+
+    def _rsync(self, st: peer_mod.PeerState, need) -> None:
+        s = self.s
+        files = [str(s.img.files[la.digest]) for la in need]
+        comp = choose_compression(self.conn, st, need, s.img.files)
+        self.res.details["compression"] = comp.why
+        total = sum(la.size for la in need)
+        self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
+        argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats", "-e", self.conn.rsync_shell(),
+                *comp.args, *files, f"{self.host}:{st.cache}/incoming/"]
+        last: list = [0.0, False]  # when the last line was printed; whether 100% was
+        stats: dict[str, int] = {}
+        tail: list[str] = []
+
+        def on_line(text: str) -> None:
+            line = text.strip()
+            if not line:
+                return
+            m = _PROGRESS.match(line)
+            if m:
+                now = time.monotonic()
+                done_now = m.group(2) == "100"
+                if (now - last[0] >= PROGRESS_EVERY_S and not last[1]) or (done_now and not last[1]):
+                    last[0], last[1] = now, done_now
+                    done = int(m.group(1).replace(",", "").replace(".", ""))
+                    self.say("sent %s of %s (%s%%), %s, ETA %s", human(done), human(total), m.group(2), m.group(3),
+                             m.group(4))
+                return
+            k, _, v = line.partition(":")
+            if k in ("Total bytes sent", "Total bytes received"):
+                try:
+                    stats[k] = int(v.strip().replace(",", "").replace(".", ""))
+                except ValueError:
+                    pass
+            tail.append(line)
+            del tail[:-20]
+
+        t0 = time.monotonic()
+        rc = run_mod.stream(argv, on_line, split_cr=True, die_with_parent=True, hint="install rsync")
+        self.conn.timings.append(("rsync", round(time.monotonic() - t0, 3)))
+        self.res.bytes_sent += stats.get("Total bytes sent", 0)
+        self.res.details["rsync_bytes_sent"] = self.res.details.get("rsync_bytes_sent", 0) + \
+            stats.get("Total bytes sent", 0)
+        self.res.details["rsync_bytes_received"] = self.res.details.get("rsync_bytes_received", 0) + \
+            stats.get("Total bytes received", 0)
+        if rc != 0:
+            msg = "\n".join(ln for ln in tail if not ln.startswith(("Number of", "Total", "Literal", "Matched",
+                                                                    "File list", "sent ", "total size")))[-800:]
+            raise OperationFailed(f"rsync to {st.cache}/incoming/ failed (exit {rc}): {msg}",
+                                  hint="rerun: the transfer resumes where it stopped")
+
+    def _load_lines(self, need, inline: bool) -> list[str]:
+        s, img = self.s, self.s.img
+        d = f"stage/{self.run_id}"
+        lines = ["ib_lock\n", "ib_docker_ok\n",
+                 peer_agent.heredoc(f"{d}/index.json", img.index_json(s.staging).decode()),
+                 peer_agent.heredoc(f"{d}/manifest.json", img.manifest_json(s.staging).decode())]
+        for digest, data in img.inline.items():
+            lines.append(peer_agent.heredoc_bytes(f"{d}/blobs/sha256/{_hexof(digest)}", data))
+        if inline:
+            for la in need:
+                lines.append(peer_agent.heredoc_bytes(f"{d}/blobs/sha256/{_hexof(la.digest)}",
+                                                      img.files[la.digest].read_bytes()))
+            self.res.bytes_sent += 0  # counted with the call (Connection.bytes_sent)
+        listed = [] if inline else need
+        lines.append(peer_agent.heredoc(f"{d}.layers", "".join(f"{_hexof(la.digest)} {la.size}\n" for la in listed)
+                                        or "\n"))
+        lines.append(peer_agent.call("ib_load", self.run_id, s.staging))
+        return lines
+
+    _mismatch: str | None = None
+
+    def _load(self, need, inline: bool) -> str | None:
+        """Load on the peer and verify; the verified image id, or None (``_mismatch`` says why)."""
+        self.say("loading on the peer (docker load of %d layer blob(s)%s + manifest and config)", len(need),
+                 f", {human(sum(la.size for la in need))} sent with it" if inline and need else "")
+        try:
+            r = self.conn.agent(*self._load_lines(need, inline), timeout=LOAD_TIMEOUT_S, what="the load")
+        except peer_mod.AgentFailed as exc:
+            if exc.code != "load":
+                raise
+            self._mismatch = f"docker load failed on the peer: {_load_log(exc.output)}"
+            return None
+        return self._verified(r)
+
+    def _verify_existing(self) -> str | None:
+        self.say("the image from an earlier run is on the peer as %s: verifying it", self.s.staging)
+        r = self.conn.agent("ib_lock\n", peer_agent.call("ib_verify_step", self.s.staging), timeout=600,
+                            what="verification")
+        got = self._verified(r)
+        if got is None:
+            self.say("it did not verify (%s): loading again", self._mismatch)
+            self.conn.agent("ib_lock\n", peer_agent.call("ib_abort", self.run_id, self.s.staging), timeout=120)
+        return got
+
+    def _verified(self, r: peer_mod.AgentResult) -> str | None:
+        s = self.s
+        data = peer_mod._first_inspect(r.section("inspect"))
+        if data is None:
+            self._mismatch = f"{s.staging} is not on the peer after the load"
+            return None
+        ident = identity_mod.from_inspect(data)
+        pid = data.get("Id") or ""
+        listed = any(ln.split(" ", 1) == [pid, s.staging] or ln == f"{pid} docker.io/library/{s.staging}"
+                     for ln in r.lines("listed"))
+        run_rc = _rc(r.section("run"))
+        if ident.digest != s.identity:
+            self._mismatch = (f"the image loaded on the peer is not the source's: identity {ident.digest} != "
+                              f"{s.identity}")
+            self._abort()
+            return None
+        if not listed:
+            self._mismatch = (f"the loaded image {pid[:19]} answers docker image inspect but docker image ls does not "
+                              "list it (a broken load)")
+            self._abort()
+            return None
+        if run_rc != 0:
+            out = "\n".join(ln for ln in r.lines("run") if not ln.startswith("@@"))[-400:]
+            self._mismatch = f"the loaded image does not run (docker run --pull never ... /bin/sh -c true): {out}"
+            self._abort()
+            return None
+        self.res.identity = ident.digest
+        self.say("verified on the peer: identity %s, listed, runs (--pull never)", ident.digest)
+        return pid
+
+    def _abort(self) -> None:
+        try:
+            self.conn.agent("ib_lock\n", peer_agent.call("ib_abort", self.run_id, self.s.staging), timeout=120)
+        except OperationFailed:
+            pass
+
+    def _check_incoming(self) -> list[str]:
+        r = self.conn.agent("ib_lock\n", peer_agent.call("ib_check", self.run_id), timeout=3600,
+                            what="checking the cached blobs")
+        return [ln.split()[1] for ln in r.lines("check") if ln.startswith("bad ")]
+
+    def _promote(self, st: peer_mod.PeerState, image_id: str, need) -> None:
+        s = self.s
+        record = {"schema": RECORD_SCHEMA, "version": 1, "identity": s.identity, "ref": s.ref, "image_id": image_id,
+                  "blobs": s.img.blob_digests(), "layers": [{"digest": la.digest, "diff_id": la.diff_id}
+                                                            for la in s.img.layers],
+                  "synced": _now(), "from": socket.gethostname(), "spec": s.spec, "run": self.run_id,
+                  "receipt": bool(s.receipt)}
+        lines = ["ib_lock\n", peer_agent.heredoc(f"tmp/{self.run_id}.record", json.dumps(record))]
+        if s.receipt:
+            lines.append(peer_agent.heredoc(f"tmp/{self.run_id}.receipt", json.dumps(s.receipt, indent=2,
+                                                                                     sort_keys=True)))
+        lines.append(peer_agent.call("ib_promote", self.run_id, image_id, s.ref, s.previous or "-", s.staging,
+                                     "1" if s.force else "0", _hexof(s.identity), _hexof(s.spec) if s.spec else "-"))
+        r = self.conn.agent(*lines, timeout=600, what="promotion")
+        info = dict(ln.split(" ", 1) for ln in r.lines("promoted") if " " in ln)
+        prev = (info.get("previous") or "").strip()
+        self.res.status = "synced"
+        kept = f"; the former image is {s.previous}" if prev and s.previous and prev != image_id else ""
+        self.res.message = f"{s.ref} is identity {s.identity}{kept}"
+        self.res.details["previous_id"] = prev or None
+        self.res.details["image_id"] = image_id
+
+
+def _rc(section: str) -> int | None:
+    for ln in reversed(section.splitlines()):
+        if ln.startswith("@@rc "):
+            try:
+                return int(ln.split()[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def _load_log(output: str) -> str:
+    sections, _ = peer_mod.parse_sections(output)
+    text = "\n".join(ln for ln in sections.get("load", "").splitlines() if ln.strip())
+    return text[-600:] or "(no output)"
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def render(report: SyncReport) -> str:
+    rows = [("PEER", "RESULT", "SENT", "TIME", "DETAIL")]
+    for p in report.peers:
+        rows.append((p.peer, p.status, human(p.bytes_sent), f"{p.seconds:.1f} s", p.message))
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    out = [f"{report.ref}  identity {report.identity}"]
+    out += [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}  {r[4]}" for r in rows]
+    if not report.ok:
+        have = report.have_image()
+        bad = [p.peer for p in report.peers if p.status not in ("synced", "unchanged", "dry-run")]
+        out.append(f"not synced: {', '.join(bad)}; the image is on: {', '.join(have) if have else 'no peer'}")
+    return "\n".join(out)
