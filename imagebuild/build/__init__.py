@@ -1,1 +1,15 @@
-"""imagebuild.build."""
+"""Step 4, the build: a plan -> staged BuildKit builds, offline and reproducible, ending at a gated,
+promoted image.
+
+Takes a plan and the prefetched inputs, and gives stage images in the stage store (one OCI layout
+per image, a ref per stage key), the release ``<image>:b-<build id>`` / ``:candidate``, and, once
+the gate (``imagebuild.gate``) passed, ``:local`` moved with the old one kept as ``:previous``.
+Entry points:
+- ``builder``: ``build``, ``dry_run``, ``patch`` and their ``Options``;
+- ``guards``: the checks before anything runs (serving containers, architecture, the build lock);
+- ``promote``: tags that never break the working image, and ``rollback``;
+- ``stagestore``: where built stages live; ``registry_release``: release tags in a shared registry
+  (the registry stage cache, ``registry_cache``, is the builder"s own).
+"""
+
+__all__ = ["builder", "guards", "promote", "registry_release", "stagestore"]

@@ -49,6 +49,7 @@ from imagebuild.build.stagestore import StageStore
 from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import lock as lock_mod
+from imagebuild.core import registry as registry_mod
 from imagebuild.core import remote_engine, state
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import (
@@ -715,7 +716,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
             st = b.plan.stage(r.name)
             head = f"[{i}/{total}] {r.name}"
             if r.action == "pull":
-                if registry_cache.pull_stage(b, r, st, tmp / r.name, progress, head):
+                if _pull_stage(b, r, st, tmp / r.name, progress, head):
                     continue
                 r.action, r.reason = "build", "the registry cache did not give it (see the warning)"
                 named[r.name] = _inputs_of(b, st)
@@ -732,7 +733,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
             return rec
         release = _release(b, tmp / "release", progress, started)
     promotion = _gate_and_promote(b, release, started)
-    publish = registry_cache.publish_release(b, release, promotion, started)
+    publish = _publish_release(b, release, promotion, started)
     return _record(b, "ok", started, release=release, promotion=promotion,
                    **({"publish": publish} if publish is not None else {}))
 
@@ -1066,3 +1067,58 @@ class PatchFailed(OperationFailed):
     def __init__(self, doc: dict, message: str):
         super().__init__(message, hint="fix the patch's anchor for this upstream, then re-run with --check")
         self.doc = doc
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry stage cache (registry_cache.py) and the release tags (registry_release.py), seen from a build
+
+
+def _pull_stage(b, r, st, tmp: Path, progress, head: str) -> bool:
+    """Pull stage ``r`` into the store (verified, then its ref committed); False: build it instead."""
+    found = b.found[r.name]
+    progress.info("%s: pulling from the registry cache %s (key %s, manifest %s)", head, b.cache.reg, r.key[:19],
+                  found.digest[:19])
+    t0 = time.monotonic()
+    manifest = b.cache.pull(found)
+    if manifest is None:
+        return False
+    patches = None
+    if any(inp.kind == "patch" for inp in st.inputs):
+        tmp.mkdir(parents=True, exist_ok=True)
+        patches = _read_patch_record(b, st, manifest, tmp, progress) or {
+            "schema": patching.RECORD_SCHEMA, "version": patching.RECORD_VERSION,
+            "patches": {}, "note": f"no {PATCH_RECORD} in the stage"}
+    b.store.commit(r.key, r.name, manifest, patches=patches)
+    r.manifest, r.patches, r.status = manifest, patches, "pulled"
+    r.seconds = round(time.monotonic() - t0, 3)
+    progress.info("%s: pulled in %.1f s -> %s", head, r.seconds, st.image)
+    return True
+
+
+def _publish_release(b, release: dict, promotion: dict, started: str) -> dict | None:
+    """After the gate: the release tags in the registry (registry_release.publish), only when the gate
+    passed (``:local`` moved here, or already held this image). The record's ``publish``."""
+    from imagebuild.build import registry_release
+    from imagebuild.core.errors import GuardRefused
+
+    if b.cache is None:
+        return None
+    if promotion.get("status") not in ("promoted", "unchanged"):
+        return {"status": "skipped", "reason": f"the gate did not pass here ({promotion.get('status')}): "
+                "nothing is tagged in the registry"}
+    if b.cache.down:
+        return {"status": "skipped", "reason": f"the registry was dropped: {b.cache.down}"}
+    try:
+        doc = registry_release.publish(b.cache.reg, b.defn.name, release, b.plan.build_id)
+    except registry_mod.RegistryError as exc:
+        if exc.kind in ("unreachable", "auth"):
+            b.cache.drop(f"registry {b.cache.reg} failed while publishing the release: {exc.message}")
+            return {"status": "failed", "reason": exc.message}
+        _record(b, "failed", started, failed_stage="publish", release=release, promotion=promotion,
+                publish={"status": "failed", "reason": exc.message})
+        raise
+    except GuardRefused as exc:
+        _record(b, "failed", started, failed_stage="publish", release=release, promotion=promotion,
+                publish={"status": "refused", "reason": exc.message})
+        raise
+    return {"status": "published", **doc}

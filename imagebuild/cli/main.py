@@ -1062,8 +1062,13 @@ def cmd_sync(args) -> int:
         reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
     elif args.registry or args.tunnel is not None:
         raise UsageError("--registry and --tunnel go with --via registry")
+    delivery = None
+    if reg is not None:
+        from imagebuild.ship import registry_sync
+
+        delivery = registry_sync.delivery(reg, args.tunnel)
     report = sync_mod.sync(root, args.peers, image=args.image, jobs=args.jobs, force=args.force,
-                           dry_run=args.dry_run, via=args.via, registry=reg, tunnel=args.tunnel)
+                           dry_run=args.dry_run, delivery=delivery)
     if args.json:
         _print_json(report.as_dict())
     else:

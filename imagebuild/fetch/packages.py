@@ -37,13 +37,24 @@ from imagebuild.core import lock as lock_mod
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import (
     atomic_write_text,
-    canonical_json,
     sha256_bytes,
     sha256_file,
 )
 from imagebuild.core.records import dataclass, field
 from imagebuild.definition import pkgspec
 from imagebuild.definition import reader as d
+from imagebuild.plan.package_inputs import (  # noqa: F401  (FORMAT, lock_for_plan, stage_key_inputs: re-exported)
+    FORMAT,
+    _digest,
+    _read_lock,
+    apt_dir,
+    apt_inputs,
+    lock_for_plan,
+    root_image,
+    stage_key_inputs,
+    wheel_inputs,
+    wheels_dir,
+)
 
 # `plan` reads this module's digests only: what prefetch uses is imported when it runs
 # (docs/cli.md, "Start-up time")
@@ -53,7 +64,6 @@ shlex = lazy.module("shlex")
 shutil = lazy.module("shutil")
 tempfile = lazy.module("tempfile")
 
-FORMAT = 1  # raise when the layout of wheels/ or apt/ changes (part of every inputs digest)
 WHEELS_CONTEXT = "imagebuild-wheels"
 APT_CONTEXT = "imagebuild-apt"
 WHEELS_MOUNT = "/imagebuild/wheels"
@@ -119,87 +129,12 @@ def parse_wheel_name(filename: str) -> tuple[str, str]:
     return pkgspec.normalise(m.group("name")), m.group("version")
 
 
-def _digest(doc: dict) -> str:
-    return sha256_bytes(canonical_json(doc))
-
-
-def root_image(defn: d.Definition, stage: d.Stage) -> d.ImageRef:
-    """The base image at the bottom of ``stage``'s parent chain."""
-    st = stage
-    while st.parent.kind == "stage":
-        st = defn.stage(st.parent.name)
-    return defn.images[st.parent.name]
-
-
 def _rel(defn: d.Definition, path: Path) -> str:
     return d.display_path(defn.root, path)
 
 
-def _read_lock(defn: d.Definition) -> dict:
-    return lock_mod.read(defn.dir, _rel(defn, lock_mod.lock_path(defn.dir))) or {}
-
-
-def wheels_dir(defn: d.Definition, stage: str) -> Path:
-    return state.deps_dir(defn.root, defn.name) / "wheels" / stage
-
-
-def apt_dir(defn: d.Definition, stage: str) -> Path:
-    return state.deps_dir(defn.root, defn.name) / "apt" / stage
-
-
 def _log_dir(defn: d.Definition) -> Path:
     return state.state_dir(defn.root) / "prefetch" / defn.name
-
-
-# ---------------------------------------------------------------------------------------------
-# inputs digests (what decides the download) and the plan's view of them
-
-
-def wheel_inputs(defn: d.Definition, stage: d.Stage) -> dict:
-    req = stage.requirements
-    py = defn.python
-    index = req.index or py.index
-    extras = req.extra_indexes if req.extra_indexes is not None else py.extra_indexes
-    return {"format": FORMAT, "requirements_sha256": req.sha256, "python": py.version, "glibc": py.glibc,
-            "platform": defn.platform, "index_url": index.shown,
-            "extra_index_urls": [i.shown for i in extras]}
-
-
-def apt_inputs(defn: d.Definition, stage: d.Stage) -> dict:
-    return {"format": FORMAT, "list_sha256": stage.apt.sha256, "base": root_image(defn, stage).value,
-            "platform": defn.platform, "snapshot": defn.apt_snapshot}
-
-
-def _locked_digest(entry: dict | None, inputs_sha: str) -> str | None:
-    if not entry or entry.get("inputs_sha256") != inputs_sha:
-        return None
-    return _digest({"files": [(f["filename"], f["sha256"]) for f in entry.get("files", [])]})
-
-
-def lock_for_plan(defn: d.Definition) -> dict:
-    """The lock's package sections (read-only; {} when there is no lock)."""
-    data = _read_lock(defn)
-    return {"wheels": data.get("wheels") or {}, "apt": data.get("apt") or {}}
-
-
-def stage_key_inputs(defn: d.Definition, stage: d.Stage, locked: dict | None = None) -> dict:
-    """The part of ``stage``'s cache key that comes from the packages it installs.
-
-    The digest of what decides the download (the requirements or apt file, Python target,
-    indexes, base image, snapshot) and, once prefetched for exactly those inputs, the digest of
-    the locked files. Empty for a stage that installs no packages (its key is unchanged).
-    """
-    locked = locked if locked is not None else lock_for_plan(defn)
-    out: dict = {}
-    if stage.requirements is not None and defn.python is not None:
-        ins = _digest(wheel_inputs(defn, stage))
-        out["wheels"] = {"inputs": ins,
-                         "locked": _locked_digest(locked.get("wheels", {}).get(stage.name), ins)}
-    if stage.apt is not None:
-        ins = _digest(apt_inputs(defn, stage))
-        out["apt"] = {"inputs": ins,
-                      "locked": _locked_digest(locked.get("apt", {}).get(stage.name), ins)}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

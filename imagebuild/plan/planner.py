@@ -28,8 +28,7 @@ from imagebuild.core import lock as lock_mod
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
 from imagebuild.core.records import dataclass, field
 from imagebuild.definition import reader as d
-from imagebuild.fetch import packages as packages_mod
-from imagebuild.plan import provenance, source_mounts
+from imagebuild.plan import package_inputs, provenance, source_mounts
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 2
@@ -95,7 +94,7 @@ class PlannedStage:
     key: str
     image: str
     exists: bool | None = None
-    packages: dict = field(default_factory=dict)  # wheels/apt inputs in the key (packages.py)
+    packages: dict = field(default_factory=dict)  # wheels/apt inputs in the key (package_inputs.py)
     mounts: tuple[MountedSource, ...] = ()  # every source tarball the stage gets
     source_date_epoch: int = DEFAULT_SOURCE_DATE_EPOCH
     stage_contexts: dict = field(default_factory=dict)  # named context -> earlier stage it holds
@@ -335,7 +334,7 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
         }
         if sm is not None:  # the generated unpack script and manifest in imagebuild-src
             key_doc["generated"] = sm.key_inputs()["generated"]
-        pkgs = packages_mod.stage_key_inputs(defn, st, pkg_locked)
+        pkgs = package_inputs.stage_key_inputs(defn, st, pkg_locked)
         if pkgs:  # wheels / apt packages it installs (absent: keys of other stages unchanged)
             key_doc["packages"] = pkgs
         key = "sha256:" + sha256_bytes(canonical_json(key_doc))

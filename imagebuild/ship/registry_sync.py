@@ -211,3 +211,14 @@ class RegistryPeerSync(sync_mod._PeerSync):
                 f"docker tag {q(src)} {q(s.staging)} </dev/null || ib_fail pull \"docker tag failed\"\n",
                 f"docker image rm {q(src)} >/dev/null 2>&1 </dev/null\n",
                 peer_agent.call("ib_verify", s.staging), "ib_sect end\n"]
+
+
+Delivery.worker = RegistryPeerSync  # each peer's worker when the image goes through the registry
+
+
+def delivery(reg: reg_mod.Registry, tunnel: bool | None = None):
+    """``sync.sync(..., delivery=delivery(reg, tunnel))``: the peers pull the image from ``reg``."""
+    def make(image: str | None, ref: str, identity: str) -> Delivery:
+        return Delivery(reg, image, ref, identity, tunnel)
+
+    return make

@@ -322,8 +322,8 @@ class _Shared:
         self.previous = previous_ref(ref)
         self.quick_ids = list(dict.fromkeys([img.target.digest, *img.inline]))
         self.pauses = {p.strip() for p in os.environ.get("IMAGEBUILD_SYNC_PAUSE", "").split(",") if p.strip()}
-        self.worker = _PeerSync  # per peer; registry_sync.RegistryPeerSync with --via registry
-        self.delivery = None  # registry_sync.Delivery with --via registry
+        self.worker = _PeerSync  # per peer; the delivery's worker with --via registry
+        self.delivery = None  # registry_sync.Delivery with --via registry (sync's delivery=)
 
     def verify_files(self, layers) -> None:
         """Every blob file we send is first checked against its digest (once per file)."""
@@ -346,12 +346,11 @@ class _Shared:
 
 
 def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | None = None, jobs: int = 4,
-         force: bool = False, dry_run: bool = False, via: str = "ssh", registry=None,
-         tunnel: bool | None = None) -> SyncReport:
+         force: bool = False, dry_run: bool = False, delivery=None) -> SyncReport:
     """Put ``ref`` (default ``image:local``) on every peer; returns the report (see the module doc).
-    ``via="registry"`` (with ``registry``, a registry.Registry): the peers pull it from there
-    (registry_sync.py); ``tunnel``: through an ssh tunnel (None: when the registry is this host's
-    loopback)."""
+    ``delivery``: how the peers get it other than over ssh, made once the image is known:
+    ``registry_sync.delivery(registry, tunnel)`` has the peers pull it from a registry (``--via
+    registry``; the tunnel: None means when the registry is this host's loopback)."""
     from imagebuild.build import promote as promote_mod
     from imagebuild.gate import receipts as receipts_mod
 
@@ -395,11 +394,11 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
              human(img.compressed_size()), where, ", ".join(peers))
     shared = _Shared(root, image, ref, img, receipt, spec, force, dry_run)
     shared.sessions = sessions
-    if via == "registry":
-        from imagebuild.ship import registry_sync
-
-        shared.worker = registry_sync.RegistryPeerSync
-        shared.delivery = registry_sync.Delivery(registry, image, ref, ident, tunnel)
+    via = "ssh"
+    if delivery is not None:
+        via = "registry"
+        shared.delivery = delivery(image, ref, ident)
+        shared.worker = shared.delivery.worker
         if not dry_run:
             try:
                 shared.delivery.publish()
