@@ -8,13 +8,11 @@ never pass silently.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import io
 import os
 import shutil
 import subprocess
-import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +28,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # are a few MB, and CI machines have been seen with under 9 GiB free: the suite keeps the guard on,
 # at 1 GiB, unless the caller set its own. test_disk_guard covers the guard itself.
 os.environ.setdefault("IMAGEBUILD_MIN_FREE_GB", "1")
-# The parse cache (imagebuild/parsecache.py) of this run: fresh, and not the user's ~/.cache.
-if "IMAGEBUILD_PARSE_CACHE" not in os.environ:
-    os.environ["IMAGEBUILD_PARSE_CACHE"] = tempfile.mkdtemp(prefix="imagebuild-parse-")
-    atexit.register(shutil.rmtree, os.environ["IMAGEBUILD_PARSE_CACHE"], True)
 BUSYBOX = "imagebuild-test/busybox:1"
 DEBIAN = "imagebuild-test/debian:bookworm"
 
@@ -62,12 +56,6 @@ def project(tmp_path) -> Path:
     dst = tmp_path / "project"
     shutil.copytree(FIXTURES / "project", dst, symlinks=True)
     return dst
-
-
-def parse_cache_state() -> list[str]:
-    """The entries of this run's parse cache (imagebuild/parsecache.py): to prove bad input kept none."""
-    d = Path(os.environ["IMAGEBUILD_PARSE_CACHE"])
-    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
 
 
 def tree_state(root: Path) -> dict[str, str]:

@@ -9,7 +9,7 @@ Entry points:
 - ``guards``: the checks before anything runs (serving containers, architecture, the build lock);
 - ``promote``: tags that never break the working image, and ``rollback``;
 - ``stagestore``: where built stages live; ``registry_release``: release tags in a shared registry
-  (the registry stage cache, ``registry_cache``, is the builder"s own).
+  (the registry stage cache, ``registry_cache``, is the builder's own).
 """
 
 __all__ = ["builder", "guards", "promote", "registry_release", "stagestore"]

@@ -32,12 +32,12 @@ import json
 import os
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_bytes
-from imagebuild.core.records import dataclass
 
 BLOCK = 512
 CHUNK = 1 << 20

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import state
 from imagebuild.core.fsutil import atomic_write_json
-from imagebuild.core.records import dataclass
 
 REF_SCHEMA = "imagebuild.stage-ref"
 REF_VERSION = 1

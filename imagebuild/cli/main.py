@@ -69,20 +69,10 @@ exit codes:
 environment:
   IMAGEBUILD_ROOT   project root (folder holding docker-images/); default: nearest one above the
                     current folder
-  IMAGEBUILD_PARSE_CACHE
-                    the parsers' result cache (default $XDG_CACHE_HOME/imagebuild/parse); off: none
   NO_COLOR          no colour in output
 
 docs: docs/cli.md, docs/image-definition.md
 """
-
-
-# argparse passes its own words ("usage: ", "options", ...) through gettext, and each lookup
-# searches the locale folders for a catalogue, importing locale to do so: ~3 ms of every start.
-# A Python install has no catalogue for that domain, so the words stay argparse's English ones
-# either way, like imagebuild's own messages; the lookups are skipped.
-argparse._ = lambda message: message
-argparse.ngettext = lambda singular, plural, n: singular if n == 1 else plural
 
 
 class _Parser(argparse.ArgumentParser):
@@ -1180,13 +1170,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"internal error: {type(exc).__name__}: {exc}\n  (rerun with --debug for the traceback; "
               "please report it)", file=sys.stderr)
         return EXIT_FAILED
-
-
-# Commands that only read: the installed ``imagebuild`` (imagebuild/launch.py) runs them without the
-# cyclic garbage collector and ends them without the interpreter's teardown (docs/cli.md,
-# "Start-up time"). They hold no child process, lock, temporary file or thread that a teardown
-# would close.
-READ_ONLY_COMMANDS = frozenset({"list", "validate", "plan"})
 
 
 __all__ = ["main", "build_parser", "EXIT_REFUSED", "EXIT_GATE_FAILED", "EXIT_FAILED"]

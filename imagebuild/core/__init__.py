@@ -4,11 +4,11 @@ Takes nothing of the pipeline and knows none of it. Gives:
 - ``errors``: the one exception family, each class with its exit code (the CLI maps them);
 - ``run``: the one place where subprocesses start (``run``, ``Query``, interrupts);
 - ``fsutil``: atomic writes and content digests; ``lazy``: imports made on first use;
-- ``context``: one command"s settings (root, state, stage store, engine, output), passed down;
-- ``config``: the project"s ``imagebuild.yaml``; ``state``: where imagebuild keeps its state;
+- ``context``: one command's settings (root, state, stage store, engine, output), passed down;
+- ``config``: the project's ``imagebuild.yaml``; ``state``: where imagebuild keeps its state;
   ``runs``: the records of past builds; ``lock``: the lock file beside each definition;
 - the systems outside: ``engine`` (the Docker engine), ``remote`` (ssh to a peer), ``remote_engine``
-  (another node"s engine), ``registry`` (an OCI registry, through skopeo); ``identity``: an image"s
+  (another node's engine), ``registry`` (an OCI registry, through skopeo); ``identity``: an image's
   identity, independent of the image store;
 - ``yamlread``: YAML with line numbers, so errors name the line.
 """

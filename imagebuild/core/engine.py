@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 from imagebuild.core import lazy
 from imagebuild.core.errors import OperationFailed
-from imagebuild.core.records import dataclass
 
 run_mod = lazy.module("imagebuild.core.run")  # plan on a local socket starts no process (ImageQuery)
 

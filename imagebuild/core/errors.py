@@ -6,7 +6,7 @@ file, line or key, says what was expected, and (where it helps) a hint about wha
 
 from __future__ import annotations
 
-from imagebuild.core.records import dataclass
+from dataclasses import dataclass
 
 # Exit codes (documented in docs/cli.md). Keep in sync with the table there.
 EXIT_OK = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from imagebuild.core import lazy
@@ -14,20 +13,6 @@ json = lazy.module("json")
 tempfile = lazy.module("tempfile")
 
 _CHUNK = 1 << 20
-# Below this size the interpreter's own SHA-256 is used: loading OpenSSL (hashlib) costs more at
-# start-up (~4 ms here) than the builtin's slower hashing of a file this small (~1 ms per 200 KiB).
-_SMALL = 256 << 10
-
-
-def _sha256(size: int):
-    """A new SHA-256 object for about ``size`` bytes: the same digest either way."""
-    if size < _SMALL and "_hashlib" not in sys.modules:
-        if sys.version_info >= (3, 12):
-            from _sha2 import sha256
-        else:
-            from _sha256 import sha256
-        return sha256()
-    return hashlib.sha256()
 
 
 def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -64,14 +49,14 @@ def atomic_write_json(path: Path, obj: object) -> None:
 
 
 def sha256_bytes(data: bytes) -> str:
-    h = _sha256(len(data))
+    h = hashlib.sha256()
     h.update(data)
     return h.hexdigest()
 
 
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        h = _sha256(os.fstat(f.fileno()).st_size)
+        h = hashlib.sha256()
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -86,7 +71,7 @@ def sha256_tree(path: Path) -> str:
     path = Path(path)
     if path.is_file():
         return sha256_bytes(f"F . {_xbit(path)} {sha256_file(path)}\n".encode())
-    h = _sha256(0)  # a line per file
+    h = hashlib.sha256()  # a line per file
     for root, dirs, files in os.walk(path):
         dirs.sort()
         for name in sorted(files):

@@ -1,16 +1,14 @@
 """Things made on first use rather than at import: regular expressions, modules, the logger.
 
-Start-up time is part of the interface (docs/cli.md, "Start-up time": ``--version``, ``list``,
-``validate`` and ``plan --no-engine`` in under 100 ms). Whatever a module compiles or imports at
-import time, every command that imports it pays, whether it uses it or not: PyYAML compiles a
-Unicode class at import that alone takes ~9 ms, ``logging`` costs ~10 ms, ``subprocess`` ~6 ms.
+Whatever a module compiles or imports at import time, every command that imports it pays, whether
+it uses it or not (``--version`` must stay under 100 ms: docs/cli.md, "Start-up time"). A
+module-level ``x = lazy.module("x")`` is a plain import that waits until ``x`` is first used.
 
 - ``compile(pattern, flags)``: ``re.compile``'s signature; the pattern compiles the first time one
   of its methods is used.
 - ``module(name)``: a stand-in for ``import name`` that imports on first attribute access.
 - ``logger()``: the ``imagebuild`` logger, looked up on first use (``logging`` imported then);
   ``debugging()`` says whether it shows debug messages, without importing ``logging``.
-- ``import_yaml()``: ``import yaml`` with PyYAML's import-time patterns made lazy.
 """
 
 from __future__ import annotations
@@ -60,11 +58,14 @@ class Module:
     def __init__(self, name: str, package: str | None = None):
         self._name = name
         self._package = package
+        self._module = None
 
     def __getattr__(self, attr: str):
-        import importlib
+        if self._module is None:
+            import importlib
 
-        return getattr(importlib.import_module(self._name, self._package), attr)
+            self._module = importlib.import_module(self._name, self._package)
+        return getattr(self._module, attr)
 
 
 def module(name: str, package: str | None = None) -> Module:
@@ -88,23 +89,3 @@ def debugging() -> bool:
     while nothing imported it, nothing asked for them (the CLI imports it at once for -v)."""
     logging = sys.modules.get("logging")
     return logging is not None and logging.getLogger("imagebuild").isEnabledFor(logging.DEBUG)
-
-
-def import_yaml():
-    """``import yaml`` with the patterns PyYAML's own modules compile at import made lazy (only
-    calls from ``yaml.*`` modules are deferred; anything else gets re.compile unchanged)."""
-    if "yaml" in sys.modules:
-        return sys.modules["yaml"]
-    real = re.compile
-
-    def deferring(pattern, flags=0):
-        if sys._getframe(1).f_globals.get("__name__", "").startswith("yaml"):
-            return Pattern(pattern, flags)
-        return real(pattern, flags)
-
-    re.compile = deferring
-    try:
-        import yaml
-    finally:
-        re.compile = real
-    return yaml

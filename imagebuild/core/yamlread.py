@@ -6,19 +6,11 @@ Node, or a scalar (str, int, float, bool, None); ``.line`` is the 1-based line o
 
 from __future__ import annotations
 
-from imagebuild.core import parsecache
-from imagebuild.core.lazy import import_yaml
-from imagebuild.core.records import dataclass
+from dataclasses import dataclass
 
-# PyYAML (~15 ms to import) is imported when a text is not in the parse cache (parsecache.py)
-yaml = None
+from imagebuild.core import lazy
 
-
-def _yaml():
-    global yaml
-    if yaml is None:
-        yaml = import_yaml()  # without compiling its import-time patterns (lazy.py)
-    return yaml
+yaml = lazy.module("yaml")  # PyYAML, imported when a text is read (--version and --help need none)
 
 
 @dataclass
@@ -52,7 +44,7 @@ def _loader(text: str):
     """SafeLoader's composer, refusing anchors and aliases and bounding the node count and depth
     (without libyaml; the class is made on first use, as PyYAML is imported then)."""
 
-    class _Loader(_yaml().SafeLoader):
+    class _Loader(yaml.SafeLoader):
         def __init__(self, text: str):
             super().__init__(text)
             self._nodes = 0
@@ -117,16 +109,15 @@ def _compose(text: str):
 
 def load(text: str) -> Node | None:
     """The tree of ``text`` (None for an empty document); YamlError, with its line, when it is not
-    YAML this project reads. The same text gives the tree of an earlier run (parsecache.py)."""
+    YAML this project reads."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_BYTES:
         raise YamlError(f"the file is {size} bytes: larger than {MAX_BYTES} bytes (1 MiB), the limit for a "
                         "definition file", None)
-    return parsecache.cached("yaml", (text,), lambda: _load(text))
+    return _load(text)
 
 
 def _load(text: str) -> Node | None:
-    _yaml()
     try:
         root = _compose(text)
     except yaml.YAMLError as exc:
@@ -174,5 +165,5 @@ def _constructor():
     """Scalars only: a constructor needs no reader or scanner (a SafeLoader("") would run its reader)."""
     global _CONSTRUCTOR
     if _CONSTRUCTOR is None:
-        _CONSTRUCTOR = _yaml().constructor.SafeConstructor()
+        _CONSTRUCTOR = yaml.constructor.SafeConstructor()
     return _CONSTRUCTOR

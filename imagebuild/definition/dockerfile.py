@@ -8,9 +8,9 @@ stage declares, what it builds FROM, and which context files it copies.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from imagebuild.core import lazy, parsecache
-from imagebuild.core.records import dataclass
+from imagebuild.core import lazy
 
 _HEREDOC_RE = lazy.compile(r"<<-?\s*([\"']?)([A-Za-z_][A-Za-z0-9_]*)\1")
 _VAR_RE = lazy.compile(r"^\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))$")
@@ -84,12 +84,7 @@ class Dockerfile:
 
 
 def parse(text: str) -> Dockerfile:
-    """The instructions, ARGs, FROMs, COPYs and RUN mounts of ``text`` (the same text gives an
-    earlier run's result: parsecache.py)."""
-    return parsecache.cached("dockerfile", (text,), lambda: _parse(text))
-
-
-def _parse(text: str) -> Dockerfile:
+    """The instructions, ARGs, FROMs, COPYs and RUN mounts of ``text``."""
     lines = text.splitlines()
     instructions: list[Instruction] = []
     syntax_line = None

@@ -12,7 +12,6 @@ import fnmatch
 import re
 from pathlib import Path
 
-from imagebuild.core import parsecache
 from imagebuild.definition import dockerfile as dockerfile_mod
 from imagebuild.definition.model import (
     ARG_BUILD_ID,
@@ -99,8 +98,7 @@ def compiles(path: Path, display: str, c: Collector) -> bool:
     if text is None:
         return False
     try:
-        # a text that compiled before compiles again under the same Python (parsecache.py)
-        parsecache.cached("compiles", (text,), lambda: compile(text, display, "exec", dont_inherit=True) and True)
+        compile(text, display, "exec", dont_inherit=True)
     except SyntaxError as exc:
         c.err(display, f"does not compile: {exc.msg}", line=exc.lineno,
               hint="fix the patch script (imagebuild compiles every patch when it reads the definition, "

@@ -18,12 +18,12 @@ than one command-line argument may be (Linux: 131072 bytes), since every pin end
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import lazy
 from imagebuild.core.errors import DefinitionError, Problem
 from imagebuild.core.fsutil import atomic_write_text
-from imagebuild.core.records import dataclass, field
 from imagebuild.definition.textfile import TextError, decode
 
 KEY_RE = lazy.compile(r"[A-Z_][A-Z0-9_]*\Z")

@@ -9,11 +9,11 @@ documented in docs/gate.md.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagebuild.core import lazy, parsecache, yamlread
+from imagebuild.core import lazy, yamlread
 from imagebuild.core.errors import DefinitionError, Problem
-from imagebuild.core.records import dataclass, field
 
 difflib = lazy.module("difflib")  # error hints only
 
@@ -111,11 +111,8 @@ def load(path: Path, *, display: str | None = None) -> GateSpec:
 
 
 def parse(text: str, file: str, path: Path | None = None) -> GateSpec:
-    """The spec in ``text`` (shown as ``file``); DefinitionError listing every problem. A text that
-    parsed before gives that result again without re-validating (parsecache.py): validation
-    compiles every pattern and imports packaging for the version specifiers."""
-    return parsecache.cached("gatespec", (text, file, "" if path is None else str(path)),
-                             lambda: _parse(text, file, path))
+    """The spec in ``text`` (shown as ``file``); DefinitionError listing every problem."""
+    return _parse(text, file, path)
 
 
 def _parse(text: str, file: str, path: Path | None) -> GateSpec:

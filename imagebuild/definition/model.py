@@ -16,11 +16,11 @@ Everyone else imports the names from ``imagebuild.definition``.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from imagebuild.core import lazy, yamlread
 from imagebuild.core.errors import DefinitionError, Problem, UsageError
-from imagebuild.core.records import dataclass, field
 from imagebuild.definition import dockerfile as dockerfile_mod
 from imagebuild.definition import envfile, pkgspec, textfile
 from imagebuild.definition.source_options import SourceOptions

@@ -27,11 +27,11 @@ A requirements file holds exact pins only (``name==version``, optional ``[extras
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import lazy
 from imagebuild.core.fsutil import sha256_bytes
-from imagebuild.core.records import dataclass
 
 # No index host is written here: without index_url (or with an empty versions.env value) wheels come
 # from pip's configured index (`pip config`, PIP_INDEX_URL, else pip's own default), read at prefetch.

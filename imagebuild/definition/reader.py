@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from imagebuild.core import parsecache, yamlread
+from imagebuild.core import yamlread
 from imagebuild.core.errors import DefinitionError, Problem
 from imagebuild.definition import envfile, pkgspec
 from imagebuild.definition import source_options as source_options_mod
@@ -51,13 +51,7 @@ from imagebuild.definition.stages import parse_stage
 
 
 def load(root: Path, name: str) -> Definition:
-    """Read, validate and return the definition ``name``; raise DefinitionError on any problem.
-    The parse cache keeps what was parsed only when the definition has no problem (parsecache.py)."""
-    with parsecache.batch():
-        return _load(root, name)
-
-
-def _load(root: Path, name: str) -> Definition:
+    """Read, validate and return the definition ``name``; raise DefinitionError on any problem."""
     check_image_name(name)
     root = root.resolve()
     d = root / IMAGES_DIR / name

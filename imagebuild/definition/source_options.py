@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from imagebuild.core import lazy, yamlread
-from imagebuild.core.records import dataclass
 from imagebuild.definition import envfile
 
 difflib = lazy.module("difflib")  # error hints only

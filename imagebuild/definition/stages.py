@@ -7,9 +7,9 @@ Part of reading a definition (definition_model.py lists the parts).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from imagebuild.core.records import dataclass
 from imagebuild.definition import dockerfile as dockerfile_mod
 from imagebuild.definition import pkgspec, textfile
 from imagebuild.definition.dockerfile_rules import args_fit_command_line, check_dockerfile, compiles

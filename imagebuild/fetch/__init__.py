@@ -8,7 +8,7 @@ apt packages. Entry points:
 - ``prefetch``: ``imagebuild prefetch`` (``prefetch``, ``PrefetchOptions``);
 - ``packages``: base images, wheels and apt packages; the named contexts a stage gets from them;
 - ``gitcache``: the local cache of bare mirrors that the build, gc and nightly also read;
-- ``bundle``: one verified file carrying an image"s prefetched inputs to a node without GitHub.
+- ``bundle``: one verified file carrying an image's prefetched inputs to a node without GitHub.
 """
 
 __all__ = ["bundle", "gitcache", "packages", "prefetch"]

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import lazy, state
@@ -40,7 +41,6 @@ from imagebuild.core.fsutil import (
     sha256_bytes,
     sha256_file,
 )
-from imagebuild.core.records import dataclass, field
 from imagebuild.definition import pkgspec
 from imagebuild.definition import reader as d
 from imagebuild.plan.package_inputs import (  # noqa: F401  (FORMAT, lock_for_plan, stage_key_inputs: re-exported)

@@ -1,4 +1,4 @@
-"""Operating the pipeline: the whole chain every night, its report, and the host"s upkeep.
+"""Operating the pipeline: the whole chain every night, its report, and the host's upkeep.
 
 Takes the steps below as they are and runs them for people: gives the nightly run (prefetch,
 build, gate, promote, sync, gc) with its JSON and Markdown report, what changed between two images,

@@ -378,15 +378,13 @@ def plan_mirror_cache() -> list[Item]:
 
 
 def plan_parse_cache() -> list[Item]:
-    """Parse-cache entries (parsecache.py) not written for 30 days: texts no definition holds any more."""
-    from imagebuild.core import parsecache
-
-    out = []
-    for p, size in parsecache.stale_entries():
-        why = "left by a run that was killed" if p.name.endswith(".tmp") else \
-            "not written for 30 days (rewritten when next used)"
-        out.append(Item("parse-cache", str(p), size, why, path=str(p)))
-    return out
+    """The parse cache of earlier versions (``$XDG_CACHE_HOME/imagebuild/parse``): nothing reads it now."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    d = Path(xdg) / "imagebuild" / "parse"
+    if not d.is_dir() or d.is_symlink():
+        return []
+    return [Item("parse-cache", str(d), tree_bytes(d), "left by an earlier imagebuild (the parse cache is gone)",
+                 path=str(d))]
 
 
 def images_of(ctx: Context, image: str | None) -> list[str]:

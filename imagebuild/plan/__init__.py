@@ -1,6 +1,6 @@
 """Step 2, the plan: a definition -> its stages in order, with build args, inputs and content keys.
 
-Takes a ``Definition`` (and its lock, and the engine"s facts when asked) and gives a ``Plan``
+Takes a ``Definition`` (and its lock, and the engine's facts when asked) and gives a ``Plan``
 (``planner.make_plan``): per stage the Dockerfile, parent, build args, every input and the key
 that names them, and the build id. No side effects: it runs no build, writes no file.
 - ``planner``: ``make_plan`` and the ``Plan``/``StagePlan`` records;

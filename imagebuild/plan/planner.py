@@ -23,10 +23,10 @@ The build id names one build's inputs: the lock, every stage key, and the releas
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from imagebuild.core import lock as lock_mod
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
-from imagebuild.core.records import dataclass, field
 from imagebuild.definition import reader as d
 from imagebuild.plan import package_inputs, provenance, source_mounts
 
@@ -362,6 +362,6 @@ def _build_id_from(lock_sha: str | None) -> str:
 
 
 def _with_exists(ps: PlannedStage, value: bool | None) -> PlannedStage:
-    from imagebuild.core.records import replace
+    from dataclasses import replace
 
     return replace(ps, exists=value)

@@ -12,11 +12,11 @@ whose tree does not hold what was built. Read-only: only ``git log`` and ``git s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import lazy
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
-from imagebuild.core.records import dataclass
 from imagebuild.definition import reader as d
 
 run_mod = lazy.module("imagebuild.core.run")  # git, only when a build records provenance

@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from imagebuild.core.fsutil import sha256_bytes
-from imagebuild.core.records import dataclass, field
 
 CONTEXT = "imagebuild-src"  # the named build context
 MOUNT = "/imagebuild/src"  # where a Dockerfile binds it (read-only)

@@ -6,7 +6,7 @@ per peer. Entry points:
 - ``sync``: ``imagebuild sync`` over ssh (``sync``, ``render``, ``resolve_peers``);
 - ``registry_sync``: the delivery through a shared registry (``--via registry``), passed to ``sync``;
 - ``peer``: one peer as sync sees it (one ssh connection and the shell agent), also for doctor;
-- ``peergc``: keeping a peer"s sync cache bounded (``gc --peer``).
+- ``peergc``: keeping a peer's sync cache bounded (``gc --peer``).
 """
 
 __all__ = ["peer", "peergc", "registry_sync", "sync"]

@@ -1,11 +1,10 @@
-"""Start-up (issue 9, section 9): the everyday commands import only what they use. The times are
-measured by `make bench` (benchmarks/bench_startup.py, bench_plan.py); this guards the imports,
-which decide them, in a fresh interpreter per command."""
+"""Start-up: the everyday commands import only what they use (docs/cli.md, "Start-up time"). The
+times are measured by `make bench` (benchmarks/bench_startup.py, bench_plan.py); this guards the
+imports, which decide them, in a fresh interpreter per command."""
 
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,20 +16,16 @@ FIXTURE = REPO / "tests" / "fixtures" / "project"
 
 # never on these paths: the docker/test stack, and what only building, gating or logging needs
 HEAVY = {"python_on_whales", "docker", "testinfra", "pytest", "git", "requests", "pydantic",
-         "dataclasses", "inspect", "typing", "packaging", "logging", "subprocess", "tempfile", "shutil",
+         "typing", "packaging", "logging", "subprocess", "tempfile", "shutil",
          "socket", "threading", "platform", "difflib", "imagebuild.core.run", "imagebuild.build.builder", "imagebuild.gate.runner",
          "imagebuild.fetch.prefetch", "imagebuild.ops.doctor"}
 # what a command may add, because it uses it
 USES = {
-    # the real definitions' gate specs have PEP 440 specifiers (packaging, which imports typing),
-    # while they are not in the parse cache
+    # the real definitions' gate specs have PEP 440 specifiers (packaging, which imports typing)
     "repo": {"packaging", "typing"},
     # the plan's provenance asks git (three processes at once: provenance.py)
     "plan": {"imagebuild.core.run", "subprocess", "threading"},
 }
-# once the definitions' texts are in the parse cache (imagebuild/parsecache.py), reading them needs
-# neither the parsers' libraries nor OpenSSL
-NEVER_WARM = {"yaml", "packaging", "typing", "hashlib", "_hashlib", "shlex", "pickle"}
 NEVER_FOR = {  # and not even these where the command has no use for them
     "--version": {"yaml", "imagebuild.definition.reader", "hashlib", "json", "pathlib"},
     "list": {"imagebuild.plan.planner"},
@@ -40,8 +35,7 @@ NEVER_FOR = {  # and not even these where the command has no use for them
 
 def _run(code: str) -> set[str]:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(REPO),
-                            "IMAGEBUILD_PARSE_CACHE": os.environ["IMAGEBUILD_PARSE_CACHE"]})
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(REPO)})
     assert r.returncode == 0, r.stderr
     return set(ast.literal_eval(r.stdout.strip().splitlines()[-1]))
 
@@ -82,18 +76,6 @@ def test_python_on_whales_and_pytest_only_where_used():
                    "imagebuild.fetch.packages", "imagebuild.fetch.prefetch", "imagebuild.build.builder", "imagebuild.gate.receipts"):
         loaded = _run(f"import sys, {module}; print(sorted(sys.modules))")
         assert not loaded & {"python_on_whales", "docker", "testinfra", "pytest"}, (module, loaded)
-
-
-@pytest.mark.parametrize("argv", [
-    ["--root", str(REPO), "list"],
-    ["--root", str(REPO), "validate"],
-    ["--root", str(REPO), "plan", "example", "--no-engine"],
-], ids=lambda a: " ".join(x for x in a if not x.startswith("/")))
-def test_with_the_parse_cache_warm_no_parser_library_is_imported(argv):
-    _modules_after(argv)  # fills the parse cache, if an earlier test did not
-    loaded = _modules_after(argv)
-    assert not (loaded & NEVER_WARM), f"{' '.join(argv)} imports {sorted(loaded & NEVER_WARM)} with a warm cache"
-
 
 
 def test_a_command_parser_alone_knows_every_command_name():
