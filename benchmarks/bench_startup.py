@@ -1,8 +1,10 @@
 """Start-up: the commands people run all day, as whole processes, against the interpreter's own
 start (`python -c pass`, the floor no Python program goes below).
 
-Acceptance (issue 9, section 9): `--version`, `list`, `validate` and `plan --no-engine` each under
-100 ms (the "ours" column; the ratio only says how much above the floor).
+Target (docs/cli.md, "Start-up time"): `--version` under 100 ms. `list`, `validate` and `plan
+--no-engine` are measured and reported, with no target: their start-up machinery was retired
+(docs/design.md) since it cost more to keep than the tens of milliseconds it saved. The ratio only
+says how much above the floor.
 """
 
 from __future__ import annotations
@@ -30,4 +32,5 @@ def benchmarks():
              ("imagebuild validate", (*root, "validate")),
              ("imagebuild plan example --no-engine", (*root, "plan", "example", "--no-engine"))]
     return [Benchmark(f"start-up: {name}", _run(*argv), _floor, repeat=21,
-                      note="baseline: python -c pass; target: ours < 100 ms") for name, argv in cases]
+                      note="baseline: python -c pass" + ("; target: ours < 100 ms" if argv == ("--version",) else ""))
+            for name, argv in cases]

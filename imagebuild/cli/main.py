@@ -7,12 +7,13 @@ output is data, documented exit codes, no traceback unless ``--debug``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Sequence
 
 from imagebuild import __version__
+from imagebuild.cli import common
+from imagebuild.core import lazy
 from imagebuild.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -25,36 +26,13 @@ from imagebuild.core.errors import (
     UsageError,
 )
 
-
-class _Lazy:
-    """A module imported on first use: ``--version``, ``list``, ``validate`` and ``plan --no-engine``
-    must start fast (docs/cli.md, "Start-up"), so each command imports only what it uses."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str):
-        return getattr(importlib.import_module(self._name, __package__), attr)
-
-
-defn_mod = _Lazy("imagebuild.definition.reader")
-doctor_mod = _Lazy("imagebuild.ops.doctor")
-engine_mod = _Lazy("imagebuild.core.engine")
-plan_mod = _Lazy("imagebuild.plan.planner")
-json = _Lazy("json")
-traceback = _Lazy("traceback")
-
-
-class _Log:
-    """The "imagebuild" logger, looked up when first used (importing logging costs start-up time)."""
-
-    def __getattr__(self, attr: str):
-        import logging
-
-        return getattr(logging.getLogger("imagebuild"), attr)
-
-
-log = _Log()
+defn_mod = lazy.module("imagebuild.definition.reader")
+doctor_mod = lazy.module("imagebuild.ops.doctor")
+engine_mod = lazy.module("imagebuild.core.engine")
+plan_mod = lazy.module("imagebuild.plan.planner")
+json = lazy.module("json")
+traceback = lazy.module("traceback")
+log = lazy.logger()
 
 
 EPILOG = f"""\
@@ -507,27 +485,11 @@ def _configure_logging(args) -> None:
     logger.propagate = False
 
 
-def _print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def _root(args):
-    return defn_mod.find_root(explicit=args.root)
-
-
-def _ctx(args):
-    """The command's context (context.Context): project root, settings, state, engine, output."""
-    from imagebuild.core.context import Context
-
-    return Context.for_root(_root(args), progress=getattr(args, "progress", "auto"),
-                            verbose=bool(getattr(args, "verbose", False)))
-
-
 # ------------------------------------------------------------------------------------------------ list
 
 
 def cmd_list(args) -> int:
-    root = _root(args)
+    root = common.root(args)
     rows = []
     for name in defn_mod.list_images(root):
         try:
@@ -539,7 +501,7 @@ def cmd_list(args) -> int:
             rows.append({"name": name, "valid": False, "platform": None, "stages": [], "description": None,
                          "unpinned": 0, "problems": len(exc.problems)})
     if args.json:
-        _print_json({"schema": "imagebuild.list", "version": 1, "images": rows})
+        common.print_json({"schema": "imagebuild.list", "version": 1, "images": rows})
         return EXIT_OK
     if not rows:
         print(f"no image definitions in {defn_mod.display_path(os.getcwd() and root, root / 'docker-images')}")
@@ -559,7 +521,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    root = _root(args)
+    root = common.root(args)
     names = args.images or defn_mod.list_images(root)
     results = []
     for name in names:
@@ -573,7 +535,7 @@ def cmd_validate(args) -> int:
             if not args.json:
                 print(exc.render(), file=sys.stderr)
     if args.json:
-        _print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
+        common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
     else:
         for r in results:
             if r["valid"]:
@@ -589,7 +551,7 @@ def cmd_validate(args) -> int:
 def cmd_plan(args) -> int:
     from imagebuild.build.stagestore import StageStore
 
-    root = _root(args)
+    root = common.root(args)
     # the engine is asked first and answers while the definition is read (engine.EngineQuery)
     query = None if args.no_engine else engine_mod.EngineQuery()
     dfn = defn_mod.load(root, args.image)
@@ -604,7 +566,7 @@ def cmd_plan(args) -> int:
     plan = plan_mod.make_plan(dfn, exists=lambda key: store.lookup(key) is not None, engine=engine_info,
                               prov=pending)
     if args.json:
-        _print_json(plan.as_dict())
+        common.print_json(plan.as_dict())
         return EXIT_OK
     _print_plan(plan)
     return EXIT_OK
@@ -670,13 +632,13 @@ def _print_plan(plan: plan_mod.Plan) -> None:
 def cmd_prefetch(args) -> int:
     from imagebuild.fetch import prefetch as prefetch_mod
 
-    root = _root(args)
+    ctx = common.ctx(args)
     for name in args.images:
         defn_mod.check_image_name(name)
-    report = prefetch_mod.prefetch(root, args.images or None, refresh=args.refresh, offline=args.offline,
+    report = prefetch_mod.prefetch(ctx, args.images or None, refresh=args.refresh, offline=args.offline,
                                    jobs=args.jobs, cache_dir=args.cache)
     if args.json:
-        _print_json(report.as_dict())
+        common.print_json(report.as_dict())
     else:
         print(prefetch_mod.render(report))
     return EXIT_OK
@@ -685,11 +647,11 @@ def cmd_prefetch(args) -> int:
 def cmd_bundle(args) -> int:
     from imagebuild.fetch import bundle as bundle_mod
 
-    root = _root(args)
+    ctx = common.ctx(args)
     defn_mod.check_image_name(args.image)
-    res = bundle_mod.bundle(root, args.image, args.output)
+    res = bundle_mod.bundle(ctx, args.image, args.output)
     if args.json:
-        _print_json(res.as_dict())
+        common.print_json(res.as_dict())
     else:
         print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB -> {res.file}")
     return EXIT_OK
@@ -698,10 +660,9 @@ def cmd_bundle(args) -> int:
 def cmd_unbundle(args) -> int:
     from imagebuild.fetch import bundle as bundle_mod
 
-    root = _root(args)
-    res = bundle_mod.unbundle(root, args.file)
+    res = bundle_mod.unbundle(common.ctx(args), args.file)
     if args.json:
-        _print_json(res.as_dict())
+        common.print_json(res.as_dict())
     else:
         print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB verified and in place; "
               f"`imagebuild build {res.image}` needs no network now")
@@ -713,14 +674,13 @@ def cmd_unbundle(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    root = None
     try:
-        root = _root(args)
+        ctx = common.ctx(args)
     except ImagebuildError:
-        pass
-    checks = doctor_mod.run_checks(root=root, peers=args.peer)
+        ctx = None  # doctor checks the host also outside a project, even with a bad --root
+    checks = doctor_mod.run_checks(ctx, peers=args.peer)
     if args.json:
-        _print_json({"schema": "imagebuild.doctor", "version": 1, "checks": [c.as_dict() for c in checks]})
+        common.print_json({"schema": "imagebuild.doctor", "version": 1, "checks": [c.as_dict() for c in checks]})
     else:
         w = max(len(c.name) for c in checks)
         for c in checks:
@@ -738,16 +698,11 @@ def cmd_gate(args) -> int:
         return _check_receipt(args)
     from imagebuild.gate import runner as gate_mod  # imports pytest: only when gating
 
-    try:
-        root = _root(args)
-    except ImagebuildError:
-        if args.root:
-            raise
-        root = None  # a bare REF + --spec works outside a project too
-    target = gate_mod.resolve(root, args.target, ref=args.ref, spec=args.spec)
+    ctx = common.ctx_or_none(args)  # a bare REF + --spec works outside a project too
+    target = gate_mod.resolve(ctx, args.target, ref=args.ref, spec=args.spec)
     receipt = gate_mod.execute(target, require_gpu=args.require_gpu, junit=args.junit)
     if args.json:
-        _print_json(receipt.data)
+        common.print_json(receipt.data)
     else:
         print(gate_mod.render_table(receipt, target.root))
     if not receipt.passed:
@@ -766,17 +721,13 @@ def _check_receipt(args) -> int:
     from imagebuild.definition import gatespec
     from imagebuild.gate import receipts
 
-    root = None
-    try:
-        root = _root(args)
-    except ImagebuildError:
-        if args.root:
-            raise
+    ctx = common.ctx_or_none(args)
+    root = ctx.root if ctx is not None else None
     is_defn = root is not None and defn_mod.NAME_RE.match(args.target) and \
         (root / defn_mod.IMAGES_DIR / args.target / defn_mod.IMAGE_FILE).is_file()
     if is_defn:
         image, ref = args.target, args.ref or f"{args.target}:local"
-        spec = gatespec.digest(Path(args.spec)) if args.spec else promote_mod.current_spec_digest(root, image)
+        spec = gatespec.digest(Path(args.spec)) if args.spec else promote_mod.current_spec_digest(ctx, image)
         if spec is None:
             raise UsageError(f"image {image!r} has no gate spec: no receipt can say it passed")
     else:
@@ -786,10 +737,10 @@ def _check_receipt(args) -> int:
         spec = gatespec.digest(Path(args.spec)) if args.spec else None
     ident = identity_mod.inspect(ref)
     found, where = None, None
-    if root is not None and spec:
-        data = receipts.find_passing(root, ident.digest, spec)
+    if ctx is not None and spec:
+        data = receipts.find_passing(ctx, ident.digest, spec)
         if data:
-            found, where = data, receipts.receipt_path(root, ident.digest, spec)
+            found, where = data, receipts.receipt_path(ctx, ident.digest, spec)
     if found is None:
         hit = receipts.find_passing_synced(ident.digest, spec)
         if hit:
@@ -800,7 +751,7 @@ def _check_receipt(args) -> int:
            "gpu_checks_skipped": bool(found and found.get("gpu_checks_skipped")),
            "host": (found or {}).get("host", {}).get("hostname")}
     if args.json:
-        _print_json(doc)
+        common.print_json(doc)
     elif found:
         print(f"PASSED  {ref}  identity {ident.digest}")
         print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
@@ -827,7 +778,7 @@ def cmd_build(args) -> int:
 def _cmd_build(args) -> int:
     from imagebuild.build import builder as build_mod
 
-    ctx = _ctx(args)
+    ctx = common.ctx(args)
     if args.cache_registry and args.no_cache_registry:
         raise UsageError("--cache-registry and --no-cache-registry cannot be used together")
     registry = None if args.no_cache_registry else (args.cache_registry or ctx.config.registry)
@@ -841,7 +792,7 @@ def _cmd_build(args) -> int:
     if args.dry_run:
         doc = build_mod.dry_run(ctx, args.image, opts)
         if args.json:
-            _print_json(doc)
+            common.print_json(doc)
         else:
             print(f"image     {doc['image']}  ({doc['platform']}, build id {doc['build_id']}, "
                   f"SOURCE_DATE_EPOCH {doc['source_date_epoch']})")
@@ -857,7 +808,7 @@ def _cmd_build(args) -> int:
         return EXIT_OK
     rec = build_mod.build(ctx, args.image, opts)
     if args.json:
-        _print_json(rec)
+        common.print_json(rec)
     else:
         for s in rec["stages"]:
             print(f"{s['name']:<16} {s['status']:<8} {s['image']}" +
@@ -884,13 +835,13 @@ def _cmd_build(args) -> int:
 def cmd_log(args) -> int:
     from imagebuild.core import runs as runs_mod
 
-    ctx = _ctx(args)
+    ctx = common.ctx(args)
     if args.image:
         defn_mod.check_image_name(args.image)
     if args.run is None and args.stage is None:
         runs = runs_mod.list_runs(ctx, args.image)
         if args.json:
-            _print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
+            common.print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
             return EXIT_OK
         if not runs:
             print("no build runs recorded" + (f" for {args.image}" if args.image else ""))
@@ -913,7 +864,7 @@ def cmd_log(args) -> int:
         sys.stdout.write(path.read_text(encoding="utf-8", errors="replace"))
         return EXIT_OK
     if args.json:
-        _print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
+        common.print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
                      "logs": [ctx.show(p) for p in run.logs()]})
         return EXIT_OK
     s = run.summary()
@@ -939,14 +890,14 @@ def cmd_gc(args) -> int:
         return _cmd_gc_peer(args)
     if args.keep is None:
         args.keep = gc_mod.DEFAULT_KEEP
-    ctx = _ctx(args)
+    ctx = common.ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
     plan = gc_mod.plan_gc(ctx, args.image, args.keep)
     if not args.dry_run:
         gc_mod.apply(plan, ctx)
     if args.json:
-        _print_json(plan.as_dict(args.dry_run))
+        common.print_json(plan.as_dict(args.dry_run))
         return EXIT_OK
     h = gc_mod.human
     verb = "would remove" if args.dry_run else "removed"
@@ -967,10 +918,10 @@ def cmd_gc(args) -> int:
 def cmd_df(args) -> int:
     from imagebuild.ops import gc as gc_mod
 
-    ctx = _ctx(args)
+    ctx = common.ctx(args)
     doc = gc_mod.disk_usage(ctx, args.image)
     if args.json:
-        _print_json(doc)
+        common.print_json(doc)
         return EXIT_OK
     h = gc_mod.human
     print(f"{'IMAGE':<24} {'ENGINE':>12} {'STAGES':>12} {'PREFETCHED':>12} {'RUNS':>10} {'TOTAL':>12}")
@@ -988,17 +939,17 @@ def cmd_df(args) -> int:
 def cmd_patch(args) -> int:
     from imagebuild.build import builder as build_mod
 
-    ctx = _ctx(args)
+    ctx = common.ctx(args)
     try:
         doc = build_mod.patch(ctx, args.image, args.src, check=args.check, stage=args.stage)
     except build_mod.PatchFailed as exc:
         if args.json:
-            _print_json(exc.doc)
+            common.print_json(exc.doc)
         else:
             _print_patches(exc.doc)
         raise
     if args.json:
-        _print_json(doc)
+        common.print_json(doc)
     else:
         _print_patches(doc)
     return EXIT_OK
@@ -1020,7 +971,7 @@ def _cmd_gc_peer(args) -> int:
         raise UsageError(f"--keep {keep}: expected 0 or more")
     results = [peergc.gc_peer(host, keep=keep, dry_run=args.dry_run) for host in dict.fromkeys(args.peer)]
     if args.json:
-        _print_json({"schema": "imagebuild.gc-peer", "version": 1, "dry_run": args.dry_run,
+        common.print_json({"schema": "imagebuild.gc-peer", "version": 1, "dry_run": args.dry_run,
                      "peers": [r.as_dict() for r in results]})
     else:
         for r in results:
@@ -1034,18 +985,12 @@ def _cmd_gc_peer(args) -> int:
 def cmd_sync(args) -> int:
     from imagebuild.ship import sync as sync_mod
 
-    root = None
-    try:
-        root = _root(args)
-    except ImagebuildError:
-        if args.root:
-            raise
+    ctx = common.ctx_or_none(args)
     reg = None
     if args.via == "registry":
-        from imagebuild.core import config as config_mod
         from imagebuild.core import registry as registry_mod
 
-        value = args.registry or config_mod.load(root).registry
+        value = args.registry or (ctx.config.registry if ctx is not None else None)
         if not value:
             raise UsageError("sync --via registry: which registry? none given and imagebuild.yaml has no registry:",
                              hint="imagebuild sync --via registry --registry HOST:PORT/PREFIX PEER...")
@@ -1057,10 +1002,10 @@ def cmd_sync(args) -> int:
         from imagebuild.ship import registry_sync
 
         delivery = registry_sync.delivery(reg, args.tunnel)
-    report = sync_mod.sync(root, args.peers, image=args.image, jobs=args.jobs, force=args.force,
+    report = sync_mod.sync(ctx, args.peers, image=args.image, jobs=args.jobs, force=args.force,
                            dry_run=args.dry_run, delivery=delivery)
     if args.json:
-        _print_json(report.as_dict())
+        common.print_json(report.as_dict())
     else:
         print(sync_mod.render(report))
     return report.exit_code
@@ -1069,12 +1014,12 @@ def cmd_sync(args) -> int:
 def cmd_rollback(args) -> int:
     from imagebuild.build import promote as promote_mod
 
-    ctx = _ctx(args)
+    ctx = common.ctx(args)
     if args.registry is not None:
         return _rollback_registry(args, ctx)
     doc = promote_mod.rollback(args.image, ctx)
     if args.json:
-        _print_json(doc)
+        common.print_json(doc)
     else:
         print(f"{args.image}:local    -> {doc['local_id']}")
         if doc["previous_id"]:
@@ -1094,7 +1039,7 @@ def _rollback_registry(args, ctx) -> int:
     reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
     doc = registry_release.rollback(reg, args.image, ctx)
     if args.json:
-        _print_json(doc)
+        common.print_json(doc)
     else:
         print(f"{reg.repo(args.image)}:local    -> {doc['local_digest']}  (identity {doc['local_identity']})")
         if doc["previous_digest"]:

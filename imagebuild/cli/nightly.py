@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from imagebuild.cli import common
+
 # Only argparse here: cli.py registers these commands on every start (--version, list, ...), which
 # must not pay for what only these commands use (tests/unit/test_startup.py).
 
@@ -73,19 +75,6 @@ def register(sub, epilog: str) -> None:
     sp.set_defaults(func=cmd_diff)
 
 
-def _root(args):
-    from imagebuild.definition import reader as defn_mod
-
-    return defn_mod.find_root(explicit=args.root)
-
-
-def _print_json(obj) -> None:
-    import json
-    import sys
-
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
-
-
 def _shown(p) -> str:
     """A path as the user can paste it: relative to the current folder when under it."""
     from pathlib import Path
@@ -100,18 +89,18 @@ def _shown(p) -> str:
 def cmd_nightly(args) -> int:
     from pathlib import Path
 
-    from imagebuild.core import config
     from imagebuild.ops import nightly as nightly_mod
 
-    root = _root(args)
-    peers = tuple(args.peers) if args.peers is not None else config.load(root).peers
+    ctx = common.ctx(args)
+    root = ctx.root
+    peers = tuple(args.peers) if args.peers is not None else ctx.config.peers
     opts = nightly_mod.Options(peers=peers, refresh=args.refresh,
                                report_dir=Path(args.report_dir) if args.report_dir else None,
                                keep_reports=args.keep_reports, keep_builds=args.keep_builds, gc=not args.no_gc,
                                notify=args.notify, progress=args.progress)
-    doc, stored = nightly_mod.nightly(root, args.images, opts)
+    doc, stored = nightly_mod.nightly(ctx, args.images, opts)
     if args.json:
-        _print_json(doc)
+        common.print_json(doc)
     else:
         from imagebuild.ops import report as report_mod
 
@@ -131,8 +120,9 @@ def cmd_report(args) -> int:
     from imagebuild.definition import reader as defn_mod
     from imagebuild.ops import report as report_mod
 
-    root = _root(args)
-    rdir = Path(args.report_dir) if args.report_dir else report_mod.default_dir(root)
+    ctx = common.ctx(args)
+    root = ctx.root
+    rdir = Path(args.report_dir) if args.report_dir else report_mod.default_dir(ctx)
     if len(args.args) > 2:
         from imagebuild.core.errors import UsageError
 
@@ -153,7 +143,7 @@ def cmd_report(args) -> int:
     if image is not None:
         doc = {**doc, "images": [i for i in doc["images"] if i.get("image") == image]}
     if args.json:
-        _print_json(doc)
+        common.print_json(doc)
     elif args.summary:
         print("\n".join(report_mod.summary_lines(doc)))
     elif image is None and st.md_path.is_file():
@@ -168,14 +158,14 @@ def cmd_diff(args) -> int:
     from imagebuild.ops import imagediff
 
     try:
-        root = _root(args)
+        ctx = common.ctx(args)
     except ImagebuildError:  # two references can be compared outside a project (no inventory cache then)
-        root = None
-    a = imagediff.inventory(args.ref1, root)
-    b = imagediff.inventory(args.ref2, root)
+        ctx = None
+    a = imagediff.inventory(args.ref1, ctx)
+    b = imagediff.inventory(args.ref2, ctx)
     d = imagediff.diff(a, b)
     if args.json:
-        _print_json(d)
+        common.print_json(d)
     else:
         print(imagediff.render(d, limit=args.limit))
     return EXIT_OK

@@ -76,5 +76,11 @@ class Context:
 
 
 def of(ctx_or_root: Context | Path | str) -> Context:
-    """A Context from a Context or a project root (for callers that still hold a Path)."""
+    """A Context from a Context or a project root (for library callers that hold a Path)."""
     return ctx_or_root if isinstance(ctx_or_root, Context) else Context.for_root(ctx_or_root)
+
+
+def maybe(ctx_or_root: Context | Path | str | None) -> Context | None:
+    """``of``, where no project is also an answer (``sync REF``, ``gate REF --spec``, ``doctor``
+    outside a project)."""
+    return None if ctx_or_root is None else of(ctx_or_root)

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from imagebuild.core import context as context_mod
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import state
 from imagebuild.core.errors import (
@@ -174,9 +175,10 @@ class _TarWriter:
         self.written += len(data)
 
 
-def bundle(root: Path, image: str, output: Path) -> Result:
+def bundle(ctx: context_mod.Context | Path, image: str, output: Path) -> Result:
     """Write the bundle of ``image`` to ``output`` (atomically); every file checked against the lock."""
     t0 = time.monotonic()
+    root = context_mod.of(ctx).root
     defn = d.load(root, image)
     lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
     lk = lock_mod.read(defn.dir, lock_disp)
@@ -235,13 +237,13 @@ def _bytes(data: bytes):
 # ------------------------------------------------------------------------------------------------ unbundle
 
 
-def unbundle(root: Path, file: Path) -> Result:
-    """Verify ``file`` completely, then put its files in place under ``root``."""
+def unbundle(ctx: context_mod.Context | Path, file: Path) -> Result:
+    """Verify ``file`` completely, then put its files in place under the project's root."""
     t0 = time.monotonic()
     file = Path(file)
     if not file.is_file():
         raise UsageError(f"{file}: no such bundle file")
-    root = Path(root).resolve()
+    root = context_mod.of(ctx).root
     deps = root / "deps-src"
     made = not deps.exists()
     for old in deps.glob(".unbundle-*.tmp") if deps.is_dir() else ():  # left by a killed run

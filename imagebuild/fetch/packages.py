@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imagebuild.core import context as context_mod
 from imagebuild.core import lazy, state
 from imagebuild.core import lock as lock_mod
 from imagebuild.core.errors import OperationFailed
@@ -744,7 +745,7 @@ def has_packages(defn: d.Definition) -> bool:
     return bool(image_keys(defn)) or any(st.requirements or st.apt for st in defn.stages)
 
 
-def prefetch_packages(root: Path, image: str, report: Report | None = None, *,
+def prefetch_packages(ctx: context_mod.Context | Path, image: str, report: Report | None = None, *,
                       offline: bool = False) -> tuple[d.Definition, Report]:
     """Pin and fetch base images, then wheels and apt packages. Returns the (re-read) definition.
 
@@ -752,6 +753,7 @@ def prefetch_packages(root: Path, image: str, report: Report | None = None, *,
     """
     report = report if report is not None else Report()
     report.offline = offline
+    root = context_mod.of(ctx).root
     defn = d.load(root, image)
     prefetch_images(defn, report)
     if report.pinned:

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imagebuild.core import context as context_mod
 from imagebuild.core import lock, state
 from imagebuild.core.errors import (
     CommandFailed,
@@ -133,7 +134,7 @@ class Report:
 # ------------------------------------------------------------------------------------------------ entry
 
 
-def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] | None = None,
+def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *, refresh: list[str] | None = None,
              offline: bool = False, jobs: int = 4, cache_dir: str | os.PathLike | None = None) -> Report:
     """Prefetch ``images`` (default: every image with git sources). ``refresh``: None = no
     refresh, [] = every source, [NAME...] = those sources."""
@@ -142,7 +143,8 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
         raise UsageError(f"--jobs {jobs}: expected a positive number")
     if offline and refresh is not None:
         raise UsageError("--refresh needs the network; it cannot be combined with --offline")
-    root = Path(root).resolve()
+    ctx = context_mod.of(ctx)
+    root = ctx.root
     if images:
         defns = [d.load(root, n) for n in images]
     else:  # every image with git sources or packages (a broken definition is reported, not skipped)
@@ -162,7 +164,7 @@ def prefetch(root: Path, images: list[str] | None = None, *, refresh: list[str] 
         with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
             ir = _prefetch_image(defn, cache, refresh, jobs)
             if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
-                _, prep = packages.prefetch_packages(root, defn.name, offline=offline)
+                _, prep = packages.prefetch_packages(ctx, defn.name, offline=offline)
                 ir.packages = packages.summary(prep)
         if ir.lock is not None or packages.has_packages(defn):
             ir.lock = defn.rel(lock.lock_path(defn.dir))

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from imagebuild import __version__
+from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
@@ -103,8 +104,12 @@ class Target:
     authority: str = receipts.AUTHORITY_AD_HOC  # "definition": the definition's own spec ran
 
 
-def resolve(root: Path | None, target: str, *, ref: str | None = None, spec: str | Path | None = None) -> Target:
-    """``IMAGE`` (a definition: its gate spec, ref ``IMAGE:candidate`` unless --ref) or ``REF`` + --spec."""
+def resolve(ctx: context_mod.Context | Path | None, target: str, *, ref: str | None = None,
+            spec: str | Path | None = None) -> Target:
+    """``IMAGE`` (a definition: its gate spec, ref ``IMAGE:candidate`` unless --ref) or ``REF`` + --spec;
+    ``ctx`` None: no project (a bare REF with --spec; its receipt goes under the current folder)."""
+    ctx = context_mod.maybe(ctx)
+    root = ctx.root if ctx is not None else None
     if root is not None and defn_mod.NAME_RE.match(target) and \
             (root / defn_mod.IMAGES_DIR / target / defn_mod.IMAGE_FILE).is_file():
         dfn = defn_mod.load(root, target)
@@ -440,17 +445,17 @@ def _timeout(plugin: GatePlugin, name: str) -> None:
     _remove_container(name)
 
 
-def run_gate(root: Path, image: str | None, ref: str | None = None, *, require_gpu: bool = False,
+def run_gate(ctx: context_mod.Context | Path, image: str | None, ref: str | None = None, *, require_gpu: bool = False,
              junit: Path | None = None, spec: Path | None = None) -> receipts.Receipt:
     """Gate ``image`` (a definition name; its gate spec) at ``ref`` (default ``IMAGE:candidate``),
     or, with ``image=None``, the image ``ref`` against ``spec``. Raises ``GateFailed`` (exit 4)
     after writing the receipt when the gate fails."""
     if image is not None:
-        target = resolve(root, image, ref=ref, spec=spec)
+        target = resolve(ctx, image, ref=ref, spec=spec)
     else:
         if ref is None or spec is None:
             raise UsageError("gating an image reference needs both the reference and a spec")
-        target = resolve(root, ref, spec=spec)
+        target = resolve(ctx, ref, spec=spec)
     receipt = execute(target, require_gpu=require_gpu, junit=junit)
     if not receipt.passed:
         raise failure(receipt)

@@ -11,7 +11,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.core import config as config_mod
+from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
@@ -208,7 +208,10 @@ def check_peer_sync(host: str) -> list[Check]:
     return out
 
 
-def run_checks(root: Path | None, peers: list[str]) -> list[Check]:
+def run_checks(ctx: context_mod.Context | Path | None, peers: list[str]) -> list[Check]:
+    """Every host check, and each peer's (those named and, in a project, imagebuild.yaml's ``peers:``)."""
+    ctx = context_mod.maybe(ctx)
+    root = ctx.root if ctx is not None else None
     checks, info = check_engine()
     if info.reachable:
         checks += check_buildx(info.server_version)
@@ -220,7 +223,7 @@ def run_checks(root: Path | None, peers: list[str]) -> list[Check]:
     checks.append(check_tool("git", ["--version"], "install git (apt-get install git)"))
     checks.append(check_tool("rsync", ["--version"], "install rsync (apt-get install rsync)"))
     checks.append(check_tool("ssh", ["-V"], "install an SSH client (apt-get install openssh-client)"))
-    configured = list(config_mod.load(root).peers) if root else []
+    configured = list(ctx.config.peers) if ctx is not None else []
     for host in dict.fromkeys([*configured, *peers]):
         checks += check_peer(host)
     return checks

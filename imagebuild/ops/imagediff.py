@@ -30,9 +30,9 @@ import secrets
 import tarfile
 from pathlib import Path
 
+from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
-from imagebuild.core import state
 from imagebuild.core.fsutil import atomic_write_json
 
 log = logging.getLogger("imagebuild")
@@ -175,13 +175,15 @@ def _layer_sizes(ref: str, layers: list[str]) -> list[int | None]:
     return layer_sizes_from_history(rows, len(layers))
 
 
-def inventory(ref: str, root: Path | None = None, *, use_cache: bool = True) -> dict:
-    """What ``ref`` holds (see the module doc). Raises OperationFailed when the image is missing."""
+def inventory(ref: str, ctx: context_mod.Context | Path | None = None, *, use_cache: bool = True) -> dict:
+    """What ``ref`` holds (see the module doc), kept in the project's state folder when there is a
+    project (``ctx``). Raises OperationFailed when the image is missing."""
+    ctx = context_mod.maybe(ctx)
     data = identity_mod.inspect_data(ref, hint="docker image ls; `imagebuild log` shows which builds exist")
     ident = identity_mod.from_inspect(data)
     cache = None
-    if root is not None:
-        cache = state.state_dir(root) / "inventory" / f"{ident.digest.split(':', 1)[1]}.json"
+    if ctx is not None:
+        cache = ctx.state / "inventory" / f"{ident.digest.split(':', 1)[1]}.json"
         if use_cache:
             try:
                 doc = json.loads(cache.read_text(encoding="utf-8"))

@@ -35,7 +35,7 @@ from pathlib import Path
 from imagebuild import __version__
 from imagebuild.build import guards
 from imagebuild.build import promote as promote_mod
-from imagebuild.core import engine as engine_mod
+from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core import state
@@ -98,12 +98,13 @@ def _since_marker() -> str:
 # --------------------------------------------------------------------------------------------- entry
 
 
-def nightly(root: Path, images: list[str], opts: Options) -> tuple[dict, report_mod.Stored]:
+def nightly(ctx: context_mod.Context | Path, images: list[str], opts: Options) -> tuple[dict, report_mod.Stored]:
     """Run the chain for ``images``; returns (report, where it was written). Never raises for a
     failed image (its result is in the report); raises UsageError for bad input before anything
     runs, GuardRefused when another nightly holds the lock, KeyboardInterrupt after writing the
     report of an interrupted run."""
-    root = Path(root).resolve()
+    ctx = context_mod.of(ctx)
+    root = ctx.root
     if not images:
         raise UsageError("no IMAGE given", hint="imagebuild nightly IMAGE... (imagebuild list shows them)")
     for name in images:
@@ -114,8 +115,8 @@ def nightly(root: Path, images: list[str], opts: Options) -> tuple[dict, report_
     for flag, v in (("--keep-builds", opts.keep_builds), ("--keep-reports", opts.keep_reports)):
         if v < 1:
             raise UsageError(f"{flag} {v}: expected 1 or more")
-    report_dir = Path(opts.report_dir) if opts.report_dir else report_mod.default_dir(root)
-    lock = guards.BuildLock(state.state_dir(root) / LOCK_NAME, "nightly")
+    report_dir = Path(opts.report_dir) if opts.report_dir else report_mod.default_dir(ctx)
+    lock = guards.BuildLock(ctx.state / LOCK_NAME, "nightly")
     try:
         lock.acquire(command="imagebuild nightly " + " ".join(images))
     except GuardRefused:
@@ -123,12 +124,12 @@ def nightly(root: Path, images: list[str], opts: Options) -> tuple[dict, report_
         raise GuardRefused(f"another imagebuild nightly is running: pid {h.get('pid')} on {h.get('host')} "
                            f"({h.get('command')})", hint=f"runs never overlap; the lock is {lock.path}") from None
     try:
-        return _run(root, images, opts, report_dir)
+        return _run(ctx, images, opts, report_dir)
     finally:
         lock.release()
 
 
-def _run(root: Path, images: list[str], opts: Options, report_dir: Path) -> tuple[dict, report_mod.Stored]:
+def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir: Path) -> tuple[dict, report_mod.Stored]:
     from imagebuild.build.builder import new_run_id
 
     t0 = time.monotonic()
@@ -142,18 +143,18 @@ def _run(root: Path, images: list[str], opts: Options, report_dir: Path) -> tupl
     }
     interrupted = False
     try:
-        doc["refused"] = _serving()
+        doc["refused"] = _serving(ctx)
         if doc["refused"] is None:
-            doc["disk"] = {"before": _disk(root, images), "after": None, "gc": None, "gc_skipped": None}
+            doc["disk"] = {"before": _disk(ctx, images), "after": None, "gc": None, "gc_skipped": None}
         for name in images:
             if doc["refused"] is not None:
                 doc["images"].append(_refused_image(name, doc["refused"]["reason"]))
                 continue
             res = _blank(name)
             doc["images"].append(res)
-            _one(root, name, opts, res)
+            _one(ctx, name, opts, res)
         if doc["refused"] is None:
-            _gc(root, images, opts, doc)
+            _gc(ctx, images, opts, doc)
     except KeyboardInterrupt:
         interrupted = True
         for res in doc["images"]:
@@ -178,10 +179,10 @@ def _run(root: Path, images: list[str], opts: Options, report_dir: Path) -> tupl
 # --------------------------------------------------------------------------------------------- refusal
 
 
-def _serving() -> dict | None:
+def _serving(ctx: context_mod.Context) -> dict | None:
     """Serving containers on the build node (docs/build.md, 'Guard rails'): the run stops before
     anything runs. None when there are none (or no engine: the build then says so per image)."""
-    if not engine_mod.probe().reachable:
+    if not ctx.engine.reachable:
         return None
     found = guards.serving_containers()
     if not found:
@@ -211,11 +212,11 @@ def _refused_image(name: str, reason: str) -> dict:
 # --------------------------------------------------------------------------------------------- one image
 
 
-def _one(root: Path, name: str, opts: Options, res: dict) -> None:
+def _one(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> None:
     t0 = time.monotonic()
     log.info("== %s", name)
     try:
-        _chain(root, name, opts, res)
+        _chain(ctx, name, opts, res)
     except ImagebuildError as exc:  # a step the chain does not handle itself: the image failed, the run goes on
         res["status"] = STATUS_OF.get(exc.exit_code, "failed")
         res["exit_code"] = exc.exit_code
@@ -252,17 +253,17 @@ def _fail(res: dict, code: int, reason: str) -> None:
     res["reason"] = reason
 
 
-def _chain(root: Path, name: str, opts: Options, res: dict) -> None:
+def _chain(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> None:
     from imagebuild.build import builder as build_mod
     from imagebuild.fetch import packages
     from imagebuild.fetch import prefetch as prefetch_mod
 
-    defn = defn_mod.load(root, name)  # DefinitionError: exit 2, this image only
+    defn = defn_mod.load(ctx.root, name)  # DefinitionError: exit 2, this image only
     before = _tag(name, promote_mod.LOCAL)
     prev_inv = None
     if before is not None:
         try:
-            prev_inv = imagediff.inventory(f"{name}:{promote_mod.LOCAL}", root)
+            prev_inv = imagediff.inventory(f"{name}:{promote_mod.LOCAL}", ctx)
         except ImagebuildError as exc:
             res["changes_note"] = f"the previous :local could not be read: {exc.message}"
 
@@ -271,7 +272,7 @@ def _chain(root: Path, name: str, opts: Options, res: dict) -> None:
     if defn.sources or packages.has_packages(defn):
         t = time.monotonic()
         try:
-            rep = prefetch_mod.prefetch(root, [name], refresh=[] if opts.refresh else None)
+            rep = prefetch_mod.prefetch(ctx, [name], refresh=[] if opts.refresh else None)
         except ImagebuildError as exc:
             steps["prefetch"] = {"status": "failed", "seconds": round(time.monotonic() - t, 3), "detail": exc.message}
             res["upstream"] = {"checked": False, "reason": "prefetch failed", "moved": [], "pull_requests": [],
@@ -282,7 +283,7 @@ def _chain(root: Path, name: str, opts: Options, res: dict) -> None:
                              "seconds": round(time.monotonic() - t, 3),
                              "detail": f"{rep.network_operations} network operation(s); build id {ir.build_id or '-'}",
                              "network_operations": rep.network_operations, "build_id": ir.build_id}
-        res["upstream"] = _upstream(root, defn, ir, opts.refresh)
+        res["upstream"] = _upstream(defn, ir, opts.refresh)
     else:
         steps["prefetch"] = {"status": "not-needed", "seconds": 0.0,
                              "detail": "no git sources and no packages to prefetch"}
@@ -295,16 +296,16 @@ def _chain(root: Path, name: str, opts: Options, res: dict) -> None:
     gate_error: GateFailed | None = None
     rec = None
     try:
-        rec = build_mod.build(root, name, build_mod.Options(progress=opts.progress))
+        rec = build_mod.build(ctx, name, build_mod.Options(progress=opts.progress))
     except GateFailed as exc:
         gate_error = exc
-        rec = _record_since(root, name, since)
+        rec = _record_since(ctx, name, since)
     except GuardRefused as exc:
         steps["build"] = {"status": "refused", "seconds": round(time.monotonic() - t, 3), "detail": exc.message}
         raise
     except ImagebuildError as exc:
-        rec = _record_since(root, name, since)
-        _take_record(res, rec, root)
+        rec = _record_since(ctx, name, since)
+        _take_record(res, rec)
         failed_stage = (rec or {}).get("failed_stage")
         steps["build"] = {"status": "failed", "seconds": round(time.monotonic() - t, 3),
                           "detail": f"stage {failed_stage} failed" if failed_stage else _one_line(exc),
@@ -312,8 +313,8 @@ def _chain(root: Path, name: str, opts: Options, res: dict) -> None:
         res["changes_note"] = "the build failed: there is no new image to compare"
         raise
     build_s = round(time.monotonic() - t, 3)
-    _take_record(res, rec, root)
-    gate = _gate(root, defn, rec, gate_error)
+    _take_record(res, rec)
+    gate = _gate(ctx, defn, rec, gate_error)
     res["gate"] = gate
     gate_s = gate.get("seconds") if gate and gate.get("ran") else 0.0
     steps["build"] = {"status": "built" if res["cache"]["misses"] else "cached",
@@ -335,7 +336,7 @@ def _chain(root: Path, name: str, opts: Options, res: dict) -> None:
                         }.get(res["promotion"]["status"], "")}
 
     # 4. the diff (before sync: a sync failure must not hide what changed)
-    _changes(root, name, res, prev_inv, before)
+    _changes(ctx, name, res, prev_inv, before)
 
     if gate_error is not None:
         _fail(res, EXIT_GATE_FAILED, f"gate failed: {gate_error.message}; {name}:local and the peers were not "
@@ -346,21 +347,21 @@ def _chain(root: Path, name: str, opts: Options, res: dict) -> None:
                        "only a gated :local is synced", "peers": []}
     else:
         # 3. sync
-        _sync(root, name, opts, res)
+        _sync(ctx, name, opts, res)
     res["tags"] = {t: _tag(name, t) for t in (promote_mod.LOCAL, promote_mod.PREVIOUS, promote_mod.CANDIDATE)}
 
 
-def _record_since(root: Path, name: str, since: str) -> dict | None:
+def _record_since(ctx: context_mod.Context, name: str, since: str) -> dict | None:
     from imagebuild.core import runs as runs_mod
 
-    for r in runs_mod.list_runs(root, name):
+    for r in runs_mod.list_runs(ctx, name):
         if r.run_id >= since:
             return r.record or None
         break
     return None
 
 
-def _take_record(res: dict, rec: dict | None, root: Path) -> None:
+def _take_record(res: dict, rec: dict | None) -> None:
     if not rec:
         return
     res["run_id"] = rec.get("run_id")
@@ -379,7 +380,7 @@ def _take_record(res: dict, rec: dict | None, root: Path) -> None:
                     "misses": sum(1 for s in stages if s["cache"] == "miss")}
 
 
-def _gate(root: Path, defn, rec: dict | None, gate_error: GateFailed | None) -> dict | None:
+def _gate(ctx: context_mod.Context, defn, rec: dict | None, gate_error: GateFailed | None) -> dict | None:
     from imagebuild.definition import gatespec
     from imagebuild.gate import receipts
 
@@ -390,7 +391,7 @@ def _gate(root: Path, defn, rec: dict | None, gate_error: GateFailed | None) -> 
     if promo.get("status") == "skipped" and gate_error is None:
         return None
     spec = gatespec.digest(defn.gate)
-    data = receipts.read(root, rel["identity"], spec)
+    data = receipts.read(ctx, rel["identity"], spec)
     if data is None:
         return {"result": "failed" if gate_error else "unknown", "ran": gate_error is not None, "seconds": None,
                 "reason": gate_error.message if gate_error else "no receipt found", "spec": str(defn.gate),
@@ -403,10 +404,10 @@ def _gate(root: Path, defn, rec: dict | None, gate_error: GateFailed | None) -> 
             "checks": [{"id": c.get("id"), "kind": c.get("kind"), "outcome": c.get("outcome"),
                         "severity": c.get("severity"), "requires_gpu": bool(c.get("requires_gpu")),
                         "detail": c.get("detail")} for c in data.get("checks") or []],
-            "receipt": defn_mod.display_path(root, receipts.receipt_path(root, rel["identity"], spec))}
+            "receipt": defn_mod.display_path(ctx.root, receipts.receipt_path(ctx, rel["identity"], spec))}
 
 
-def _changes(root: Path, name: str, res: dict, prev_inv: dict | None, before: dict | None) -> None:
+def _changes(ctx: context_mod.Context, name: str, res: dict, prev_inv: dict | None, before: dict | None) -> None:
     """The diff against the :local from before the run. The new image's inventory is read in every
     run, first promotion included: it is cached by identity, so the next night's "previous" costs
     nothing."""
@@ -416,7 +417,7 @@ def _changes(root: Path, name: str, res: dict, prev_inv: dict | None, before: di
     new_ref = f"{name}:{promote_mod.build_tag(res['build_id'])}" if res["build_id"] else \
         f"{name}:{promote_mod.CANDIDATE}"
     try:
-        new_inv = imagediff.inventory(new_ref, root)
+        new_inv = imagediff.inventory(new_ref, ctx)
     except ImagebuildError as exc:
         res["changes_note"] = f"{new_ref} could not be read: {exc.message}"
         return
@@ -442,7 +443,7 @@ def _tag(name: str, tag: str) -> dict | None:
 # --------------------------------------------------------------------------------------------- upstream
 
 
-def _upstream(root: Path, defn, ir, refreshed: bool) -> dict:
+def _upstream(defn, ir, refreshed: bool) -> dict:
     """What moved upstream (prefetch's report) and each pinned PR's state: ``git ls-remote`` of its
     ``refs/pull/N/head`` and ``refs/pull/N/merge`` (GitHub drops the merge ref when a PR is closed
     or merged), plus the GitHub API's answer when it gave one (prefetch asked it, with
@@ -500,7 +501,7 @@ def _upstream(root: Path, defn, ir, refreshed: bool) -> dict:
 # --------------------------------------------------------------------------------------------- sync
 
 
-def _sync(root: Path, name: str, opts: Options, res: dict) -> None:
+def _sync(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> None:
     peers = list(opts.peers)
     steps = res["steps"]
     if not peers:
@@ -518,7 +519,7 @@ def _sync(root: Path, name: str, opts: Options, res: dict) -> None:
         return
     t = time.monotonic()
     try:
-        rep = sync_mod.sync(root, peers, image=name, jobs=opts.sync_jobs)
+        rep = sync_mod.sync(ctx, peers, image=name, jobs=opts.sync_jobs)
     except ImagebuildError as exc:
         res["sync"] = {"status": "failed" if exc.exit_code != EXIT_REFUSED else "refused", "reason": exc.message,
                        "peers": []}
@@ -543,13 +544,13 @@ def _sync(root: Path, name: str, opts: Options, res: dict) -> None:
 # --------------------------------------------------------------------------------------------- disk
 
 
-def _disk(root: Path, images: list[str]) -> dict:
+def _disk(ctx: context_mod.Context, images: list[str]) -> dict:
     from imagebuild.ops import gc as gc_mod
 
-    sd = state.state_dir(root)
-    probe = sd if sd.exists() else root
+    sd = ctx.state
+    probe = sd if sd.exists() else ctx.root
     out = {"free_bytes": shutil.disk_usage(probe).free, "docker_free_bytes": None, "images": {}}
-    info = engine_mod.probe()
+    info = ctx.engine
     if info.root_dir and Path(info.root_dir).exists():
         out["docker_free_bytes"] = shutil.disk_usage(info.root_dir).free
     try:
@@ -560,15 +561,15 @@ def _disk(root: Path, images: list[str]) -> dict:
             seen: dict[str, int] = {}
             for im in gc_mod.engine_images(name) if info.reachable else []:
                 seen[im.id] = im.unique
-            out["images"][name] = (sum(seen.values()) + gc_mod.tree_bytes(StageStore.for_image(root, name).dir)
-                                   + gc_mod.tree_bytes(state.deps_dir(root, name))
-                                   + sum(gc_mod.tree_bytes(r.dir) for r in runs_mod.list_runs(root, name)))
+            out["images"][name] = (sum(seen.values()) + gc_mod.tree_bytes(StageStore.for_image(ctx.root, name).dir)
+                                   + gc_mod.tree_bytes(state.deps_dir(ctx.root, name))
+                                   + sum(gc_mod.tree_bytes(r.dir) for r in runs_mod.list_runs(ctx, name)))
     except ImagebuildError as exc:
         log.warning("warning: disk use not measured: %s", exc.message)
     return out
 
 
-def _gc(root: Path, images: list[str], opts: Options, doc: dict) -> None:
+def _gc(ctx: context_mod.Context, images: list[str], opts: Options, doc: dict) -> None:
     from imagebuild.ops import gc as gc_mod
 
     disk = doc["disk"]
@@ -579,8 +580,8 @@ def _gc(root: Path, images: list[str], opts: Options, doc: dict) -> None:
         t = time.monotonic()
         try:
             for name in images:
-                plan = gc_mod.plan_gc(root, name, opts.keep_builds)
-                gc_mod.apply(plan, root)
+                plan = gc_mod.plan_gc(ctx, name, opts.keep_builds)
+                gc_mod.apply(plan, ctx)
                 freed += plan.freed
                 removed += sum(len(p.remove) for p in plan.images) + len(plan.shared)
             disk["gc"] = {"keep": opts.keep_builds, "freed_bytes": freed, "removed": removed,
@@ -588,7 +589,7 @@ def _gc(root: Path, images: list[str], opts: Options, doc: dict) -> None:
         except ImagebuildError as exc:
             disk["gc_skipped"] = f"gc failed: {exc.message}"
             log.warning("warning: gc failed: %s", exc.message)
-    disk["after"] = _disk(root, images)
+    disk["after"] = _disk(ctx, images)
 
 
 # --------------------------------------------------------------------------------------------- notify

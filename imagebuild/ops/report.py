@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.core import state
+from imagebuild.core import context as context_mod
 from imagebuild.core.errors import UsageError
 from imagebuild.core.fsutil import atomic_write_text
 from imagebuild.ops.imagediff import human
@@ -34,8 +34,9 @@ SECRET_ENV = ("GITHUB_TOKEN", "GH_TOKEN", "IMAGEBUILD_GITHUB_TOKEN")
 REDACTED = "[redacted]"
 
 
-def default_dir(root: Path) -> Path:
-    return state.state_dir(root) / "nightly"
+def default_dir(ctx: context_mod.Context | Path) -> Path:
+    """Where the nightly keeps its reports: ``<state>/nightly``."""
+    return context_mod.of(ctx).state / "nightly"
 
 
 # --------------------------------------------------------------------------------------------- secrets

@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from imagebuild.core import config as config_mod
+from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import GuardRefused, OperationFailed, UsageError
@@ -121,10 +122,11 @@ class SyncReport:
 # ------------------------------------------------------------------------------------------------ inputs
 
 
-def resolve_peers(root: Path | None, peers: list[str]) -> list[str]:
+def resolve_peers(ctx: context_mod.Context | Path | None, peers: list[str]) -> list[str]:
     """Peer names: SSH destinations, or ``@NAME`` for a named list of the project config
-    (``peer_lists:``); none given: the config's ``peers:``."""
-    cfg = config_mod.load(root)
+    (``peer_lists:``); none given: the config's ``peers:``. No project (``ctx`` None): no config."""
+    ctx = context_mod.maybe(ctx)
+    cfg = ctx.config if ctx is not None else config_mod.load(None)
     out: list[str] = []
     for p in peers or []:
         if p.startswith("@"):
@@ -147,8 +149,10 @@ def resolve_peers(root: Path | None, peers: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def resolve_image(root: Path | None, image: str | None, ref: str | None) -> tuple[str | None, str]:
+def resolve_image(ctx: context_mod.Context | Path | None, image: str | None, ref: str | None) -> tuple[str | None, str]:
     """(definition name or None, image reference). IMAGE means IMAGE:local."""
+    ctx = context_mod.maybe(ctx)
+    root = ctx.root if ctx is not None else None
     if image and ref:
         raise UsageError("give the image or a reference, not both")
     if image and any(c in image for c in ":/@"):
@@ -309,9 +313,9 @@ def choose_compression(conn: peer_mod.Connection, st: peer_mod.PeerState, layers
 class _Shared:
     """What every peer's worker shares: the source image, the verifier, the options."""
 
-    def __init__(self, root, image, ref, img: localblobs.LocalImage, receipt: dict | None, spec: str | None,
+    def __init__(self, ctx, image, ref, img: localblobs.LocalImage, receipt: dict | None, spec: str | None,
                  force: bool, dry_run: bool):
-        self.root, self.image, self.ref, self.img = root, image, ref, img
+        self.ctx, self.image, self.ref, self.img = ctx, image, ref, img
         self.receipt, self.spec, self.force, self.dry_run = receipt, spec, force, dry_run
         self.verifier = localblobs.Verifier()
         self.lock = threading.Lock()
@@ -345,7 +349,7 @@ class _Shared:
             time.sleep(3600)
 
 
-def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | None = None, jobs: int = 4,
+def sync(ctx: context_mod.Context | Path | None, peers: list[str], *, image: str | None = None, ref: str | None = None, jobs: int = 4,
          force: bool = False, dry_run: bool = False, delivery=None) -> SyncReport:
     """Put ``ref`` (default ``image:local``) on every peer; returns the report (see the module doc).
     ``delivery``: how the peers get it other than over ssh, made once the image is known:
@@ -356,8 +360,9 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
 
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: expected 1 or more")
-    peers = resolve_peers(root, peers)
-    image, ref = resolve_image(root, image, ref)
+    ctx = context_mod.maybe(ctx)
+    peers = resolve_peers(ctx, peers)
+    image, ref = resolve_image(ctx, image, ref)
     # the ssh sessions start now, while the image is read here (a session start costs 0.2-0.7 s)
     sessions = {p: _Session(p, start=i < jobs) for i, p in enumerate(peers)}
     try:
@@ -367,8 +372,8 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
             sess.close()
         raise
     ident = img.identity.digest
-    spec = promote_mod.current_spec_digest(root, image) if (image and root is not None) else None
-    receipt = receipts_mod.find_passing(Path(root), ident, spec) if spec else None
+    spec = promote_mod.current_spec_digest(ctx, image) if (image and ctx is not None) else None
+    receipt = receipts_mod.find_passing(ctx, ident, spec) if spec else None
     rinfo = None
     if receipt:
         rinfo = {"spec": spec, "authority": receipt.get("authority"), "result": receipt.get("result"),
@@ -392,7 +397,7 @@ def sync(root: Path, peers: list[str], *, image: str | None = None, ref: str | N
     where = "the engine's content store" if img.source == "content-store" else "docker save (spooled)"
     log.info("sync %s (identity %s, %d layers, %s; blobs read from %s) to %s", ref, ident, len(img.layers),
              human(img.compressed_size()), where, ", ".join(peers))
-    shared = _Shared(root, image, ref, img, receipt, spec, force, dry_run)
+    shared = _Shared(ctx, image, ref, img, receipt, spec, force, dry_run)
     shared.sessions = sessions
     via = "ssh"
     if delivery is not None:
