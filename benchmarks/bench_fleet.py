@@ -36,54 +36,14 @@ from harness import Benchmark, sh
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.peers import BUSYBOX, DEBIAN, Peer, clear_peer, joint_ssh, put_on_peer, start_peer  # noqa: E402
+
 PID = os.getpid()
 NAME = f"fleetbench{PID}"
 WORK = ("RUN i=0; while [ $i -lt 8 ]; do seq 1 1000000 | sha256sum > /dev/null; i=$((i+1)); done; "
         "seq 1 2300000 > /opt/staged/work-{stage}.txt\n")
 
 S: dict = {}  # the shared context (set up once for every row)
-
-
-class BPeer:
-    """A bench peer (scripts/peer.sh up ... --engine-in-netns) in a free slot."""
-
-    def __init__(self, name: str):
-        from tests.conftest import _peer_slot
-
-        n, self._slot = _peer_slot()
-        self.env = {**os.environ, "PEER_NS": f"ibp{n}", "PEER_ADDR": f"10.77.{n}.2", "HOST_ADDR": f"10.77.{n}.1",
-                    "PEER_VETH": f"ibpv{n}", "PEER_BRIDGE": f"ibpbr{n}", "PEER_BRIDGE_CIDR": f"172.29.{n}.1/24"}
-        self.dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "peer.sh"), "up", str(self.dir), "--engine-in-netns"],
-                           capture_output=True, text=True, env=self.env)
-        if r.returncode != 0:
-            self._slot.close()
-            raise RuntimeError(f"peer {name}: {r.stderr[-400:]}")
-        v = dict(ln.split("=", 1) for ln in r.stdout.splitlines() if "=" in ln)
-        self.addr, self.ssh_config, self.docker_host = v["PEER_ADDR"], v["PEER_SSH_CONFIG"], v["PEER_DOCKER_HOST"]
-        self.cache, self.veth, self.name = v["PEER_CACHE"], v["PEER_VETH"], name
-
-    def docker(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["docker", *args], env={**os.environ, "DOCKER_HOST": self.docker_host},
-                              capture_output=True, text=True)
-
-    def tx(self) -> int:
-        return int((Path("/sys/class/net") / self.veth / "statistics" / "tx_bytes").read_text())
-
-    def clear(self) -> None:
-        """No image of ours and an empty sync cache (the base images stay)."""
-        tags = [t for t in self.docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
-                if t.split(":")[0] in (NAME, f"imagebuild/{NAME}", "imagebuild-incoming")]
-        if tags:
-            self.docker("image", "rm", "-f", *tags)
-        shutil.rmtree(self.cache, ignore_errors=True)
-        Path(self.cache).mkdir(parents=True, exist_ok=True)
-
-    def down(self) -> None:
-        subprocess.run(["bash", str(ROOT / "scripts" / "peer.sh"), "down", str(self.dir)], capture_output=True,
-                       env=self.env)
-        self._slot.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _cli(*args: str, stages: Path | None = None, check: bool = True) -> tuple[int, dict | None, str]:
@@ -110,8 +70,7 @@ def _store() -> Path:
 def _setup() -> None:
     if S:
         return
-    from tests.conftest import DEBIAN
-    from tests.fleetfixtures import BUSYBOX, fleet_project, put_on_peer, start_registry
+    from tests.fleetfixtures import fleet_project, start_registry
 
     atexit.register(_teardown)
     S["tmp"] = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
@@ -122,10 +81,12 @@ def _setup() -> None:
         f.write_text(f.read_text() + WORK.format(stage=stage))
     S["registry"] = start_registry(S["tmp"] / "registry")
     S["reg"] = f"{S['registry'].addr}/bench"
-    S["peers"] = [BPeer(f"fleet{i}") for i in range(3)]
-    cfg = S["tmp"] / "ssh_config"
-    cfg.write_text("".join(Path(p.ssh_config).read_text() + "\n" for p in S["peers"]))
-    S["ssh"] = f"ssh -F {cfg}"
+    S["peers"], S["stops"] = [], []
+    for i in range(3):  # scripts/peer.sh up ... --engine-in-netns, each in a free slot
+        p, stop = start_peer(None, f"fleet{i}", "--engine-in-netns")
+        S["peers"].append(p)
+        S["stops"].append(stop)
+    S["ssh"] = joint_ssh(S["peers"], S["tmp"] / "ssh_config")
     put_on_peer(S["peers"][0], BUSYBOX, DEBIAN)
     # node A fills the registry (stages, release tags) and gates the image here
     _, a, _ = _cli("build", NAME, "--cache-registry", S["reg"], "--json", stages=_store())
@@ -135,18 +96,26 @@ def _setup() -> None:
 def _teardown() -> None:
     if not S:
         return
-    for p in S.get("peers", []):
-        p.clear()
-        p.down()
+    for p, stop in zip(S.get("peers", []), S.get("stops", []), strict=True):
+        _clear(p)
+        stop()
     if "registry" in S:
         S["registry"].stop()
-    for repo in (NAME, f"imagebuild/{NAME}"):
-        tags = subprocess.run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", repo],
-                              capture_output=True, text=True).stdout.split()
-        if tags:
-            subprocess.run(["docker", "image", "rm", "-f", *tags], capture_output=True)
+    from tests.fleetfixtures import remove_fleet_images
+
+    remove_fleet_images(NAME)
     shutil.rmtree(S["tmp"], ignore_errors=True)
     S.clear()
+
+
+def _clear(p: Peer) -> None:
+    """No image of ours and an empty sync cache (the base images stay)."""
+    clear_peer(p, NAME, f"imagebuild/{NAME}", containers=False)
+
+
+def _clear_peers() -> None:
+    for p in S["peers"]:
+        _clear(p)
 
 
 def _node_b() -> str:
@@ -212,10 +181,10 @@ def _gets() -> list[tuple[str, int]]:
 
 
 def _sync() -> tuple[dict, list[tuple[str, int]], list[int]]:
-    n0, tx0 = len(_gets()), [p.tx() for p in S["peers"]]
+    n0, tx0 = len(_gets()), [p.tx_bytes() for p in S["peers"]]
     _, doc, _ = _cli("sync", "--via", "registry", "--registry", S["reg"], "--image", NAME, "--json",
                      *[p.addr for p in S["peers"]])
-    return doc, _gets()[n0:], [p.tx() - t for p, t in zip(S["peers"], tx0, strict=True)]
+    return doc, _gets()[n0:], [p.tx_bytes() - t for p, t in zip(S["peers"], tx0, strict=True)]
 
 
 def _summary(doc: dict, gets: list[tuple[str, int]], tx: list[int]) -> tuple[str, bool]:
@@ -234,28 +203,26 @@ def _summary(doc: dict, gets: list[tuple[str, int]], tx: list[int]) -> tuple[str
             f"the registry in all; {peers}", ok)
 
 
+def _save_load_each() -> None:
+    """The plain tool's way: docker save | ssh PEER docker load, to each peer."""
+    for p in S["peers"]:
+        sh("bash", "-c", f"set -o pipefail; docker save {NAME}:local | {S['ssh']} {p.addr} docker load")
+
+
 def _fresh_sync_row() -> Benchmark:
     b = Benchmark("fleet: sync --via registry to 3 peers through ssh tunnels, fresh peers (baseline: docker save | "
                   "ssh PEER docker load to each)", lambda: None, lambda: None, repeat=1,
                   note="bound: each layer at most once per peer")
     res: list = []
 
-    def clear():
-        for p in S["peers"]:
-            p.clear()
-
     def ours():
         res.append(_sync())
-
-    def baseline():
-        for p in S["peers"]:
-            sh("bash", "-c", f"set -o pipefail; docker save {NAME}:local | {S['ssh']} {p.addr} docker load")
 
     def teardown():
         text, ok = _summary(*res[-1])
         b.note = f"bound: each layer at most once per peer: {'ok' if ok else 'FAIL'} | {text}"
 
-    b.ours, b.baseline, b.setup, b.teardown, b.per_run_setup = ours, baseline, _setup, teardown, clear
+    b.ours, b.baseline, b.setup, b.teardown, b.per_run_setup = ours, _save_load_each, _setup, teardown, _clear_peers
     return b
 
 
@@ -267,8 +234,7 @@ def _change_sync_row() -> Benchmark:
 
     def prepare():
         _setup()
-        for p in S["peers"]:  # every peer at the current :local, by the tool
-            p.clear()
+        _clear_peers()  # then every peer at the current :local, by the tool
         _sync()
         d = S["root"] / "docker-images" / NAME
         (d / "files" / "motd.txt").write_text(f"bench {time.time()}\n")
@@ -276,10 +242,6 @@ def _change_sync_row() -> Benchmark:
 
     def ours():
         res.append(_sync())
-
-    def baseline():
-        for p in S["peers"]:
-            sh("bash", "-c", f"set -o pipefail; docker save {NAME}:local | {S['ssh']} {p.addr} docker load")
 
     def teardown():
         try:
@@ -294,7 +256,7 @@ def _change_sync_row() -> Benchmark:
         finally:
             _teardown()
 
-    b.ours, b.baseline, b.setup, b.teardown = ours, baseline, prepare, teardown
+    b.ours, b.baseline, b.setup, b.teardown = ours, _save_load_each, prepare, teardown
     return b
 
 

@@ -35,14 +35,14 @@ from harness import Benchmark, sh
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests import peers  # noqa: E402 - tests/peers.py: the peers and the test images
+
 PID = os.getpid()
 NAME = f"syncbench{PID}"
 REPO = f"imagebuild-bench/sync{PID}"
-DEBIAN = "imagebuild-test/debian:bookworm"
-BUSYBOX = "imagebuild-test/busybox:1"
 
 DOCKERFILE = f"""\
-FROM {DEBIAN}
+FROM {peers.DEBIAN}
 ARG BIG=1000000000
 RUN mkdir -p /data && head -c $BIG /dev/urandom > /data/random.bin
 RUN mkdir -p /data/text && for i in 1 2 3 4 5 6; do cp -r /usr/lib/python3.11 /data/text/py$i; done
@@ -51,7 +51,7 @@ RUN echo "version $V" > /data/version && head -c 50000 /dev/urandom > /data/top.
 CMD ["bash"]
 """
 SMALL = f"""\
-FROM {BUSYBOX}
+FROM {peers.BUSYBOX}
 ARG BIG=300000000
 RUN mkdir -p /data && head -c $BIG /dev/urandom > /data/random.bin
 ARG V=1
@@ -66,46 +66,15 @@ S: dict = {}  # the shared context (set up once for every sync row)
 # ----------------------------------------------------------------------------------------------- set-up
 
 
-class BPeer:
-    def __init__(self, name: str, *options: str):
-        from tests.conftest import _peer_slot
+def _start_peer(key: str, name: str, *options: str) -> None:
+    """A peer (tests/peers.py) in a temporary folder, as S[key]; _teardown stops it."""
+    S[key], stop = peers.start_peer(None, name, *options)
+    S.setdefault("stops", []).append(stop)
 
-        n, self._slot = _peer_slot()
-        self.env = {**os.environ, "PEER_NS": f"ibp{n}", "PEER_ADDR": f"10.77.{n}.2", "HOST_ADDR": f"10.77.{n}.1",
-                    "PEER_VETH": f"ibpv{n}", "PEER_BRIDGE": f"ibpbr{n}", "PEER_BRIDGE_CIDR": f"172.29.{n}.1/24"}
-        self.dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "peer.sh"), "up", str(self.dir), *options],
-                           capture_output=True, text=True, env=self.env)
-        if r.returncode != 0:
-            raise RuntimeError(f"peer {name}: {r.stderr[-400:]}")
-        v = dict(ln.split("=", 1) for ln in r.stdout.splitlines() if "=" in ln)
-        self.addr, self.ssh, self.host = v["PEER_ADDR"], v["IMAGEBUILD_SSH"].strip("'"), v["PEER_DOCKER_HOST"]
-        self.cache, self.veth, self.name = v["PEER_CACHE"], v["PEER_VETH"], name
 
-    def docker(self, *args: str, check: bool = False) -> subprocess.CompletedProcess:
-        return subprocess.run(["docker", *args], env={**os.environ, "DOCKER_HOST": self.host}, capture_output=True,
-                              text=True, check=check)
-
-    def link(self) -> int:
-        b = Path("/sys/class/net") / self.veth / "statistics"
-        return int((b / "tx_bytes").read_text()) + int((b / "rx_bytes").read_text())
-
-    def clear(self) -> None:
-        """No image of ours and an empty sync cache."""
-        tags = [t for t in self.docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
-                if t.split(":")[0] in (NAME, REPO, "imagebuild-incoming")]
-        for c in self.docker("ps", "-aq").stdout.split():
-            self.docker("rm", "-f", c)
-        if tags:
-            self.docker("image", "rm", "-f", *tags)
-        shutil.rmtree(self.cache, ignore_errors=True)
-        Path(self.cache).mkdir(parents=True, exist_ok=True)
-
-    def down(self) -> None:
-        subprocess.run(["bash", str(ROOT / "scripts" / "peer.sh"), "down", str(self.dir)], capture_output=True,
-                       env=self.env)
-        self._slot.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def _clear(peer: peers.Peer) -> None:
+    """No image of ours and an empty sync cache."""
+    peers.clear_peer(peer, NAME, REPO)
 
 
 def _cli(*args: str, env: dict | None = None) -> tuple[int, dict | None, str]:
@@ -118,8 +87,8 @@ def _cli(*args: str, env: dict | None = None) -> tuple[int, dict | None, str]:
     return p.returncode, doc, p.stderr
 
 
-def _sync(peer: BPeer, *args: str, env: dict | None = None) -> dict:
-    rc, doc, err = _cli("sync", peer.addr, *args, "--json", env={"IMAGEBUILD_SSH": peer.ssh, **(env or {})})
+def _sync(peer: peers.Peer, *args: str, env: dict | None = None) -> dict:
+    rc, doc, err = _cli("sync", peer.addr, *args, "--json", env={"IMAGEBUILD_SSH": peer.ssh_env, **(env or {})})
     if rc != 0:
         raise RuntimeError(f"sync to {peer.name} failed ({rc}): {err[-800:]}")
     return doc
@@ -133,14 +102,7 @@ def _setup() -> None:
     if S:
         return
     S["tmp"] = Path(tempfile.mkdtemp(prefix="bench-sync-"))
-    root = S["tmp"] / "project"
-    d = root / "docker-images" / NAME
-    d.mkdir(parents=True)
-    (d / "versions.env").write_text(f"BASE_IMAGE={BUSYBOX}\n")
-    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: base\n    from: BASE_IMAGE\n")
-    (d / "Dockerfile.base").write_text("ARG PARENT\nFROM ${PARENT}\n")
-    (d / "gate.yaml").write_text(GATE)
-    S["root"] = root
+    S["root"] = peers.one_stage_project(S["tmp"] / "project", NAME, GATE)
     atexit.register(_teardown)
     for name, text in (("big", DOCKERFILE), ("small", SMALL)):
         ctx = S["tmp"] / name
@@ -152,10 +114,7 @@ def _setup() -> None:
               (S["tiny"], "small", {"V": "t", "BIG": "5000000"})]
     for ref, ctx, args in builds:
         print(f"  building {ref} ...", file=sys.stderr, flush=True)
-        argv = ["docker", "buildx", "build", "--network", "none", "--load", "-q", "-t", ref]
-        for k, v in args.items():
-            argv += ["--build-arg", f"{k}={v}"]
-        sh(*argv, str(S["tmp"] / ctx))
+        peers.build_image(ref, S["tmp"] / ctx, **args)
         rc, _, err = _cli("gate", NAME, "--ref", ref)
         if rc != 0:
             raise RuntimeError(f"gate {ref}: {err[-500:]}")
@@ -164,18 +123,17 @@ def _setup() -> None:
     sh("docker", "save", "-o", str(S["tar"]), S["v1"])
     os.chmod(S["tar"], 0o644)
     print("  starting peers ...", file=sys.stderr, flush=True)
-    S["cd"] = BPeer("containerd")
-    S["cl"] = BPeer("classic", "--classic-store")
-    S["cl2"] = BPeer("classic2", "--classic-store")
+    _start_peer("cd", "containerd")
+    _start_peer("cl", "classic", "--classic-store")
+    _start_peer("cl2", "classic2", "--classic-store")
     S["layer"] = _top_layer(S["v2"])
 
 
 def _teardown() -> None:
     if not S:
         return
-    for k in ("cd", "cl", "cl2"):
-        if k in S:
-            S[k].down()
+    for stop in S.get("stops", []):
+        stop()
     subprocess.run(["docker", "image", "rm", "-f", S["v1"], S["v2"], S["k1"], S["tiny"], f"{NAME}:local",
                     f"{NAME}:previous"], capture_output=True)
     shutil.rmtree(S["tmp"], ignore_errors=True)
@@ -188,9 +146,9 @@ def _top_layer(ref: str):
     return localblobs.load(ref).layers[-1]
 
 
-def _baseline_pipe(peer: BPeer, ref: str) -> None:
+def _baseline_pipe(peer: peers.Peer, ref: str) -> None:
     """What operators do: the whole image through ssh into the peer's docker load."""
-    ssh = peer.ssh
+    ssh = peer.ssh_env
     sh("bash", "-c", f"set -o pipefail; docker save {ref} | {ssh} {peer.addr} docker load")
 
 
@@ -208,7 +166,7 @@ def _fresh_rows(key: str, label: str) -> list[Benchmark]:
 
     def fresh():
         _setup()
-        peer().clear()
+        _clear(peer())
         _tag_local(S["v1"])
 
     ours_note = {}
@@ -222,7 +180,7 @@ def _fresh_rows(key: str, label: str) -> list[Benchmark]:
                    lambda: _baseline_pipe(peer(), S["v1"]), repeat=FRESH_RUNS, setup=_setup, per_run_setup=fresh,
                    note="acceptance: ratio <= 0.6")
     b2 = Benchmark(f"sync fresh 1.9 GB image, {label} peer (baseline: the peer's own docker load -i)", ours,
-                   lambda: sh(*peer().ssh.split(), peer().addr, "docker", "load", "-i", str(S["tar"])), repeat=FRESH_RUNS,
+                   lambda: sh(*peer().ssh_env.split(), peer().addr, "docker", "load", "-i", str(S["tar"])), repeat=FRESH_RUNS,
                    setup=_setup, per_run_setup=fresh, note="acceptance: ratio <= 1.5")
     return [b1, b2]
 
@@ -235,7 +193,7 @@ def _top_row(key: str, label: str) -> Benchmark:
     def setup():
         _setup()
         p = S[key]
-        p.clear()
+        _clear(p)
         _tag_local(S["v1"])
         _sync(p)  # the peer's first sync by the tool
 
@@ -253,11 +211,11 @@ def _top_row(key: str, label: str) -> Benchmark:
 
     def ours():
         p = S[key]
-        before = p.link()
+        before = p.link_bytes()
         t0 = time.monotonic()
         doc = _sync(p)
         seen["secs"].append(time.monotonic() - t0)
-        seen["bytes"].append(p.link() - before)
+        seen["bytes"].append(p.link_bytes() - before)
         pr = doc["peers"][0]
         assert pr["layers_sent"] == 1, pr
         if seen["secs"][-1] >= max(seen["secs"]):
@@ -282,7 +240,7 @@ def _kills_row() -> Benchmark:
 
     def fresh_peer():
         p = S["cd"]
-        p.clear()
+        _clear(p)
         _tag_local(S["tiny"])
         _sync(p)
         _tag_local(S["k1"])
@@ -301,7 +259,7 @@ def _kills_row() -> Benchmark:
         rows = []
         for point in points:
             before = fresh_peer()
-            env = {**os.environ, "IMAGEBUILD_SSH": p.ssh,
+            env = {**os.environ, "IMAGEBUILD_SSH": p.ssh_env,
                    "IMAGEBUILD_SYNC_PAUSE": {"before-load": "load", "before-promote": "promote"}.get(point, "")}
             proc = subprocess.Popen([sys.executable, "-m", "imagebuild", "--root", str(S["root"]), "sync", p.addr],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
@@ -325,10 +283,10 @@ def _kills_row() -> Benchmark:
             det = pr["details"] or {}
             remaining = det.get("bytes_needed", 0) - det.get("bytes_resumed", 0)
             sent = det.get("rsync_bytes_sent", 0)
-            rc, g, err = _cli("gc", "--peer", p.addr, "--json", env={"IMAGEBUILD_SSH": p.ssh})
+            rc, g, err = _cli("gc", "--peer", p.addr, "--json", env={"IMAGEBUILD_SSH": p.ssh_env})
             left = [str(f.relative_to(p.cache)) for sub in ("incoming", "stage", "pending", "tmp", "attempts")
                     for f in (Path(p.cache) / sub).rglob("*")] if rc == 0 else ["gc failed"]
-            leases = _load_leases(p)
+            leases = peers.load_leases(p)
             ok = intact and sent <= 1.1 * remaining + (64 << 10) and not left and not leases
             rows.append(f"{point}: :local {'intact' if intact else 'MOVED'}, rerun sent {sent / 1e6:.1f} MB of "
                         f"{remaining / 1e6:.1f} MB remaining, after gc {len(left)} file(s) {len(leases)} lease(s)"
@@ -337,34 +295,23 @@ def _kills_row() -> Benchmark:
 
     def baseline():
         p = S["cd"]
-        p.clear()
-        before = p.link()
-        proc = subprocess.Popen(["bash", "-c", f"docker save {S['k1']} | {p.ssh} {p.addr} docker load"],
+        _clear(p)
+        before = p.link_bytes()
+        proc = subprocess.Popen(["bash", "-c", f"docker save {S['k1']} | {p.ssh_env} {p.addr} docker load"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         total = 0
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and p.link() - before < 150e6 and proc.poll() is None:
+        while time.monotonic() < deadline and p.link_bytes() - before < 150e6 and proc.poll() is None:
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        mid = p.link()
+        mid = p.link_bytes()
         _baseline_pipe(p, S["k1"])
-        total = p.link() - mid
+        total = p.link_bytes() - mid
         b.note += f" | plain pipeline rerun after a kill at ~50%: {total / 1e6:.0f} MB over the link (all of it again)"
 
     b.ours, b.baseline, b.setup = ours, baseline, _setup
     return b
-
-
-def _load_leases(p: BPeer) -> list[str]:
-    info = p.docker("info", "--format", "{{json .Containerd}}").stdout
-    try:
-        addr = json.loads(info)["Address"]
-    except (ValueError, KeyError, TypeError):
-        return []
-    out = subprocess.run(["ctr", "-a", addr, "-n", "moby", "leases", "ls"], capture_output=True, text=True).stdout
-    rows = [ln.split() for ln in out.splitlines()[1:] if ln.strip()]
-    return [r[0] for r in rows if len(r) == 3 and r[2].startswith("containerd.io/gc.expire=") and "," not in r[2]]
 
 
 def _identity_row() -> Benchmark:
@@ -386,9 +333,9 @@ def _identity_row() -> Benchmark:
         want = identity.inspect(S["tiny"]).digest
         notes = []
         for src_kind, src, dest in combos():
-            dest.clear()
+            _clear(dest)
             t0 = time.monotonic()
-            doc = _sync(dest, env={"DOCKER_HOST": src.host} if src else {})
+            doc = _sync(dest, env={"DOCKER_HOST": src.docker_host} if src else {})
             took = time.monotonic() - t0
             got = doc["peers"][0]["identity"]
             r = dest.docker("image", "inspect", f"{NAME}:local")
@@ -401,8 +348,8 @@ def _identity_row() -> Benchmark:
 
     def baseline():
         for _kind, src, dest in combos():
-            pre = f"DOCKER_HOST={src.host} " if src else ""
-            sh("bash", "-c", f"set -o pipefail; {pre}docker save {NAME}:local | {dest.ssh} {dest.addr} docker load")
+            pre = f"DOCKER_HOST={src.docker_host} " if src else ""
+            sh("bash", "-c", f"set -o pipefail; {pre}docker save {NAME}:local | {dest.ssh_env} {dest.addr} docker load")
 
     b.ours, b.baseline, b.setup = ours, baseline, prepare
     return b
@@ -414,7 +361,7 @@ def _noop_row() -> Benchmark:
 
     def prepare():
         _setup()
-        S["cd"].clear()
+        _clear(S["cd"])
         _tag_local(S["v1"])
         _sync(S["cd"])
 
@@ -428,7 +375,7 @@ def _noop_row() -> Benchmark:
         b.note = f"bound: ours < 2 s ({'ok' if max(secs) < 2 else 'OVER'}: {min(secs):.2f}-{max(secs):.2f} s)"
 
     b.ours, b.setup = ours, prepare
-    b.baseline = lambda: sh(*S["cd"].ssh.split(), S["cd"].addr, "docker", "image", "inspect", "--format", "{{.Id}}",
+    b.baseline = lambda: sh(*S["cd"].ssh_env.split(), S["cd"].addr, "docker", "image", "inspect", "--format", "{{.Id}}",
                             f"{NAME}:local")
     return b
 

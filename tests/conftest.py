@@ -21,6 +21,8 @@ import pytest
 
 from imagebuild.cli import main as cli
 from imagebuild.core import engine
+from tests import peers
+from tests.peers import BUSYBOX, DEBIAN  # noqa: F401 - the tests import the base images' names from here
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -28,8 +30,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # are a few MB, and CI machines have been seen with under 9 GiB free: the suite keeps the guard on,
 # at 1 GiB, unless the caller set its own. test_disk_guard covers the guard itself.
 os.environ.setdefault("IMAGEBUILD_MIN_FREE_GB", "1")
-BUSYBOX = "imagebuild-test/busybox:1"
-DEBIAN = "imagebuild-test/debian:bookworm"
 
 
 @dataclass
@@ -101,115 +101,49 @@ def engine_ready(engine_info):
     return engine_info
 
 
-@dataclass
-class Peer:
-    addr: str
-    ssh_config: str
-    docker_host: str
-    ssh_env: str  # value for IMAGEBUILD_SSH
-    cache: str = ""  # the peer's sync cache (IMAGEBUILD_PEER_CACHE of its ssh sessions), on this host's disk
-    data_root: str = ""  # its engine's data root
-    veth: str = ""  # the host side of its link (byte counters: /sys/class/net/VETH/statistics)
-    dir: str = ""
-
-    def docker(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        """Run docker against the peer's own engine (directly, not over ssh)."""
-        env = {**os.environ, "DOCKER_HOST": self.docker_host}
-        return subprocess.run(["docker", *args], env=env, capture_output=True, text=True, **kw)
-
-    def link_bytes(self) -> int:
-        """Bytes that crossed the peer's link so far, both directions."""
-        base = Path("/sys/class/net") / self.veth / "statistics"
-        return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
-
-
-PEER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "peer.sh"
-_SLOT_DIR = Path("/tmp/imagebuild-peer-slots")
-
-
-def _peer_slot():
-    """A free peer slot N (namespace ibpN, 10.77.N.0/24, bridge 172.29.N.0/24), held by an flock for this
-    process: parallel test sessions of other clones never share a namespace or an address."""
-    import fcntl
-
-    _SLOT_DIR.mkdir(exist_ok=True)
-    existing = {ln.split()[0] for ln in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                        text=True).stdout.splitlines() if ln.strip()}
-    for n in range(100, 250):
-        if f"ibp{n}" in existing:
-            continue
-        f = open(_SLOT_DIR / f"{n}.lock", "w")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            continue
-        return n, f
-    raise RuntimeError("no free peer slot in 100-249")
-
-
 def start_peer(tmp_path_factory, name: str, *options: str):
-    """Start a peer (scripts/peer.sh up DIR OPTIONS) in its own slot; returns (Peer, stop)."""
-    n, slot = _peer_slot()
-    env = {**os.environ, "PEER_NS": f"ibp{n}", "PEER_ADDR": f"10.77.{n}.2", "HOST_ADDR": f"10.77.{n}.1",
-           "PEER_VETH": f"ibpv{n}", "PEER_BRIDGE": f"ibpbr{n}", "PEER_BRIDGE_CIDR": f"172.29.{n}.1/24"}
-    d = tmp_path_factory.mktemp(name)
-    r = subprocess.run(["bash", str(PEER_SCRIPT), "up", str(d), *options], capture_output=True, text=True, env=env)
+    """Start a peer (tests/peers.py: scripts/peer.sh up DIR OPTIONS) in its own slot; returns (Peer, stop).
+    A peer that does not start fails the test where an engine is required, else skips it."""
+    try:
+        return peers.start_peer(tmp_path_factory.mktemp(name), name, *options)
+    except peers.PeerError as exc:
+        msg = str(exc)
+    if _engine_required():
+        pytest.fail(msg)
+    pytest.skip(msg)
 
-    def stop():
-        subprocess.run(["bash", str(PEER_SCRIPT), "down", str(d)], capture_output=True, env=env)
-        slot.close()
 
-    if r.returncode != 0:
+def _session_peer(tmp_path_factory, name: str, *options: str):
+    p, stop = start_peer(tmp_path_factory, name, *options)
+    try:
+        yield p
+    finally:
         stop()
-        msg = f"could not start the test peer ({name} {' '.join(options)}): {r.stderr.strip()[-500:]}"
-        if _engine_required():
-            pytest.fail(msg)
-        pytest.skip(msg)
-    vals = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
-    return Peer(vals["PEER_ADDR"], vals["PEER_SSH_CONFIG"], vals["PEER_DOCKER_HOST"], vals["IMAGEBUILD_SSH"].strip("'"),
-                vals.get("PEER_CACHE", ""), vals.get("PEER_DATA_ROOT", ""), vals.get("PEER_VETH", ""), str(d)), stop
 
 
 @pytest.fixture(scope="session")
 def peer(tmp_path_factory):
     """A real peer node: own network namespace, sshd, own Docker engine with the containerd image store
     (scripts/peer.sh). One per test session; stopped by pid at the end."""
-    p, stop = start_peer(tmp_path_factory, "peer")
-    try:
-        yield p
-    finally:
-        stop()
+    yield from _session_peer(tmp_path_factory, "peer")
 
 
 @pytest.fixture(scope="session")
 def peer_classic(tmp_path_factory):
     """Like ``peer``, with the classic image store (overlay2)."""
-    p, stop = start_peer(tmp_path_factory, "peer-classic", "--classic-store")
-    try:
-        yield p
-    finally:
-        stop()
+    yield from _session_peer(tmp_path_factory, "peer-classic", "--classic-store")
 
 
 @pytest.fixture(scope="session")
 def peer_small(tmp_path_factory):
     """A classic-store peer whose data root and sync cache live on a 320 MiB tmpfs (a small disk)."""
-    p, stop = start_peer(tmp_path_factory, "peer-small", "--classic-store", "--data-size", "320")
-    try:
-        yield p
-    finally:
-        stop()
+    yield from _session_peer(tmp_path_factory, "peer-small", "--classic-store", "--data-size", "320")
 
 
 @pytest.fixture(scope="session")
 def peer_nodocker(tmp_path_factory):
     """A peer with ssh and rsync but neither a Docker engine nor the docker CLI."""
-    p, stop = start_peer(tmp_path_factory, "peer-nodocker", "--no-docker")
-    try:
-        yield p
-    finally:
-        stop()
+    yield from _session_peer(tmp_path_factory, "peer-nodocker", "--no-docker")
 
 
 @pytest.fixture(scope="session", autouse=True)

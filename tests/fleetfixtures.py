@@ -20,7 +20,8 @@ import pytest
 
 from tests.buildfixtures import IMAGE as STAGED
 from tests.buildfixtures import remove_images, staged_project
-from tests.conftest import DEBIAN, run_cli
+from tests.conftest import run_cli, start_peer
+from tests.peers import BUSYBOX, DEBIAN, Peer, joint_ssh, put_on_peer
 
 GATE_SPEC = """\
 # a gate that needs nothing but a shell (busybox)
@@ -152,19 +153,6 @@ def start_registry(tmp: Path, *, htpasswd: Path | None = None) -> Registry:
     return Registry(tmp, free_port(), htpasswd).start()
 
 
-def put_on_peer(peer, *refs: str) -> None:
-    """Copy images from the local engine to a peer's engine (test set-up, not the tool)."""
-    for ref in refs:
-        if peer.docker("image", "inspect", ref).returncode == 0:
-            continue
-        save = subprocess.Popen(["docker", "save", ref], stdout=subprocess.PIPE)
-        load = subprocess.run(["docker", "load"], stdin=save.stdout, capture_output=True, text=True,
-                              env={**os.environ, "DOCKER_HOST": peer.docker_host})
-        save.wait()
-        if load.returncode != 0 or save.returncode != 0:
-            raise RuntimeError(f"could not put {ref} on the peer: {load.stderr[-400:]}")
-
-
 def ssh_shim(tmp: Path, peer) -> dict[str, str]:
     """Environment for a test that reaches the peer's engine over ssh: IMAGEBUILD_SSH (the peer's own
     ssh config), as imagebuild sync uses it."""
@@ -174,7 +162,6 @@ def ssh_shim(tmp: Path, peer) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------- shared by the tests
 
 STAGES = ["base", "tools", "app", "patched", "runner"]
-BUSYBOX = "imagebuild-test/busybox:1"
 
 
 @pytest.fixture(scope="session", name="peer_ready")
@@ -222,21 +209,15 @@ def netns_peers_fixture(tmp_path_factory, engine_info):
     """Two peers whose engines live in their own network namespace (scripts/peer.sh --engine-in-netns),
     the first with the containerd image store, the second with the classic one, as on real nodes: they cannot reach this host's loopback registry, only an ssh -R tunnel on their
     own loopback. One ssh config for all of them (IMAGEBUILD_SSH)."""
-    from tests.conftest import start_peer
-
     started = []
     try:
         for i, store in enumerate(([], ["--classic-store"])):  # one of each image store
             started.append(start_peer(tmp_path_factory, f"peer-ns{i}", "--engine-in-netns", *store))
         peers = [p for p, _ in started]
-        cfg = tmp_path_factory.mktemp("netns-ssh") / "ssh_config"
-        cfg.write_text("".join(Path(p.ssh_config).read_text() + "\n" for p in peers))
-        yield peers, f"ssh -F {cfg}"
+        yield peers, joint_ssh(peers, tmp_path_factory.mktemp("netns-ssh") / "ssh_config")
     finally:
         for _, stop in started:
             stop()
 
 
-def veth_tx(peer) -> int:
-    """Bytes this host sent to the peer over its link so far."""
-    return int(Path(f"/sys/class/net/{peer.veth}/statistics/tx_bytes").read_text())
+veth_tx = Peer.tx_bytes  # veth_tx(peer): bytes this host sent to the peer over its link so far

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from imagebuild.core import identity
-from tests.conftest import BUSYBOX, Peer, run_cli
+from tests.conftest import run_cli
+from tests.peers import (
+    BUSYBOX,
+    Peer,
+    build_image,
+    clear_peer,
+    load_leases,  # noqa: F401 - the tests import it from here
+    one_stage_project,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = f"synct{os.getpid()}"
@@ -52,23 +60,6 @@ class SyncImages:
         subprocess.run(["docker", "tag", ref, self.local], check=True, capture_output=True)
 
 
-def make_project(root: Path, name: str) -> Path:
-    d = root / "docker-images" / name
-    d.mkdir(parents=True)
-    (d / "versions.env").write_text(f"BASE_IMAGE={BUSYBOX}\n")
-    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: base\n    from: BASE_IMAGE\n")
-    (d / "Dockerfile.base").write_text("ARG PARENT\nFROM ${PARENT}\n")
-    (d / "gate.yaml").write_text(GATE)
-    return root
-
-
-def _build(tag: str, ctx: Path, **args: str) -> None:
-    argv = ["docker", "buildx", "build", "--network", "none", "--load", "-q", "-t", tag]
-    for k, v in args.items():
-        argv += ["--build-arg", f"{k}={v}"]
-    subprocess.run([*argv, str(ctx)], check=True, capture_output=True)
-
-
 def gate(root: Path, name: str, ref: str) -> None:
     r = run_cli("--root", str(root), "gate", name, "--ref", ref)
     assert r.code == 0, r.err + r.out
@@ -76,18 +67,18 @@ def gate(root: Path, name: str, ref: str) -> None:
 
 @pytest.fixture(scope="session", name="sync_images")
 def sync_images_fixture(engine_info, tmp_path_factory):
-    root = make_project(tmp_path_factory.mktemp("syncproject"), NAME)
+    root = one_stage_project(tmp_path_factory.mktemp("syncproject"), NAME, GATE)
     ctx = tmp_path_factory.mktemp("syncctx")
     (ctx / "Dockerfile").write_text(DOCKERFILE)
     repo = f"imagebuild-test/{NAME}"
     imgs = SyncImages(root, NAME, f"{repo}:v1", f"{repo}:v2", f"{repo}:big", f"{repo}:big2", f"{repo}:ungated",
                       f"{NAME}:local")
     try:
-        _build(imgs.v1, ctx, V="1")
-        _build(imgs.v2, ctx, V="2")
-        _build(imgs.ungated, ctx, V="3")
-        _build(imgs.big, ctx, BIG="300000000", V="1")
-        _build(imgs.big2, ctx, BIG="300000000", V="2")
+        build_image(imgs.v1, ctx, V="1")
+        build_image(imgs.v2, ctx, V="2")
+        build_image(imgs.ungated, ctx, V="3")
+        build_image(imgs.big, ctx, BIG="300000000", V="1")
+        build_image(imgs.big2, ctx, BIG="300000000", V="2")
         for ref in (imgs.v1, imgs.v2, imgs.big, imgs.big2):
             gate(root, NAME, ref)
         imgs.set_local(imgs.v1)
@@ -100,13 +91,8 @@ def sync_images_fixture(engine_info, tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _private_sync_cache(tmp_path_factory):
     """The spool and the verified-file list of this session's syncs: never the developer's cache."""
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdgcache"))
-    yield
-    if old is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
+    with env(XDG_CACHE_HOME=str(tmp_path_factory.mktemp("xdgcache"))):
+        yield
 
 
 @contextmanager
@@ -158,15 +144,7 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, dict | No
 def reset(peer: Peer, *names: str) -> None:
     """Remove this session's images from the peer (every tag of our repositories and staging names) and
     empty its sync cache."""
-    out = peer.docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
-    ours = [t for t in out if t.split(":")[0] in (*names, NAME, f"imagebuild-test/{NAME}", "imagebuild-incoming")]
-    for c in peer.docker("ps", "-aq").stdout.split():
-        peer.docker("rm", "-f", c)
-    if ours:
-        peer.docker("image", "rm", "-f", *ours)
-    if peer.cache:
-        subprocess.run(["rm", "-rf", peer.cache], check=True)
-        Path(peer.cache).mkdir(parents=True, exist_ok=True)
+    clear_peer(peer, *names, NAME, f"imagebuild-test/{NAME}")
 
 
 def peer_identity(peer: Peer, ref: str) -> str | None:
@@ -201,18 +179,6 @@ def cache_files(peer: Peer, *subdirs: str) -> list[str]:
         if d.is_dir():
             out += [str(p.relative_to(base)) for p in d.rglob("*")]
     return out
-
-
-def load_leases(peer: Peer) -> list[str]:
-    """The moby namespace's leases that look like a docker load's (only the gc.expire label)."""
-    info = peer.docker("info", "--format", "{{json .Containerd}}").stdout
-    try:
-        addr = json.loads(info)["Address"]
-    except (ValueError, KeyError, TypeError):
-        return []
-    out = subprocess.run(["ctr", "-a", addr, "-n", "moby", "leases", "ls"], capture_output=True, text=True).stdout
-    rows = [ln.split() for ln in out.splitlines()[1:] if ln.strip()]
-    return [r[0] for r in rows if len(r) == 3 and r[2].startswith("containerd.io/gc.expire=") and "," not in r[2]]
 
 
 def wait_for(pred, timeout: float = 60, every: float = 0.02):
