@@ -38,12 +38,12 @@ test: install testbed
 unit: install
 	$(BIN)/pytest tests/unit
 
-# The smoke lane of glm53-jovian-r12 (tests/integration/test_smoke_lane.py): the real b12x wheel and
+# The smoke lane of glm53-jovian-r12 (tests/integration/ops/test_smoke_lane.py): the real b12x wheel and
 # the vLLM wheel with the kernels off, built offline here from the real upstream snapshots in
 # ../shared/upstream, installed in a runner and gated. About 6 minutes and ~300 MB of downloads; outside
 # CI `make test` skips it (CI=true runs it).
 smoke: install testbed
-	IMAGEBUILD_SMOKE=1 IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/integration/test_smoke_lane.py
+	IMAGEBUILD_SMOKE=1 IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/integration/ops/test_smoke_lane.py
 
 lint: install
 	$(BIN)/ruff check imagebuild tests benchmarks

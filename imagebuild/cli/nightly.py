@@ -8,7 +8,7 @@ import argparse
 from imagebuild.cli import common
 
 # Only argparse here: cli.py registers these commands on every start (--version, list, ...), which
-# must not pay for what only these commands use (tests/unit/test_startup.py).
+# must not pay for what only these commands use (tests/unit/cli/test_startup.py).
 
 NIGHTLY_EPILOG = """
 nightly exit code: the worst of the images' results, in this order (worst last):

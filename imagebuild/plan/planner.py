@@ -12,7 +12,7 @@ for patching stages), every source tarball mounted into it (the stage's own sour
 recursively, their FetchContent dependencies) by its locked sha256, the wheels and debs it
 installs, the network flag, and the stage's SOURCE_DATE_EPOCH. Changing any of them changes
 the key of that stage and of every stage built on it, and nothing else does
-(tests/unit/test_key_property.py). The parallelism knobs (MAX_JOBS, NVCC_THREADS,
+(tests/unit/plan/test_key_property.py). The parallelism knobs (MAX_JOBS, NVCC_THREADS,
 CMAKE_BUILD_PARALLEL_LEVEL) are deliberately not in it: they are set per host and must not
 change the output.
 

@@ -1,0 +1,215 @@
+"""Runs that end badly leave nothing behind, two builds of one image never run at once, and long
+runs show life (issue 9, item 7). Real processes, real signals, the real engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.buildfixtures import remove_images
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.engine
+
+IMAGE = "slow"
+REPO = Path(__file__).resolve().parents[3]
+
+
+def slow_project(root: Path, sleep: int = 60) -> Path:
+    d = root / "docker-images" / IMAGE
+    d.mkdir(parents=True)
+    (d / "versions.env").write_text(f"BASE_IMAGE=imagebuild-test/busybox:1\nSLEEP={sleep}\n")
+    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: first\n    from: BASE_IMAGE\n"
+                                  "  - name: napper\n    from: first\n")
+    (d / "Dockerfile.first").write_text("ARG PARENT\nFROM ${PARENT}\nRUN echo first > /first\n")
+    (d / "Dockerfile.napper").write_text("ARG PARENT\nFROM ${PARENT}\nARG SLEEP\n"
+                                         "RUN echo start-napping-$SLEEP && sleep $SLEEP && echo done > /napped\n")
+    return root
+
+
+def _start(root: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "imagebuild", "--root", str(root), "build", IMAGE, "--no-gate",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 90) -> list[str]:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"{text!r} never appeared; stderr so far:\n{''.join(seen)}")
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    procs = [(int(p), int(pp), a) for p, pp, a in (ln.split(None, 2) for ln in out.splitlines() if ln.strip())]
+    found, todo = [], [pid]
+    while todo:
+        cur = todo.pop()
+        for p, pp, a in procs:
+            if pp == cur:
+                found.append((p, a))
+                todo.append(p)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    st = Path(f"/proc/{pid}/stat")
+    return st.exists() and st.read_text().split()[2] != "Z"
+
+
+@pytest.fixture
+def slow(tmp_path, engine_info):
+    root = slow_project(tmp_path / "p")
+    yield root
+    remove_images(f"imagebuild/{IMAGE}", IMAGE)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_stops_buildx_and_removes_the_run_temp(slow, sig):
+    proc = _start(slow, "--no-cache", "--progress", "plain")
+    try:
+        _wait_for(proc, "start-napping")
+        kids = [(p, a) for p, a in _children(proc.pid) if "buildx" in a]
+        assert kids, _children(proc.pid)
+        assert list((slow / ".imagebuild" / "tmp").glob("build-slow-*"))
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        assert rc == 130, proc.stderr.read()
+        assert time.monotonic() - t0 < 20
+        assert not any(_alive(p) for p, _ in kids), "docker buildx build survived the signal"
+        assert not list((slow / ".imagebuild" / "tmp").glob("build-slow-*"))
+        rec = json.loads(next((slow / ".imagebuild" / "builds" / IMAGE).glob("*/record.json")).read_text())
+        assert rec["status"] == "interrupted"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_after_kill_9_the_next_build_removes_what_the_dead_run_left(slow):
+    proc = _start(slow, "--no-cache", "--progress", "plain")
+    _wait_for(proc, "start-napping")
+    kids = [p for p, a in _children(proc.pid) if "buildx" in a]
+    proc.kill()  # kill -9: no chance to clean up
+    proc.wait()
+    for p in kids:  # the orphaned client too (its build is cancelled with its session)
+        try:
+            os.killpg(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    left = list((slow / ".imagebuild" / "tmp").glob("build-slow-*"))
+    assert left
+    env = (slow / "docker-images" / IMAGE / "versions.env")
+    env.write_text(env.read_text().replace("SLEEP=60", "SLEEP=1"))
+    res = run_cli("--root", str(slow), "build", IMAGE, "--no-gate")
+    assert res.code == 0, res.err
+    assert "left by an earlier run that did not end cleanly" in res.err
+    assert not any(p.exists() for p in left)
+
+
+def test_two_clones_sharing_one_engine_cannot_build_the_same_image_at_once(slow, tmp_path):
+    other = slow_project(tmp_path / "clone2", sleep=2)
+    proc = _start(slow, "--no-cache", "--progress", "plain")
+    try:
+        _wait_for(proc, "start-napping")
+        res = run_cli("--root", str(other), "build", IMAGE, "--no-gate")  # its own state folder
+        assert res.code == 3, res.err
+        assert "another build of 'slow' is running" in res.err and f"pid {proc.pid}" in res.err
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert run_cli("--root", str(other), "build", IMAGE, "--no-gate").code == 0
+
+
+def test_progress_plain_prefixes_every_line_and_auto_beats(slow):
+    env = slow / "docker-images" / IMAGE / "versions.env"
+    env.write_text(env.read_text().replace("SLEEP=60", "SLEEP=4"))
+    proc = _start(slow, "--no-cache", "--progress", "plain")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert any(ln.startswith("first | #") for ln in err.splitlines())
+    assert any(ln.startswith("napper | ") and "start-napping-4" in ln for ln in err.splitlines())
+    # auto, stderr not a terminal: no log lines, but a heartbeat naming the stage, the time and the log
+    proc = _start(slow, "--no-cache", env={"IMAGEBUILD_HEARTBEAT_S": "1"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert not any(" | #" in ln for ln in err.splitlines())
+    beats = [ln for ln in err.splitlines() if "still building" in ln]
+    assert beats and any("napper: still building" in b for b in beats), beats
+    # each beat names its own stage's log (a loaded machine may beat during `first` too)
+    for b in beats:
+        stage = b.split(": still building")[0].split()[-1]
+        assert ".imagebuild/builds/slow/" in b and b.endswith(f"/logs/{stage}.log"), b
+    # -v adds every command run (and streams the logs, as plain does)
+    r = subprocess.run([sys.executable, "-m", "imagebuild", "-v", "--root", str(slow), "build", IMAGE, "--no-gate",
+                        "--no-cache"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "+ docker buildx build" in r.stderr and "napper | " in r.stderr
+
+
+CC_DOCKERFILE = """\
+ARG PARENT
+FROM ${PARENT}
+COPY src/ /src/
+RUN --mount=type=cache,id=CACHE_ID,target=/ccache \\
+    export CCACHE_DIR=/ccache CCACHE_SLOPPINESS=include_file_ctime,include_file_mtime,time_macros \\
+    && ccache --zero-stats >/dev/null \\
+    && for f in /src/*.cpp; do ccache g++ -O1 -c "$f" -o "/tmp/$(basename "$f" .cpp).o"; done \\
+    && ccache --print-stats > /ccache-stats.txt
+"""
+
+
+def test_ccache_survives_no_cache(engine_info, tmp_path):
+    """--no-cache drops BuildKit's instruction cache, not a cache mount: the second, --no-cache build
+    of a C++ stage compiles every file from ccache."""
+    import uuid
+
+    root = tmp_path / "p"
+    d = root / "docker-images" / "ccdemo"
+    (d / "src").mkdir(parents=True)
+    (d / "versions.env").write_text("BASE_IMAGE=imagebuild-test/debian:bookworm\n")
+    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: compile\n    from: BASE_IMAGE\n"
+                                  "    files: [src]\n")
+    (d / "Dockerfile.compile").write_text(CC_DOCKERFILE.replace("CACHE_ID", f"imagebuild-test-{uuid.uuid4().hex}"))
+    for i in range(4):
+        (d / "src" / f"f{i}.cpp").write_text(f"#include <vector>\nint f{i}() {{ std::vector<int> v({i}); "
+                                             "return (int)v.size(); }\n")
+
+    def stats(*args):
+        res = run_cli("--root", str(root), "build", "ccdemo", "--no-gate", *args)
+        assert res.code == 0, res.err
+        out = subprocess.run(["docker", "run", "--rm", "--network", "none", "ccdemo:candidate", "cat",
+                              "/ccache-stats.txt"], capture_output=True, text=True, check=True).stdout
+        vals = dict(ln.split("\t", 1) for ln in out.splitlines() if "\t" in ln)
+        hits = int(vals.get("direct_cache_hit", 0)) + int(vals.get("preprocessed_cache_hit", 0))
+        return hits, int(vals.get("cache_miss", 0))
+
+    try:
+        # both with --no-cache, so that both really compile: BuildKit's own cache key of a RUN step does not
+        # include a cache mount's id, and an earlier run of this test would otherwise answer the first one
+        hits, misses = stats("--no-cache")
+        assert (hits, misses) == (0, 4)
+        hits, misses = stats("--no-cache")
+        assert (hits, misses) == (4, 0)  # a 100 % hit rate: the compiler cache survived --no-cache
+    finally:
+        remove_images("imagebuild/ccdemo", "ccdemo")

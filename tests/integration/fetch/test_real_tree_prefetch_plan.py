@@ -1,0 +1,164 @@
+"""The REAL glm53-jovian-r12 definition prefetched and planned against the real upstream trees.
+
+../shared/upstream's snapshots of local-inference-lab/vllm (28be48fa) and local-inference-lab/b12x
+(36bce2c1) are served from a loopback `git daemon` as the vLLM and b12x remotes: git's
+`url.<loopback>.insteadOf https://github.com/` sends every https://github.com/... URL of the real
+versions.env there, so the definition's repository URLs are used unchanged.
+
+STAND-INS (only for what no machine here has; each is marked where it is made):
+  - the vLLM and b12x commits: the snapshots are `git archive`s, so each tree is committed here
+    (a stand-in commit, on the branch the real pin follows); their SHAs replace the real base SHAs;
+  - the PR heads 550-557 and 260-270: stand-in commits (one marker file each) served as
+    refs/pull/N/head; versions.env keeps the real bare numbers, which prefetch pins;
+  - the FetchContent dependencies: tiny stand-in repositories with the tags and submodule paths the
+    tree asks for; SHA pins that do not exist there are replaced by the stand-in heads;
+  - the base image and platform: the local test busybox and linux/amd64 (no arm64 CUDA image and no
+    registry here), and the package stanzas (python/requirements/apt) are left out: package prefetch
+    needs the CUDA index and the Ubuntu archive (tests/integration/fetch/test_packages.py covers it).
+Everything else is the real definition: sources, exclusions, overrides, stages, Dockerfiles, patches.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests import realtrees
+from tests.conftest import run_cli
+from tests.gitfixtures import GitDaemon, UpstreamFactory, free_port
+
+ROOT = realtrees.ROOT
+IMAGE = "glm53-jovian-r12"
+VLLM_PRS = (550, 552, 553, 554, 555, 557)
+B12X_PRS = tuple(range(260, 271))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base = tmp_path_factory.mktemp("real-remotes")
+    trees = base / "trees"
+    vllm_tree = realtrees.extract(realtrees.VLLM, trees)
+    b12x_tree = realtrees.extract(realtrees.B12X, trees)
+    root = base / "served"
+    root.mkdir()
+    with GitDaemon(root) as d:
+        f = UpstreamFactory(root, d)
+        vllm = f.create("local-inference-lab/vllm")
+        vllm_base = realtrees.stand_in_commit(vllm, vllm_tree, "dev/jovian-judgement")
+        for n in VLLM_PRS:  # STAND-IN PR heads
+            vllm.pull_request(n, {f"imagebuild-stand-in/pr{n}.txt": f"stand-in head of PR {n}\n"})
+        b12x = f.create("local-inference-lab/b12x")
+        b12x_base = realtrees.stand_in_commit(b12x, b12x_tree, "master")
+        for n in B12X_PRS:
+            b12x.pull_request(n, {f"imagebuild-stand-in/pr{n}.txt": f"stand-in head of PR {n}\n"})
+        # STAND-IN dependency repositories: only what the tree asks of them
+        cutlass = f.create("NVIDIA/cutlass", {"include/cutlass/cutlass.h": "// stand-in\n"})
+        cutlass.tag("v4.4.2")
+        fmt = f.create("fmtlib/fmt", {"include/fmt/core.h": "// stand-in\n"})
+        ck = f.create("ROCm/composable_kernel", {"ck.hpp": "// stand-in, never asked for\n"})
+        fa = f.create("vllm-project/flash-attention", {"CMakeLists.txt": "project(vllm_flash_attn)\n"})
+        fa.add_submodule("csrc/cutlass", cutlass, url="https://github.com/NVIDIA/cutlass.git")
+        fa.add_submodule("csrc/composable_kernel", ck, url="https://github.com/ROCm/composable_kernel.git")
+        dg = f.create("deepseek-ai/DeepGEMM", {"CMakeLists.txt": "project(deep_gemm)\n"})
+        dg.add_submodule("third-party/cutlass", cutlass, url="https://github.com/NVIDIA/cutlass.git")
+        dg.add_submodule("third-party/fmt", fmt, url="https://github.com/fmtlib/fmt.git")
+        triton = f.create("triton-lang/triton", {"python/triton_kernels/triton_kernels/__init__.py": "# stand-in\n"})
+        triton.tag("v3.5.1")
+        heads = {
+            "FLASH_ATTN": fa.head(), "DEEPGEMM": dg.head(),
+            "FLASHMLA": f.create("vllm-project/FlashMLA", {"setup.py": "# stand-in\n"}).head(),
+            "QUTLASS": f.create("IST-DASLab/qutlass", {"CMakeLists.txt": "project(qutlass)\n"}).head(),
+            "MSA": f.create("vllm-project/MSA", {"setup.py": "# stand-in\n"}).head(),
+            "TML_FA4": f.create("vllm-project/tml-fa4", {"setup.py": "# stand-in\n"}).head(),
+            "FLASHKDA": f.create("vllm-project/FlashKDA", {"setup.py": "# stand-in\n"}).head(),
+        }
+        yield {"daemon": d, "vllm": vllm_base, "b12x": b12x_base, "heads": heads}
+    shutil.rmtree(base, ignore_errors=True)  # ~350 MB of trees and repositories: do not keep them around
+
+
+def _project(tmp: Path, served: dict) -> Path:
+    root = tmp / "project"
+    shutil.copytree(ROOT / "docker-images" / IMAGE, root / "docker-images" / IMAGE)
+    shutil.copytree(ROOT / "patches-eugr", root / "patches-eugr")
+    img = root / "docker-images" / IMAGE
+    env = (img / "versions.env").read_text()
+    stand_ins = {  # STAND-IN pins: only those the served stand-ins cannot honour
+        "CUDA_BASE": "imagebuild-test/busybox:1",
+        "VLLM_REF": f"dev/jovian-judgement@{served['vllm']}",
+        "B12X_REF": f"master@{served['b12x']}",
+        **{f"{k}_REF": v for k, v in served["heads"].items()},
+    }
+    for key, value in stand_ins.items():
+        env, n = re.subn(rf"^{key}=\S+", f"{key}={value}  # STAND-IN (tests/integration/fetch/{Path(__file__).name})",
+                         env, count=1, flags=re.M)
+        assert n == 1, key
+    (img / "versions.env").write_text(env)
+    y = (img / "image.yaml").read_text()
+    y = y.replace("platform: linux/arm64", "platform: linux/amd64  # STAND-IN: no arm64 base here")
+    y = re.sub(r"^python:\n(?:  .*\n)+\n", "", y, flags=re.M)  # STAND-IN: no package prefetch
+    y = y.replace("    apt: apt-packages.txt\n", "")
+    y = re.sub(r"    requirements:\n(?:      .*\n)+", "", y)
+    assert "requirements" not in y and "apt:" not in y and "python:" not in y
+    (img / "image.yaml").write_text(y)
+    return root
+
+
+@pytest.fixture
+def github(monkeypatch, served):
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
+    monkeypatch.setenv("GIT_CONFIG_KEY_0", f"url.git://127.0.0.1:{served['daemon'].port}/.insteadOf")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_0", "https://github.com/")
+    monkeypatch.setenv("IMAGEBUILD_GITHUB_API", f"http://127.0.0.1:{free_port()}")  # nothing listens: no PR states
+    monkeypatch.setenv("IMAGEBUILD_RETRY_DELAY", "0.05")
+    monkeypatch.setenv("IMAGEBUILD_GIT_RETRIES", "2")
+
+
+def test_prefetch_plan_and_dry_run_of_the_real_definition(served, github, engine_ready, tmp_path, monkeypatch):
+    root = _project(tmp_path, served)
+    r = run_cli("--root", str(root), "prefetch", IMAGE, "--cache", str(tmp_path / "cache"), "--json")
+    assert r.code == 0, r.err
+    rep = json.loads(r.out)["images"][0]
+    s = rep["sources"]
+    assert set(s) == {"VLLM", "B12X", "CUTLASS", "FLASH_ATTN", "FLASHMLA", "DEEPGEMM", "QUTLASS", "TRITON_KERNELS",
+                      "MSA", "TML_FA4", "FLASHKDA"}
+    # the PR heads were pinned from bare numbers and merged in order
+    assert [p["number"] for p in s["VLLM"]["prs"]] == list(VLLM_PRS)
+    assert [p["number"] for p in s["B12X"]["prs"]] == list(B12X_PRS)
+    env = (root / "docker-images" / IMAGE / "versions.env").read_text()
+    assert re.search(r'^VLLM_PRS="550@[0-9a-f]{40} 552@[0-9a-f]{40} 553@', env, re.M)
+    # exclusions with their reasons, submodules as declared, overrides as the tree reads them
+    assert [x["name"] for x in s["VLLM"]["excluded"]] == ["arm_compute", "oneDNN"]
+    assert all("CPU-only" in x["reason"] for x in s["VLLM"]["excluded"])
+    assert [x["path"] for x in s["FLASH_ATTN"]["submodules"]] == ["csrc/cutlass"]
+    assert [x["path"] for x in s["DEEPGEMM"]["submodules"]] == ["third-party/cutlass", "third-party/fmt"]
+    assert {n: e["override"]["name"] for n, e in s.items() if e.get("override")}.items() >= {
+        "CUTLASS": "VLLM_CUTLASS_SRC_DIR", "FLASH_ATTN": "VLLM_FLASH_ATTN_SRC_DIR", "FLASHMLA": "FLASH_MLA_SRC_DIR",
+        "DEEPGEMM": "DEEPGEMM_SRC_DIR", "QUTLASS": "QUTLASS_SRC_DIR", "TRITON_KERNELS": "TRITON_KERNELS_SRC_DIR"}.items()
+    notices = "\n".join(rep["notices"])
+    # the three the r12 fork declares and this older snapshot does not are reported, not dropped
+    for name in ("MSA", "TML_FA4", "FLASHKDA"):
+        assert name in notices, notices
+    # plan: stages in order, the vllm stage mounts the fork and its nine dependencies
+    plan = json.loads(run_cli("--root", str(root), "plan", IMAGE, "--json").out)
+    assert [st["name"] for st in plan["stages"]] == ["apt", "torch", "vllm-wheel", "b12x-wheel", "runner"]
+    mounts = {st["name"]: st.get("mounts") for st in plan["stages"]}
+    assert len(mounts["vllm-wheel"]["mounts"]) == 10
+    assert [x["name"] for x in mounts["vllm-wheel"]["excluded"]] == ["arm_compute", "oneDNN"]
+    assert plan["unpinned"] == []
+    # dry run: every stage would run with --network none (it builds nothing: the disk guard may be low)
+    monkeypatch.setenv("IMAGEBUILD_MIN_FREE_GB", "0")
+    dry = run_cli("--root", str(root), "build", IMAGE, "--dry-run", "--json")
+    assert dry.code == 0, dry.err
+    doc = json.loads(dry.out)
+    assert [st["name"] for st in doc["stages"]] == ["apt", "torch", "vllm-wheel", "b12x-wheel", "runner"]
+    assert all(st["network"] in (False, "none") for st in doc["stages"]), doc["stages"]
+    text = run_cli("--root", str(root), "build", IMAGE, "--dry-run").out
+    print(text)
+    assert text.count("; network none)") == 5, text
+    # every docker invocation of the build, shown: each stage with --network none
+    cmds = [ln for ln in text.splitlines() if ln.strip().startswith("docker buildx build")]
+    assert len(cmds) == 5 and all(" --network none " in c for c in cmds), text

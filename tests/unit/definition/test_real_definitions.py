@@ -1,0 +1,164 @@
+"""Static checks of the real definitions (glm53-jovian-r12, dsv4-flash-vision), offline, no engine.
+
+- `imagebuild plan IMAGE --json` succeeds offline, lists the stages in order, every stage without
+  network, and lists the unpinned items (they are not hidden);
+- every ARG resolves (the plan fails otherwise) and has a value;
+- the gate specs parse; their versions are the pins of versions.env / the requirements files;
+- the Dockerfiles fetch nothing (no curl/wget/git clone/ADD URL, pip only from the prefetched set);
+- the vllm-wheel stage applies patches-eugr in image.yaml's order, each switched patch only behind
+  its switch (the patch module's SWITCH), and the switches are set in versions.env;
+- every 40-hex commit and 64-hex digest in a definition is named in its image doc (provenance).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from imagebuild.definition import gatespec, patching, pkgspec
+from imagebuild.definition import reader as definition
+from tests.conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[3]
+IMAGES = {
+    "glm53-jovian-r12": ["apt", "torch", "vllm-wheel", "b12x-wheel", "runner"],
+    "dsv4-flash-vision": ["plugin", "vllm-patches", "runner"],
+}
+
+
+def _plan(image: str, monkeypatch) -> dict:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/imagebuild-test.sock")  # offline: no engine either
+    res = run_cli("--root", str(ROOT), "plan", image, "--json")
+    assert res.code == 0, res.err
+    return json.loads(res.out)
+
+
+@pytest.mark.parametrize("image", list(IMAGES))
+def test_plan_offline_lists_stages_in_order_and_the_unpinned(image, monkeypatch):
+    doc = _plan(image, monkeypatch)
+    assert doc["platform"] == "linux/arm64"
+    assert [s["name"] for s in doc["stages"]] == IMAGES[image]
+    for s in doc["stages"]:
+        assert s["network"] is False, f"{image}/{s['name']} would run with the network"
+        for a in s["args"]:
+            assert a.get("value") not in (None, ""), f"{image}/{s['name']}: ARG {a} has no value"
+    keys = {u["key"] for u in doc["unpinned"]}
+    if image == "glm53-jovian-r12":
+        assert keys == {"CUDA_BASE", "VLLM_PRS", "B12X_PRS", "CUTLASS_REF", "TRITON_KERNELS_REF"}
+        prs = [u["message"] for u in doc["unpinned"] if u["key"] == "VLLM_PRS"]
+        assert [re.search(r"pull request (\d+)", m).group(1) for m in prs] == ["550", "552", "553", "554", "555",
+                                                                                "557"]
+        assert len([u for u in doc["unpinned"] if u["key"] == "B12X_PRS"]) == 11  # 260-270
+    else:
+        assert keys == {"DSV4_BASE"}
+
+
+def test_glm53_build_settings_reach_the_vllm_stage(monkeypatch):
+    doc = _plan("glm53-jovian-r12", monkeypatch)
+    st = {s["name"]: s for s in doc["stages"]}
+    args = {a["name"]: a["value"] for a in st["vllm-wheel"]["args"]}
+    assert args["TORCH_CUDA_ARCH_LIST"] == "12.1a"
+    assert args["VLLM_PRESERVE_SM12X_TARGET"] == "1" and args["VLLM_PATCH_B12X_C128A_ALIGNMENT"] == "1"
+    assert {"MAX_JOBS", "NVCC_THREADS", "CMAKE_BUILD_PARALLEL_LEVEL"} <= set(args)  # the parallelism rule
+    runner = {a["name"]: a["value"] for a in st["runner"]["args"]}
+    assert runner["SERVE_MAX_JOBS"] == "2"
+    assert {"STAGE_VLLM_WHEEL", "STAGE_B12X_WHEEL"} <= set(runner)
+
+
+@pytest.mark.parametrize("image", list(IMAGES))
+def test_gate_spec_parses(image):
+    spec = gatespec.load(ROOT / "docker-images" / image / "gate.yaml")
+    ids = {c.id for c in spec.checks}
+    assert any(c.requires_gpu for c in spec.checks), "GPU checks must be written (skipped without a GPU)"
+    if image == "glm53-jovian-r12":
+        assert {"vllm-import", "b12x-import", "flashkda", "b12x-backend-enum", "sm12x-patch", "patch-report",
+                "vllm-elf-aarch64", "device-capability", "b12x-kernel-runs"} <= ids
+    else:
+        assert {"plugin-entry-point", "plugin-architectures", "mm-gate-default-off", "patch-report"} <= ids
+
+
+def _reqs(image: str, name: str) -> dict:
+    path = ROOT / "docker-images" / image / name
+    errors: list = []
+    reqs = pkgspec.parse_requirements(path.read_text(), str(path), lambda *a, **k: errors.append(a))
+    assert not errors and reqs
+    return {r.name: r.version for r in reqs}
+
+
+def test_glm53_gate_versions_are_the_pins():
+    defn = definition.load(ROOT, "glm53-jovian-r12")
+    spec = gatespec.load(defn.gate)
+    versions = {c.params["distribution"]: str(c.params["specifier"]) for c in spec.checks if c.kind == "version"}
+    torch_stage = _reqs("glm53-jovian-r12", "requirements-torch.txt")
+    runner = _reqs("glm53-jovian-r12", "requirements-runner.txt")
+    assert versions["vllm"] == "==" + defn.env.get("VLLM_VERSION_OVERRIDE")
+    assert versions["torch"] == "==" + torch_stage["torch"] == "==" + runner["torch"]
+    assert versions["flashinfer-python"] == "==" + torch_stage["flashinfer-python"] == "==" + runner["flashinfer-python"]
+    assert torch_stage["torch"] == "2.13.0+cu130" and torch_stage["flashinfer-python"] == "0.6.17"
+    # the runner and the torch stage agree on what both install
+    for name in set(torch_stage) & set(runner):
+        assert torch_stage[name] == runner[name], name
+
+
+FETCHING = re.compile(r"\b(curl|wget|git\s+clone|git\s+fetch|apt-get\s+update|apt\s+update)\b|^\s*ADD\s+https?://",
+                      re.M)
+
+
+@pytest.mark.parametrize("dockerfile", sorted(p for img in IMAGES for p in (ROOT / "docker-images" / img).glob("Dockerfile.*")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_dockerfiles_fetch_nothing(dockerfile):
+    text = dockerfile.read_text()
+    assert not FETCHING.search(text), f"{dockerfile}: fetches from the network"
+    for m in re.finditer(r"pip\s+(install|wheel|download)\b[^\n\\]*(?:\\\n[^\n\\]*)*", text):
+        assert "--no-index" in m.group(0), f"{dockerfile}: pip without --no-index: {m.group(0)!r}"
+    assert "syntax=" not in text.split("\n", 1)[0]
+
+
+def _module(path: Path):
+    sys.modules.setdefault(patching.MODULE_NAME, patching)
+    spec = importlib.util.spec_from_file_location(f"_switch_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_glm53_applies_patches_eugr_in_order_with_switches():
+    defn = definition.load(ROOT, "glm53-jovian-r12")
+    declared = [i.path.name for i in defn.stage("vllm-wheel").inputs if i.kind == "patch"]
+    assert sorted(declared) == sorted(p.name for p in (ROOT / "patches-eugr").glob("patch_*.py"))  # all twelve
+    text = (defn.dir / "Dockerfile.vllm-wheel").read_text()
+    used = re.findall(r"\$p/(patch_[a-z0-9_]+\.py)", text)
+    assert used == declared, "the Dockerfile applies the patches in image.yaml's order"
+    switched = {}
+    for name in declared:
+        switch = getattr(_module(ROOT / "patches-eugr" / name), "SWITCH", None)
+        if switch:
+            switched[name] = switch
+            guard = re.search(r'if \[ "\$' + switch + r'" = 1 \]; then patches\+=\("\$p/' + re.escape(name), text)
+            assert guard, f"{name} is applied only when {switch}=1"
+            assert f"ARG {switch}\n" in text
+            assert defn.env.get(switch) == "1", f"the seed builds with {switch}=1"
+        else:
+            assert not re.search(r"then patches\+=\(\"\$p/" + re.escape(name), text), f"{name} has no switch"
+    assert switched == {"patch_vllm_preserve_sm12x_target.py": "VLLM_PRESERVE_SM12X_TARGET",
+                        "patch_vllm_b12x_c128a_topk_alignment.py": "VLLM_PATCH_B12X_C128A_ALIGNMENT"}
+
+
+HEX = re.compile(r"(?<![0-9a-f])([0-9a-f]{64}|[0-9a-f]{40})(?![0-9a-f])")
+
+
+@pytest.mark.parametrize("image", list(IMAGES))
+def test_every_sha_and_digest_is_named_in_the_image_doc(image):
+    """Provenance: docs/images/<image>.md names the origin of each commit/digest the definition pins."""
+    doc = (ROOT / "docs" / "images" / f"{image}.md").read_text()
+    found = set()
+    for f in (ROOT / "docker-images" / image).rglob("*"):
+        if f.is_file():
+            found |= set(HEX.findall(f.read_text(errors="replace")))
+    missing = sorted(h for h in found if h not in doc)
+    assert not missing, f"pins without a provenance line in docs/images/{image}.md: {missing}"
