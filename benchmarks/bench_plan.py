@@ -3,7 +3,8 @@ against what a shell script does for the same answer: sha256sum of the definitio
 one `docker image inspect` per stage (of the stage's real, keyed image reference).
 
 Both sides are whole processes, as a user runs them: ours is the installed `imagebuild` command.
-Acceptance (issue 9, section 9): at most 1.0x the baseline.
+Issue 9 set a target of at most 1.0x the baseline; issue 19 retired the start-up machinery that
+met it (docs/design.md, "Start-up"), so the row is measured and reported, with no target.
 """
 
 from __future__ import annotations
@@ -38,4 +39,4 @@ def _baseline():
 
 def benchmarks():
     return [Benchmark("plan example (3 stages, engine check)", _ours, _baseline, repeat=15, setup=_setup,
-                      note="baseline: sha256sum of the inputs + docker image inspect per stage; target <= 1.0")]
+                      note="baseline: sha256sum of the inputs + docker image inspect per stage")]
