@@ -451,6 +451,7 @@ def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: Imag
             continue
         head = refs.get(f"refs/pull/{n}/head")
         st = states.get(n)
+        api_head = st.pop("head", None) if st else None
         if st:
             rep.pr_states.append({"source": p.name, "number": n, **st})
             if st.get("state") == "closed" and not st.get("merged"):
@@ -458,11 +459,22 @@ def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: Imag
                 rep.notices.append(msg)
                 log.warning("  warning: %s", msg)
         if head is None:
+            if old is None and api_head:
+                # a closed PR whose ref was deleted: the API still names its head, fetched by SHA below
+                msg = (f"{p.name}: PR {n}: refs/pull/{n}/head is gone upstream; pinned {n}@{api_head} from the "
+                       f"pull-request API ({(st or {}).get('state') or 'state unknown'})")
+                rep.notices.append(msg)
+                log.warning("  warning: %s", msg)
+                item[1] = api_head
+                continue
             if old is None:
+                asked = "the pull-request API did not name its head either" if _github_repo(p.repo) else \
+                    "and it is no GitHub repository, whose API could name the head"
                 raise gitcache.RemoteMissing(
-                    f"{p.name}: pull request {n} not found: {gitcache.redact(p.repo)} has no refs/pull/{n}/head",
+                    f"{p.name}: pull request {n} not found: {gitcache.redact(p.repo)} has no refs/pull/{n}/head, "
+                    f"{asked}",
                     hint=f"check the number in {p.prs_key}; a closed PR whose ref is gone can still be used "
-                    f"pinned as {n}@<sha>")
+                    f"pinned as {n}@<sha> (GITHUB_TOKEN raises the API's rate limit)")
             msg = f"{p.name}: PR {n}: refs/pull/{n}/head is gone upstream; keeping the pinned {old[:12]}"
             rep.notices.append(msg)
             log.warning("  warning: %s", msg)
@@ -473,10 +485,18 @@ def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: Imag
         item[1] = head
 
 
-def _github_states(url: str, numbers: list[int]) -> dict[int, dict]:
-    """PR state from the GitHub API (only for github.com URLs, only when reachable)."""
+def _github_repo(url: str):
+    """(owner, repository) of a github.com URL, else None."""
     m = re.match(r"(?:https?://(?:[^@/]+@)?github\.com/|git@github\.com:|ssh://git@github\.com/)"
                  r"([^/]+)/([^/]+?)(?:\.git)?/?\Z", url)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def _github_states(url: str, numbers: list[int]) -> dict[int, dict]:
+    """PR state from the GitHub API (only for github.com URLs, only when reachable): ``state``,
+    ``merged``, and ``head`` (the head commit's SHA, which the API keeps after a closed PR's ref
+    is deleted; None when it gives none)."""
+    m = _github_repo(url)
     if not m or not numbers:
         return {}
     import requests  # only needed here
@@ -490,7 +510,7 @@ def _github_states(url: str, numbers: list[int]) -> dict[int, dict]:
     for n in numbers:
         for attempt in range(3):
             try:
-                r = requests.get(f"{api}/repos/{m.group(1)}/{m.group(2)}/pulls/{n}", headers=headers, timeout=5)
+                r = requests.get(f"{api}/repos/{m[0]}/{m[1]}/pulls/{n}", headers=headers, timeout=5)
             except requests.RequestException as exc:
                 log.debug("GitHub API unreachable (%s): PR states not reported", type(exc).__name__)
                 return out
@@ -504,7 +524,9 @@ def _github_states(url: str, numbers: list[int]) -> dict[int, dict]:
                 data = r.json()
             except ValueError:
                 break
-            out[n] = {"state": data.get("state"), "merged": bool(data.get("merged"))}
+            head = (data.get("head") or {}).get("sha") if isinstance(data.get("head"), dict) else None
+            out[n] = {"state": data.get("state"), "merged": bool(data.get("merged")),
+                      "head": head if isinstance(head, str) and SHA_RE.match(head) else None}
             break
     return out
 
