@@ -17,6 +17,7 @@ EDITS = [
             "  # imagebuild-patch: diffusion-tensor-causal/signature\n"
         ),
         marker="imagebuild-patch: diffusion-tensor-causal/signature",
+        applies_if=["causal: bool | Mapping", "group_causal"],  # the per-group causal argument of vLLM PR #47914: not there -> not applicable
         upstream=["causal: bool | Mapping[int, bool] | torch.Tensor"],
         reason="a Tensor causal mask is an accepted type",
     ),
@@ -31,6 +32,7 @@ EDITS = [
             "            group_causal = causal.get(i, True)\n"
         ),
         marker="imagebuild-patch: diffusion-tensor-causal/group",
+        applies_if=["causal: bool | Mapping", "group_causal"],  # the per-group causal argument of vLLM PR #47914: not there -> not applicable
         upstream=["isinstance(causal, (bool, torch.Tensor))"],
         reason="a Tensor causal mask is passed through to every KV-cache group",
     ),

@@ -24,6 +24,7 @@ EDITS = [
             "                draft_embed = self.model.model.embed_tokens\n"
         ),
         marker="imagebuild-patch: gemma4-mtp-embedding-share",
+        applies_if=["draft_embed"],  # the draft embedding sharing of vLLM PR #43957: not there -> not applicable
         upstream=['if share_embeddings and hasattr(self.model, "has_own_embed_tokens"):'],
         reason="the width-guarded sharing applies to EAGLE-style drafts only",
     ),

@@ -29,6 +29,7 @@ EDITS = [
             "    try:\n"
         ),
         marker="imagebuild-patch: mrv2-spec-pool/state",
+        applies_if=["graph_pool_handle"],  # the MRv2 graph-profiling pool of vLLM PR #53306: not there -> not applicable
         upstream=["def _profiling_cudagraph_managers("],
         reason="profiling state also tracks the speculator's graph managers",
     ),
@@ -48,6 +49,7 @@ EDITS = [
             "                spec_manager.pool = manager.pool\n"
         ),
         marker="imagebuild-patch: mrv2-spec-pool/redirect",
+        applies_if=["graph_pool_handle"],  # the MRv2 graph-profiling pool of vLLM PR #53306: not there -> not applicable
         upstream=["def _profiling_cudagraph_managers("],
         reason="speculator graph managers share the throwaway profiling pool",
     ),
@@ -68,6 +70,7 @@ EDITS = [
             "                setattr(runner.speculator, attr, None)\n"
         ),
         marker="imagebuild-patch: mrv2-spec-pool/cleanup",
+        applies_if=["graph_pool_handle"],  # the MRv2 graph-profiling pool of vLLM PR #53306: not there -> not applicable
         upstream=["def _profiling_cudagraph_managers("],
         reason="the speculator's profiling graphs are dropped with the throwaway pool",
     ),

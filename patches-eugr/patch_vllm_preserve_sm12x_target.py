@@ -26,3 +26,6 @@ EDITS = [
         reason="12.1 added to the CUDA >= 13 CUDA_SUPPORTED_ARCHS",
     ),
 ]
+
+# the sm_121a kernels depend on it: a tree without the CUDA architecture list fails, never skips
+REQUIRED = True

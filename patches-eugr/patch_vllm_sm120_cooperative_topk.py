@@ -22,6 +22,7 @@ EDITS = [
             "            and current_platform.is_device_capability(90)\n"
         ),
         marker="imagebuild-patch: sm120-cooperative-topk",
+        applies_if=["cooperative_topk"],  # the cooperative top-k selection of vLLM PR #43008: not there -> not applicable
         upstream=["and current_platform.is_device_capability(90)\n",
                   "device_capability.to_int() == 90"],
         reason="cooperative_topk restricted to capability 9.0",

@@ -18,6 +18,7 @@ EDITS = [
             "    torch.ops._moe_C.topk_softplus_sqrt(\n"
         ),
         marker="imagebuild-patch: topk-softplus-sqrt-xpu-return",
+        applies_if=["is_padding"],  # the XPU branch of vLLM PR #49408: not there -> not applicable
         # PR #49452's shape: the return indented into the XPU branch, then the CUDA kernel call
         upstream=["        return\n\n    torch.ops._moe_C.topk_softplus_sqrt(\n"],
         reason="the XPU return moved into its branch; the CUDA kernel call runs again",

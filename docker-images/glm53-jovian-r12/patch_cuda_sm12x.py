@@ -24,6 +24,7 @@ EDITS = [
             "                AttentionBackendEnum.TRITON_MLA,\n"
         ),
         marker="imagebuild-patch: sm12x-b12x",
+        applies_if=["major == 12:"],  # the capability-12 MLA backend list: not there -> not applicable
         # the fork's own list already starting with B12X
         upstream=[
             "        elif device_capability.major == 12:\n"

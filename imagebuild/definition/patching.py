@@ -12,24 +12,33 @@ This file is shipped unchanged into the build context of every stage that declar
             replacement='    return "hello, world"  # imagebuild-patch: greeting-world\\n',
             marker="imagebuild-patch: greeting-world",     # present => already applied
             upstream=['return "hello, world"'],            # present => upstream has it: not needed
+            applies_if=['def greet('],                     # none present => the code is not there
             reason="say hello to the world",
         ),
     ]
+    REQUIRED = False                                       # True: "not applicable" fails instead
 
-For each edit, in this order: the marker is in the file -> ``already-applied``; one of the
-``upstream`` strings is in the file -> ``not-needed`` (with a message); the anchor occurs
-exactly once -> replaced (``applied``); anything else -> ``failed``, naming the patch, the file
-and the anchor. A ``.py`` result is re-parsed with ``ast`` before it is written. A patch is
-all-or-nothing: its files are written only when every edit of the patch succeeded. Running a
-patch set twice changes nothing (the second run reports ``already-applied``).
+A patch is ``not-applicable`` (and writes nothing) when the code it repairs is not in the tree:
+one of its files is absent, or an edit's file holds none of its ``applies_if`` strings (and
+neither its marker nor an ``upstream`` string). A patch that sets ``REQUIRED = True`` fails
+instead. Otherwise, for each edit, in this order: the marker is in the file ->
+``already-applied``; one of the ``upstream`` strings is in the file -> ``not-needed`` (with a
+message); the anchor occurs exactly once -> replaced (``applied``); anything else -> ``failed``,
+naming the patch, the file and the anchor, and, when the anchor's first line is still in the
+file, where (``file:line``) and which of its lines differs. A shape that is there but different
+fails: ``applies_if`` only says whether the code is there at all. A ``.py`` result is re-parsed
+with ``ast`` before it is written. A patch is all-or-nothing: its files are written only when
+every edit of the patch succeeded. Running a patch set twice changes nothing (the second run
+reports ``already-applied``).
 
 Command line (used inside the image and by ``imagebuild patch``)::
 
     python3 imagebuild_patching.py apply --src DIR [--record FILE] [--check] PATCH_OR_DIR...
 
 ``--record`` merges the outcomes into a JSON file (``schema: imagebuild.patches``), by default
-nothing is recorded. Exit 0 when every patch is applied / already applied / not needed
-(``--check``: or would apply), 1 when one failed, 2 on bad usage.
+nothing is recorded. Exit 0 when every patch is applied / already applied / not needed / not
+applicable (``--check``: or would apply), 1 when one failed, 2 on bad usage. Applying stops at
+the first failure; ``--check`` checks every patch.
 """
 
 from __future__ import annotations
@@ -52,8 +61,9 @@ APPLIED = "applied"
 ALREADY = "already-applied"
 NOT_NEEDED = "not-needed"
 WOULD_APPLY = "would-apply"
+NOT_APPLICABLE = "not-applicable"
 FAILED = "failed"
-OK_OUTCOMES = (APPLIED, ALREADY, NOT_NEEDED, WOULD_APPLY)
+OK_OUTCOMES = (APPLIED, ALREADY, NOT_NEEDED, WOULD_APPLY, NOT_APPLICABLE)
 
 
 class PatchError(Exception):
@@ -68,6 +78,7 @@ class Edit:
     marker: str
     upstream: list = field(default_factory=list)
     reason: str = ""
+    applies_if: list = field(default_factory=list)  # strings of the code this edit repairs (see the module doc)
 
     def check(self, patch: str) -> None:
         if not self.anchor:
@@ -110,15 +121,36 @@ def _short(text: str, n: int = 160) -> str:
     return repr(text) if len(text) <= n else repr(text[:n]) + "..."
 
 
-def _near(anchor: str, text: str) -> str:
-    """Where the anchor's first line occurs with other whitespace, to show the difference."""
-    first = next((ln for ln in anchor.split("\n") if ln.strip()), "")
-    if not first.strip():
+def _near(anchor: str, text: str, file: str = "") -> str:
+    """Where the anchor's first line still is (``file:line``) and the first of its lines that differs
+    there (whitespace shown), to point at the drift."""
+    want = anchor.split("\n")
+    start = next((i for i, ln in enumerate(want) if ln.strip()), None)
+    if start is None:
         return ""
-    for n, line in enumerate(text.split("\n"), start=1):
-        if line.strip() == first.strip() and line != first:
-            return f" (line {n} has {line!r}, the anchor's first line is {first!r})"
-    return ""
+    want = want[start:]
+    if want and want[-1] == "":
+        want = want[:-1]
+    lines = text.split("\n")
+    best = None  # (lines matching, line number)
+    for n, line in enumerate(lines):
+        if line.strip() != want[0].strip():
+            continue
+        k = 0
+        while k < len(want) and n + k < len(lines) and lines[n + k] == want[k]:
+            k += 1
+        if best is None or k > best[0]:
+            best = (k, n)
+    if best is None:
+        return ""
+    k, n = best
+    where = f"{file}:{n + 1}" if file else f"line {n + 1}"
+    if k == 0:
+        return f" (closest match: {where} has {lines[n]!r}, the anchor's first line is {want[0]!r})"
+    got = lines[n + k] if n + k < len(lines) else "(end of file)"
+    differs = f"{file}:{n + k + 1}" if file else f"line {n + k + 1}"
+    return (f" (closest match: {where}, where its first {k} line(s) match; {differs} has {got!r} where the "
+            f"anchor has {want[k]!r})")
 
 
 def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
@@ -131,7 +163,7 @@ def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
                                f"upstream already has the change (found {_short(eq)})"), text
     count = text.count(edit.anchor)
     if count != 1:
-        found = "not found" + _near(edit.anchor, text) if count == 0 else \
+        found = "not found" + _near(edit.anchor, text, edit.file) if count == 0 else \
             f"found {count} times (must be exactly once)"
         raise PatchError(f"patch {patch}: file {edit.file}: anchor {_short(edit.anchor)} {found}; "
                          f"no marker {edit.marker!r} and no recognised upstream equivalent either "
@@ -146,12 +178,25 @@ def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
     return EditOutcome(edit.file, APPLIED, edit.reason or "anchor replaced"), new
 
 
+def _not_applicable(edit: Edit, text: str | None) -> str | None:
+    """Why ``edit`` is not applicable to ``text`` (None: the file is absent), or None when it is."""
+    if text is None:
+        return f"{edit.file} is not in the tree"
+    if edit.marker in text or any(eq and eq in text for eq in edit.upstream or ()):
+        return None
+    if edit.applies_if and not any(s in text for s in edit.applies_if):
+        shown = ", ".join(_short(s, 60) for s in edit.applies_if)
+        return f"{edit.file} has none of {shown}: the code this patch repairs is not there"
+    return None
+
+
 def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True,
-                overlay: dict | None = None) -> PatchOutcome:
+                overlay: dict | None = None, required: bool = False) -> PatchOutcome:
     """Apply one patch's edits to the tree ``src``: all or nothing.
 
     ``overlay`` (file -> text), for a check that writes nothing: files are read from it first, and a
     patch that would apply leaves its result there, so the next patch sees the tree as the build would.
+    ``required``: a patch that is not applicable fails (the patch script's ``REQUIRED = True``).
     """
     texts: dict[str, str] = {}
     originals: dict[str, str] = {}
@@ -163,15 +208,26 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True,
             if not isinstance(edit, Edit):
                 raise PatchError(f"patch {patch}: EDITS must hold Edit(...) objects, got {type(edit).__name__}")
             edit.check(patch)
+        absent: list[tuple[Edit, str]] = []
+        for edit in edits:
             if edit.file not in texts and overlay is not None and edit.file in overlay:
                 texts[edit.file] = originals[edit.file] = overlay[edit.file]
             if edit.file not in texts:
                 path = src / edit.file
                 try:
                     texts[edit.file] = originals[edit.file] = path.read_text(encoding="utf-8")
-                except FileNotFoundError:
-                    raise PatchError(f"patch {patch}: file {edit.file} not found under {src}; "
-                                     f"anchor {_short(edit.anchor)}") from None
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+            why = _not_applicable(edit, texts.get(edit.file))
+            if why:
+                absent.append((edit, why))
+        if absent:
+            reason = "; ".join(dict.fromkeys(why for _e, why in absent))
+            if required:
+                raise PatchError(f"patch {patch}: required (REQUIRED = True), but {reason}")
+            return PatchOutcome(patch, NOT_APPLICABLE, [EditOutcome(e.file, NOT_APPLICABLE, why) for e, why in absent],
+                                f"not applicable: {reason}")
+        for edit in edits:
             outcome, texts[edit.file] = plan_edit(patch, edit, texts[edit.file])
             outcomes.append(outcome)
     except PatchError as exc:
@@ -213,6 +269,11 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def load_edits(path: Path) -> list:
     """Import ``patch_*.py`` and return its ``EDITS``."""
+    return load_patch(path)[0]
+
+
+def load_patch(path: Path) -> tuple[list, bool]:
+    """Import ``patch_*.py``: (its ``EDITS``, its ``REQUIRED``)."""
     # patch scripts import this file under MODULE_NAME, wherever it is
     sys.modules[MODULE_NAME] = sys.modules[__name__]
     spec = importlib.util.spec_from_file_location(f"_imagebuild_patch_{path.stem}", path)
@@ -231,7 +292,10 @@ def load_edits(path: Path) -> list:
     edits = getattr(mod, "EDITS", None)
     if not isinstance(edits, (list, tuple)):
         raise PatchError(f"patch {path.name}: defines no EDITS list (EDITS = [Edit(...), ...])")
-    return list(edits)
+    required = getattr(mod, "REQUIRED", False)
+    if not isinstance(required, bool):
+        raise PatchError(f"patch {path.name}: REQUIRED must be True or False, got {required!r}")
+    return list(edits), required
 
 
 def collect(paths: list) -> list:
@@ -256,26 +320,30 @@ def _sha256(path: Path) -> str | None:
         return None
 
 
-def apply_all(patches: list, src: Path, *, write: bool = True) -> list:
-    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure.
+def apply_all(patches: list, src: Path, *, write: bool = True, keep_going: bool | None = None) -> list:
+    """Apply ``patches`` (paths) in order to ``src``; stops at the first failure, unless
+    ``keep_going`` (default: when checking), so that a check reports every patch.
 
     Without ``write`` (a check) nothing is written, but each patch still sees what the earlier ones
     would have changed (an in-memory overlay): a patch that builds on an earlier one checks as it
     will apply in the build.
     """
+    keep_going = (not write) if keep_going is None else keep_going
     results: list[PatchOutcome] = []
     overlay: dict | None = None if write else {}
     for path in patches:
         digest = _sha256(Path(path))
         try:
-            edits = load_edits(Path(path))
+            edits, required = load_patch(Path(path))
         except PatchError as exc:
             results.append(PatchOutcome(Path(path).name, FAILED, [], str(exc), digest))
+            if keep_going:
+                continue
             break
-        res = apply_edits(Path(path).name, edits, Path(src), write=write, overlay=overlay)
+        res = apply_edits(Path(path).name, edits, Path(src), write=write, overlay=overlay, required=required)
         res.sha256 = digest
         results.append(res)
-        if res.outcome == FAILED:
+        if res.outcome == FAILED and not keep_going:
             break
     return results
 

@@ -149,3 +149,38 @@ def test_a_check_sees_what_earlier_patches_would_change(tmp_path):
     text = (src / "dsv4_vision" / "model.py").read_text()
     assert 'supports_multimodal = os.environ.get("VLLM_DSV4_MM", "0") == "1"' in text
     assert "    supports_multimodal = True\n" not in text
+
+
+@pytest.mark.parametrize("patch", [p for p in PATCHES if any(e.applies_if for e in edits_of(p))], ids=lambda p: p.stem)
+def test_without_the_code_it_repairs_a_patch_is_not_applicable(patch, tmp_path):
+    """On its own fixture with every ``applies_if`` string taken out, a patch is not-applicable (or,
+    when it is REQUIRED, fails) and writes nothing; with its file gone, the same."""
+    _, required = patching.load_patch(patch)
+    edits = edits_of(patch)
+    for case in ("code", "file"):
+        src = shape_tree(patch, tmp_path / case)
+        for e in edits:
+            path = src / e.file
+            if case == "file":
+                path.unlink(missing_ok=True)
+            elif e.applies_if:
+                text = path.read_text()
+                for s in e.applies_if:
+                    text = text.replace(s, "")
+                path.write_text(text)
+        before = tree_state(src)
+        res = patching.apply_edits(patch.name, edits, src, required=required)
+        assert res.outcome == (patching.FAILED if required else patching.NOT_APPLICABLE), (case, res.message)
+        assert tree_state(src) == before
+
+
+def test_a_required_patch_never_skips(tmp_path):
+    """patch_vllm_preserve_sm12x_target.py makes the sm_121a kernels: a tree without its file fails."""
+    (p,) = [p for p in PATCHES if p.name == "patch_vllm_preserve_sm12x_target.py"]
+    edits, required = patching.load_patch(p)
+    assert required is True
+    src = shape_tree(p, tmp_path / "src")
+    for e in edits:
+        (src / e.file).unlink(missing_ok=True)
+    res = patching.apply_edits(p.name, edits, src, required=required)
+    assert res.outcome == patching.FAILED and "required (REQUIRED = True)" in res.message, res.message

@@ -185,7 +185,7 @@ def test_anchor_not_found_shows_its_whitespace(tmp_path):
     assert r.outcome == "failed"
     assert "anchor '\\treturn \"hello\"\\n' not found" in r.message, r.message
     # and where the same text stands with other whitespace
-    assert "line 2 has '    return \"hello\"'" in r.message, r.message
+    assert "closest match: greet.py:2 has '    return \"hello\"'" in r.message, r.message
     # trailing blanks are visible too
     trailing = PATCH.replace('return "hello"\\n\'', 'return "hello"  \\n\'')
     assert trailing != PATCH
@@ -193,3 +193,80 @@ def test_anchor_not_found_shows_its_whitespace(tmp_path):
     src2, p2 = _setup(tmp_path / "t", patch=trailing)
     (r,) = patching.apply_all([p2], src2)
     assert "anchor '    return \"hello\"  \\n' not found" in r.message, r.message
+
+
+# ------------------------------------------------------------------ not applicable, required, every patch
+
+PATCH_TARGETED = '''from imagebuild_patching import Edit
+
+EDITS = [Edit(file="greet.py", anchor='    return "hello"\\\\n',
+              replacement='    return "HELLO"  # imagebuild-patch: loud\\\\n', marker="imagebuild-patch: loud",
+              upstream=['return "HELLO"'], applies_if=["def greet("])]
+'''
+
+
+def test_a_missing_target_file_is_not_applicable_and_writes_nothing(tmp_path):
+    src, p = _setup(tmp_path)
+    (src / "greet.py").unlink()
+    before = tree_state(tmp_path)
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == patching.NOT_APPLICABLE
+    assert r.message == "not applicable: greet.py is not in the tree"
+    assert [e.outcome for e in r.edits] == [patching.NOT_APPLICABLE]
+    assert tree_state(tmp_path) == before
+
+
+def test_absent_code_is_not_applicable_but_a_drifted_shape_still_fails(tmp_path):
+    # the code the patch repairs is not there at all: not applicable
+    src, p = _setup(tmp_path, src="def other():\n    return 1\n", patch=PATCH_TARGETED)
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == patching.NOT_APPLICABLE and "has none of 'def greet('" in r.message, r.message
+    # it is there, in another shape: failed, pointing at the closest match
+    (src / "greet.py").write_text('def greet():\n    return "hi"\n')
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == patching.FAILED and "not found" in r.message
+
+
+def test_a_required_patch_fails_where_it_is_not_applicable(tmp_path):
+    src, p = _setup(tmp_path, patch=PATCH + "REQUIRED = True\n")
+    (src / "greet.py").unlink()
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == patching.FAILED
+    assert "required (REQUIRED = True), but greet.py is not in the tree" in r.message
+    # a REQUIRED that is not a bool is refused
+    p.write_text(PATCH + "REQUIRED = 'yes'\n")
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == patching.FAILED and "REQUIRED must be True or False" in r.message
+
+
+def test_the_cli_exits_0_for_not_applicable(tmp_path):
+    src, p = _setup(tmp_path)
+    (src / "greet.py").unlink()
+    r = subprocess.run([sys.executable, patching.__file__, "apply", "--src", str(src), "--json", str(p)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["patches"][0]["outcome"] == "not-applicable"
+    assert "patch patch_loud.py: not-applicable (not applicable: greet.py is not in the tree)" in r.stderr
+
+
+def test_check_reports_every_patch_applying_stops_at_the_first_failure(tmp_path):
+    src, p = _setup(tmp_path, src='def greet():\n    return "hi"\n')  # patch_loud fails here
+    second = tmp_path / "patches" / "patch_second.py"
+    second.write_text(PATCH.replace("greet.py", "other.py").replace("loud", "second"))
+    (src / "other.py").write_text(SRC)
+    checked = patching.apply_all([p, second], src, write=False)
+    assert [r.outcome for r in checked] == ["failed", "would-apply"]
+    applied = patching.apply_all([p, second], src)
+    assert [r.outcome for r in applied] == ["failed"]
+    assert (src / "other.py").read_text() == SRC
+
+
+def test_a_drifted_anchor_points_at_the_closest_match(tmp_path):
+    patch = ("from imagebuild_patching import Edit\n"
+             "EDITS = [Edit(file='greet.py', anchor='    a = 1\\n    b = 2\\n    c = 3\\n',\n"
+             "              replacement='    a = 1  # imagebuild-patch: abc\\n', marker='imagebuild-patch: abc')]\n")
+    src, p = _setup(tmp_path, src="def f():\n    x = 0\n    a = 1\n    b = 2\n    c = 4\n", patch=patch)
+    (r,) = patching.apply_all([p], src)
+    assert r.outcome == patching.FAILED
+    assert ("closest match: greet.py:3, where its first 2 line(s) match; greet.py:5 has '    c = 4' where the "
+            "anchor has '    c = 3'") in r.message, r.message
