@@ -770,7 +770,7 @@ def _check_receipt(args) -> int:
 def cmd_build(args) -> int:
     from imagebuild.core import remote_engine
 
-    engine = remote_engine.resolve(args.engine) if args.engine else None
+    engine = remote_engine.resolve(args.engine) if args.engine is not None else None
     with remote_engine.use(engine):
         return _cmd_build(args)
 

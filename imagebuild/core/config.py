@@ -16,6 +16,7 @@ from pathlib import Path
 
 from imagebuild.core import yamlread
 from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.core.remote import is_destination
 
 CONFIG_FILE = "imagebuild.yaml"
 KEYS = ("peers", "peer_lists", "registry")
@@ -55,10 +56,9 @@ def load(root: Path | None) -> ProjectConfig:
     peers: list[str] = []
     if "peers" in node.value:
         pn = node.value["peers"]
-        if not isinstance(pn.value, list) or not all(isinstance(p.value, str) and p.value.strip()
-                                                      and " " not in p.value for p in pn.value):
-            problems.append(Problem(shown, "expected a list of host names (user@host works)", line=pn.line,
-                                    key="peers"))
+        if not isinstance(pn.value, list) or not all(is_destination(p.value) for p in pn.value):
+            problems.append(Problem(shown, "expected a list of SSH destinations (dgx4, user@host; none may start "
+                                    "with '-' or hold white space)", line=pn.line, key="peers"))
         else:
             peers = [p.value for p in pn.value]
     lists: dict[str, tuple[str, ...]] = {}
@@ -69,10 +69,10 @@ def load(root: Path | None) -> ProjectConfig:
                                     "(peer_lists: {rack2: [dgx5, dgx6]})", line=ln.line, key="peer_lists"))
         else:
             for name, hosts in ln.value.items():
-                if not isinstance(hosts.value, list) or not all(isinstance(h.value, str) and h.value.strip()
-                                                                and " " not in h.value for h in hosts.value):
-                    problems.append(Problem(shown, "expected a list of host names (user@host works)",
-                                            line=hosts.line, key=f"peer_lists.{name}"))
+                if not isinstance(hosts.value, list) or not all(is_destination(h.value) for h in hosts.value):
+                    problems.append(Problem(shown, "expected a list of SSH destinations (dgx4, user@host; none may "
+                                            "start with '-' or hold white space)", line=hosts.line,
+                                            key=f"peer_lists.{name}"))
                 else:
                     lists[str(name)] = tuple(h.value for h in hosts.value)
     registry = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import shlex
 
+from imagebuild.core.errors import UsageError
+
 SSH_ENV = "IMAGEBUILD_SSH"
 CONNECT_TIMEOUT_S = 5
 
@@ -17,6 +19,24 @@ def ssh_command() -> list[str]:
     return shlex.split(os.environ.get(SSH_ENV) or "ssh")
 
 
+def is_destination(dest: object) -> bool:
+    """Whether ``dest`` can be handed to ssh as its destination: a non-empty name that cannot be
+    read as an option (no leading ``-``) and holds no white space or control character."""
+    return (isinstance(dest, str) and bool(dest) and not dest.startswith("-")
+            and not any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in dest))
+
+
+def check_destination(dest: str, what: str = "peer") -> str:
+    """``dest`` when it is one (``is_destination``), else a UsageError (exit 2) naming it. Every
+    ssh command line imagebuild makes also puts ``--`` before the destination."""
+    if not is_destination(dest):
+        raise UsageError(f"not an SSH destination: {dest!r} ({what})",
+                         hint="dgx4, user@host or an ssh config alias; ssh options go in ~/.ssh/config or "
+                         "IMAGEBUILD_SSH")
+    return dest
+
+
 def ssh_argv(host: str, *remote: str) -> list[str]:
     """argv that runs ``remote`` on ``host`` without ever prompting for a password."""
-    return [*ssh_command(), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}", host, *remote]
+    check_destination(host)
+    return [*ssh_command(), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}", "--", host, *remote]

@@ -42,7 +42,8 @@ from imagebuild.core.errors import OperationFailed, UsageError
 
 log = logging.getLogger("imagebuild")
 
-_SSH_RE = re.compile(r"^ssh://(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])"
+_SSH_RE = re.compile(r"^ssh://(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9._-]*)@)?"
+                     r"(?P<host>[A-Za-z0-9_][A-Za-z0-9._-]*|\[[0-9A-Fa-f:.]+\])"
                      r"(?::(?P<port>\d{1,5}))?/?$")
 _CONTEXT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 FACTS_TIMEOUT_S = 60
@@ -275,7 +276,8 @@ def _read_facts(engine: Engine) -> Facts:
         argv += ["-o", "ControlMaster=no", "-o", f"ControlPath={ctl}"]
     if port:
         argv += ["-p", port]
-    proc = run_mod.run([*argv, dest, script], check=False, timeout=FACTS_TIMEOUT_S)
+    proc = run_mod.run([*argv, "--", remote.check_destination(dest, "--engine"), script], check=False,
+                       timeout=FACTS_TIMEOUT_S)
     text = proc.stdout.decode("utf-8", "replace")
     if proc.returncode != 0:
         raise OperationFailed(f"cannot read {dest}'s memory and disk over ssh (exit {proc.returncode}): "

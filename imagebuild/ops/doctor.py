@@ -15,7 +15,7 @@ from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
-from imagebuild.core.remote import ssh_argv
+from imagebuild.core.remote import check_destination, ssh_argv
 
 GIB = 1 << 30
 # Real images need ~40 GB of build cache and layers; a stage build fails late when the disk fills.
@@ -211,6 +211,8 @@ def check_peer_sync(host: str) -> list[Check]:
 def run_checks(ctx: context_mod.Context | Path | None, peers: list[str]) -> list[Check]:
     """Every host check, and each peer's (those named and, in a project, imagebuild.yaml's ``peers:``)."""
     ctx = context_mod.maybe(ctx)
+    for host in peers:  # before anything runs: a name that ssh would read as an option is refused (exit 2)
+        check_destination(host, "doctor --peer")
     root = ctx.root if ctx is not None else None
     checks, info = check_engine()
     if info.reachable:

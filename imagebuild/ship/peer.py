@@ -131,13 +131,14 @@ class Connection:
 
     def _ensure_master(self, ctl: str) -> None:
         base = [*remote.ssh_command(), "-o", f"ControlPath={ctl}"]
-        if subprocess.run([*base, "-O", "check", self.host], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        if subprocess.run([*base, "-O", "check", "--", self.host], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL).returncode == 0:
             return
         opts = [o for o in self.options() if not o.startswith(("ControlPath", "ControlMaster"))]
         opts = [o for i, o in enumerate(opts) if not (o == "-o" and i + 1 < len(opts) and
                                                        opts[i + 1].startswith(("ControlPath", "ControlMaster")))]
-        argv = [*base, "-f", "-N", "-o", "ControlMaster=yes", "-o", "ControlPersist=60", *opts, self.host]
+        argv = [*base, "-f", "-N", "-o", "ControlMaster=yes", "-o", "ControlPersist=60", *opts, "--",
+                remote.check_destination(self.host)]
         log.debug("+ %s", shlex.join(argv))
         # the master goes to the background once authenticated; its stderr goes to a file, never to a pipe
         # that anyone waits on (it outlives this call)
@@ -154,7 +155,7 @@ class Connection:
             raise self._unreachable(err, rc)
 
     def ssh_argv(self, *remote_cmd: str) -> list[str]:
-        return [*remote.ssh_command(), *self.options(), self.host, *remote_cmd]
+        return [*remote.ssh_command(), *self.options(), "--", remote.check_destination(self.host), *remote_cmd]
 
     def rsync_shell(self) -> str:
         """The ``rsync -e`` value: the same ssh command and options."""

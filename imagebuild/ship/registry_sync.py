@@ -117,7 +117,7 @@ class Tunnel:
             rhost, rport = self.reg.host, "443"
         rhost = rhost.strip("[]")
         argv = [*self._base(), "-f", "-N", "-M", "-o", "ControlPersist=no", "-o", "ExitOnForwardFailure=yes",
-                self.host]
+                "--", remote.check_destination(self.host)]
         log.debug("+ %s", shlex.join(argv))
         with tempfile.TemporaryFile() as errf:
             try:
@@ -133,7 +133,8 @@ class Tunnel:
         # the registry's own port on the peer's loopback when free there (a docker login of it keeps
         # working), else one the peer's sshd picks
         for want in (rport, "0"):
-            r = subprocess.run([*self._base(), "-O", "forward", "-R", f"127.0.0.1:{want}:{rhost}:{rport}", self.host],
+            r = subprocess.run([*self._base(), "-O", "forward", "-R", f"127.0.0.1:{want}:{rhost}:{rport}", "--",
+                                self.host],
                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
             if r.returncode == 0:
                 got = r.stdout.strip() if want == "0" else want
@@ -145,7 +146,7 @@ class Tunnel:
                               hint="the peer's sshd must allow remote forwarding (AllowTcpForwarding yes)")
 
     def close(self) -> None:
-        subprocess.run([*self._base(), "-O", "exit", self.host], stdin=subprocess.DEVNULL, capture_output=True,
+        subprocess.run([*self._base(), "-O", "exit", "--", self.host], stdin=subprocess.DEVNULL, capture_output=True,
                        timeout=60)
         for p in self.dir.iterdir():
             p.unlink(missing_ok=True)

@@ -43,6 +43,7 @@ from pathlib import Path
 from imagebuild.core import config as config_mod
 from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
+from imagebuild.core import remote as remote_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import GuardRefused, OperationFailed, UsageError
 from imagebuild.definition import reader as defn_mod
@@ -144,8 +145,7 @@ def resolve_peers(ctx: context_mod.Context | Path | None, peers: list[str]) -> l
         raise UsageError("no peer to sync to",
                          hint="name one (imagebuild sync dgx4) or list them in imagebuild.yaml (peers: [dgx4])")
     for p in out:
-        if not p or p.startswith("-") or any(c.isspace() for c in p):
-            raise UsageError(f"not an SSH destination: {p!r}", hint="dgx4, user@host or an ssh config alias")
+        remote_mod.check_destination(p)
     return list(dict.fromkeys(out))
 
 
@@ -703,7 +703,7 @@ class _PeerSync:
         total = sum(la.size for la in need)
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats", "-e", self.conn.rsync_shell(),
-                *comp.args, *files, f"{self.host}:{st.cache}/incoming/"]
+                *comp.args, "--", *files, f"{self.host}:{st.cache}/incoming/"]
         last: list = [0.0, False]  # when the last line was printed; whether 100% was
         stats: dict[str, int] = {}
         tail: list[str] = []
