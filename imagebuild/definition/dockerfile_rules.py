@@ -20,7 +20,9 @@ from imagebuild.definition.model import (
     ARG_STAGE,
     BUILD_CONTEXT_PREFIX,
     BUILDKIT_ARGS,
+    NAMED_CONTEXTS,
     STAGE_ARG_PREFIX,
+    STAGE_CONTEXT_PREFIX,
     ArgSource,
     Collector,
     InputFile,
@@ -62,8 +64,17 @@ def _check_from_refs(parsed, df_disp, env, plan_args, aliases, earlier, c) -> bo
     refs += [(f"RUN --mount from={value!r}", value, line) for value, line in parsed.mount_froms]
     for what, value, line in refs:
         var = dockerfile_mod.variable(value)
-        if value in aliases or value.startswith(BUILD_CONTEXT_PREFIX) or \
+        if value in aliases or value in NAMED_CONTEXTS or \
+                (value.startswith(STAGE_CONTEXT_PREFIX) and value[len(STAGE_CONTEXT_PREFIX):] in earlier) or \
                 (value.isdigit() and int(value) < len(parsed.froms)):
+            continue
+        if value.startswith(BUILD_CONTEXT_PREFIX):
+            c.err(df_disp, f"{what}: {value!r} is no build context imagebuild passes (those are "
+                  f"{', '.join(sorted(NAMED_CONTEXTS))} and {STAGE_CONTEXT_PREFIX}<an earlier stage>): "
+                  "as an image it would be brought in from outside versions.env", line=line,
+                  hint="pin the image in versions.env (KEY=<image>@sha256:<digest>, 'ARG KEY', ${KEY}), or use "
+                  "one of the named contexts")
+            ok = False
             continue
         if var is not None:
             if var not in plan_args and env.get(var) is None:

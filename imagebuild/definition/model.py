@@ -58,6 +58,12 @@ ARG_STAGE = "IMAGEBUILD_STAGE"
 STAGE_ARG_PREFIX = "STAGE_"
 # Named build contexts the build provides (imagebuild-src, imagebuild-wheels, imagebuild-apt, ...).
 BUILD_CONTEXT_PREFIX = "imagebuild-"
+# ... exactly these (plan/source_mounts.CONTEXT, fetch/packages.WHEELS_CONTEXT and APT_CONTEXT,
+# plan/planner.PARENT_CONTEXT; tests/unit/definition/test_dockerfile.py keeps them equal), and an
+# earlier stage's imagebuild-stage-<name> (plan/planner.stage_context). A name that merely starts
+# with imagebuild- is no context of ours: an image of that name would be pulled into the build.
+NAMED_CONTEXTS = frozenset({"imagebuild-src", "imagebuild-wheels", "imagebuild-apt", "imagebuild-parent"})
+STAGE_CONTEXT_PREFIX = "imagebuild-stage-"
 # Filled in by BuildKit itself from the platform (which is part of every key).
 BUILDKIT_ARGS = frozenset(
     f"{p}{s}" for p in ("TARGET", "BUILD") for s in ("PLATFORM", "OS", "ARCH", "VARIANT")
