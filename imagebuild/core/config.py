@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import yamlread
-from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.core.errors import DefinitionError, Problem, excerpt
 from imagebuild.core.remote import is_destination
 
 CONFIG_FILE = "imagebuild.yaml"
@@ -34,9 +34,20 @@ def load(root: Path | None) -> ProjectConfig:
     if root is None:
         return ProjectConfig()
     path = Path(root) / CONFIG_FILE
+    shown = CONFIG_FILE
+    if path.is_symlink():
+        try:
+            real, top = path.resolve(), Path(root).resolve()
+        except OSError:
+            real, top = path, Path(root)
+        if top not in real.parents:
+            raise DefinitionError([Problem(shown, "is a symlink that leads outside the project: not read",
+                                           hint="keep imagebuild.yaml in the project's root folder")]) from None
+    if path.exists() and not path.is_file():
+        raise DefinitionError([Problem(shown, "is not a file", hint="imagebuild.yaml is a YAML file in the "
+                                       "project's root folder")])
     if not path.is_file():
         return ProjectConfig()
-    shown = CONFIG_FILE
     try:
         node = yamlread.load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -51,7 +62,7 @@ def load(root: Path | None) -> ProjectConfig:
     for key, line in (node.key_lines or {}).items():
         if key not in KEYS:
             close = difflib.get_close_matches(key, KEYS, n=1)
-            problems.append(Problem(shown, f"unknown key {key!r}", line=line, key=key,
+            problems.append(Problem(shown, f"unknown key {excerpt(key)}", line=line, key=key,
                                     hint=f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(KEYS)}"))
     peers: list[str] = []
     if "peers" in node.value:

@@ -60,6 +60,16 @@ class UsageError(ImagebuildError):
     exit_code = EXIT_BAD_INPUT
 
 
+EXCERPT_CHARS = 32
+
+
+def excerpt(text: object, n: int = EXCERPT_CHARS) -> str:
+    """``text`` as an error may quote it: escaped (``repr``) and cut at ``n`` characters, so that a
+    file that is not what it should be (a secret, a binary) is never echoed whole."""
+    s = text if isinstance(text, str) else repr(text)
+    return repr(s) if len(s) <= n else repr(s[:n]) + "..."
+
+
 @dataclass(frozen=True)
 class Problem:
     """One problem in a definition: where it is, what is wrong, what to do."""
@@ -75,7 +85,8 @@ class Problem:
         if self.line is not None:
             loc += f":{self.line}"
         if self.key:
-            loc += f": {self.key}"
+            shown = self.key if len(self.key) <= EXCERPT_CHARS and self.key.isprintable() else excerpt(self.key)
+            loc += f": {shown}"
         return loc
 
     def render(self) -> str:

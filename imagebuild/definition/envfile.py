@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import lazy
-from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.core.errors import DefinitionError, Problem, excerpt
 from imagebuild.core.fsutil import atomic_write_text
 from imagebuild.definition.textfile import TextError, decode
 
@@ -188,7 +188,7 @@ def parse_text(text: str, path: Path, display: str, problems: list[Problem]) -> 
         if not stripped or stripped.startswith("#"):
             continue
         if "=" not in line:
-            problems.append(Problem(display, f"expected KEY=VALUE, got {stripped[:60]!r}", line=lineno,
+            problems.append(Problem(display, f"expected KEY=VALUE, got {excerpt(stripped)}", line=lineno,
                                     hint="every non-comment line assigns one pin, e.g. VLLM_REF=<40-hex sha>"))
             continue
         key, raw = line.split("=", 1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import lazy, yamlread
-from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.core.errors import DefinitionError, Problem, excerpt
 
 difflib = lazy.module("difflib")  # error hints only
 
@@ -182,7 +182,7 @@ def _parse(text: str, file: str, path: Path | None) -> GateSpec:
 
 def _unknown(p: _Problems, line, where: str, key: str, allowed) -> None:
     close = difflib.get_close_matches(key, list(allowed), n=1)
-    p.err(line, where, f"unknown key {key!r}",
+    p.err(line, where, f"unknown key {excerpt(key)}",
           hint=f"did you mean {close[0]!r}?" if close else f"allowed here: {', '.join(allowed)}")
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from imagebuild.core import lazy, yamlread
-from imagebuild.core.errors import DefinitionError, Problem, UsageError
+from imagebuild.core.errors import DefinitionError, Problem, UsageError, excerpt
 from imagebuild.definition import dockerfile as dockerfile_mod
 from imagebuild.definition import envfile, pkgspec, textfile
 from imagebuild.definition.source_options import SourceOptions
@@ -288,7 +288,7 @@ def unknown_keys(node: yamlread.Node, allowed: tuple[str, ...], file: str, where
     for key, line in (node.key_lines or {}).items():
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
-            c.err(file, f"unknown key {key!r} in {where}", line=line, key=key,
+            c.err(file, f"unknown key {excerpt(key)} in {where}", line=line, key=key,
                   hint=f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(allowed)}")
 
 

@@ -104,7 +104,23 @@ def load(root: Path, name: str) -> Definition:
         source_options=source_options, python=python, apt_snapshot=apt_snapshot)
 
 
+def _inside(path: Path, display: str, c: Collector) -> bool:
+    """Whether ``path`` stays inside its definition folder (a symlink may point within it, never
+    out of it: its target is then not read, and nothing of it is quoted)."""
+    try:
+        real = path.resolve()
+    except OSError:
+        real = path
+    if c.resolved(path.parent) not in real.parents:
+        c.err(display, "is a symlink that leads outside its definition folder: not read",
+              hint="definition files live in the definition folder (a symlink to another file in it is fine)")
+        return False
+    return True
+
+
 def _load_env(path: Path, display: str, c: Collector) -> envfile.EnvFile | None:
+    if path.is_symlink() and not _inside(path, display, c):
+        return None
     if not path.is_file():
         c.err(display, "missing", hint="every image folder holds a versions.env with its pins")
         return None
@@ -118,6 +134,8 @@ def _load_env(path: Path, display: str, c: Collector) -> envfile.EnvFile | None:
 
 
 def _load_yaml(path: Path, display: str, c: Collector) -> yamlread.Node | None:
+    if path.is_symlink() and not _inside(path, display, c):
+        return None
     if not path.is_file():
         c.err(display, "missing", hint="every image folder holds an image.yaml listing its stages "
               "(see docs/image-definition.md)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from imagebuild.core import lazy, yamlread
+from imagebuild.core.errors import excerpt
 from imagebuild.definition import envfile
 
 difflib = lazy.module("difflib")  # error hints only
@@ -232,5 +233,5 @@ def _unknown_keys(node: yamlread.Node, allowed: tuple[str, ...], file: str, wher
     for key, line in (node.key_lines or {}).items():
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
-            err(file, f"unknown key {key!r} in {where}", line=line, key=key,
+            err(file, f"unknown key {excerpt(key)} in {where}", line=line, key=key,
                 hint=f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(allowed)}")
