@@ -274,7 +274,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         decl = info.decl if info else None
         scanned = p.name in scans
         return {
-            "repo": p.repo, "ref": p.ref, "follows": p.follows,
+            "repo": gitcache.redact(p.repo), "ref": p.ref, "follows": p.follows,  # never a credential
             "prs": [{"number": n, "sha": s} for n, s in p.prs],
             "commit": c.commit, "tree": tree, "source_date_epoch": c.epoch,
             "packed_id": pid, "tarball_format": tarball.FORMAT,
@@ -383,7 +383,7 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
             return None, f"{p.name}: no lock entry"
         if not SHA_RE.match(p.ref) or any(s is None for _, s in p.prs):
             return None, f"{p.name}: not pinned yet"
-        want = {"repo": p.repo, "ref": p.ref, "follows": p.follows,
+        want = {"repo": gitcache.redact(p.repo), "ref": p.ref, "follows": p.follows,
                 "prs": [{"number": n, "sha": s} for n, s in p.prs], "options": p.opts.setting()}
         changed = [k for k, v in want.items() if e.get(k) != v]
         if changed:
