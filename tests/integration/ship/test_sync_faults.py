@@ -84,6 +84,11 @@ def _kill_once(imgs, peer, point: str, big_layer) -> None:
                  every=0.005)
     elif point == "during-load":
         wait_for(lambda: err.has("loading on the peer") or proc.poll() is not None, timeout=120, every=0.005)
+        # the sender says so just before it sends the load's lines: kill it only once the peer's agent
+        # has them (it writes stage/<run>.layers right before it calls ib_load), or the load never starts
+        stage = Path(peer.cache) / "stage"
+        wait_for(lambda: any(stage.glob("*.layers")) or proc.poll() is not None, timeout=120, every=0.005)
+        time.sleep(0.2)
     else:
         wait_for(lambda: err.has("paused before") or proc.poll() is not None, timeout=120)
     assert proc.poll() is None, f"sync ended before the kill at {point}: {''.join(err.lines)}"
