@@ -144,12 +144,15 @@ CFG
     sed -i "s|^SetEnv .*|& PATH=$(nodocker_path)|" "$DIR/sshd_config"
   fi
   ip netns exec "$NS" /usr/sbin/sshd -f "$DIR/sshd_config" -E "$DIR/sshd.log"
+  # the client knows the peer's host key from the start (as an operator's known_hosts would): a
+  # changed or unknown key is refused, never accepted
+  echo "$ADDR $(cut -d' ' -f1,2 "$DIR/host_key.pub")" > "$DIR/known_hosts"
   cat > "$DIR/ssh_config" <<CFG
 Host $ADDR
   User root
   IdentityFile $DIR/id_ed25519
   IdentitiesOnly yes
-  StrictHostKeyChecking no
+  StrictHostKeyChecking yes
   UserKnownHostsFile $DIR/known_hosts
   BatchMode yes
   ConnectTimeout 5

@@ -157,6 +157,15 @@ def check_peer(host: str) -> list[Check]:
         return [Check(f"peer {host}", "fail", exc.message, "check the host name and that sshd runs there")]
     text = proc.stdout.decode("utf-8", "replace").strip()
     if proc.returncode == 255:
+        if "IDENTIFICATION HAS CHANGED" in text:
+            return [Check(f"peer {host}", "fail", "ssh refused it: its host key has CHANGED since it was "
+                          "recorded in known_hosts (a reinstalled node, or someone in between)",
+                          f"check the key with the node's admin, then `ssh-keygen -R {host}` and connect once")]
+        if "Host key verification failed" in text or "No ED25519 host key is known" in text or \
+                "host key is known" in text:
+            return [Check(f"peer {host}", "fail", "ssh refused it: its host key is not in known_hosts",
+                          f"verify the key and add it: `ssh {host} true` once interactively, or "
+                          f"`ssh-keyscan {host} >> ~/.ssh/known_hosts` after checking the fingerprint")]
         return [Check(f"peer {host}", "fail", f"ssh failed: {text.splitlines()[-1] if text else 'exit 255'}",
                       f"make `ssh {host} true` work without a password (ssh-copy-id {host}; check ~/.ssh/config)")]
     if proc.returncode != 0:

@@ -312,3 +312,38 @@ def test_the_sender_never_asks_a_registry(sync_images, peer):
     assert "docker.io" not in run_out.replace("docker.io/library/", "") or "No such image" in run_out
     assert took < 20
     subprocess.run(["true"])
+
+
+@pytest.mark.parametrize("known", ["changed", "unknown"])
+def test_a_changed_or_unknown_host_key_is_refused(sync_images, peer, tmp_path, known):
+    """The peer fixture's client knows the peer's host key (scripts/peer.sh writes known_hosts and
+    StrictHostKeyChecking yes); with another key on record, or none, sync changes nothing on the peer,
+    and doctor says what is wrong with the key (issue 22, security 6)."""
+    import re
+
+    kh = tmp_path / "known_hosts"
+    if known == "changed":
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+        kh.write_text(f"{peer.addr} {' '.join((tmp_path / 'other.pub').read_text().split()[:2])}\n")
+    else:
+        kh.write_text("")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(re.sub(r"UserKnownHostsFile \S+", f"UserKnownHostsFile {kh}", Path(peer.ssh_config).read_text()))
+    ssh = f"ssh -F {cfg}"
+    before = _state(peer)
+    r, doc = sync(sync_images, peer, peer.addr, ssh=ssh)
+    assert r.code == 1, r.err
+    assert doc["peers"][0]["status"] == "failed" and "host key" in doc["peers"][0]["message"].lower(), doc
+    assert _state(peer) == before
+    with env(IMAGEBUILD_SSH=ssh):
+        r = run_cli("doctor", "--peer", peer.addr, "--json")
+    check = {c["name"]: c for c in json.loads(r.out)["checks"]}[f"peer {peer.addr}"]
+    assert r.code == 1 and check["status"] == "fail"
+    assert ("has CHANGED" if known == "changed" else "is not in known_hosts") in check["detail"], check
+
+
+def test_imagebuild_never_turns_host_key_checking_off():
+    root = Path(__file__).resolve().parents[3]
+    hits = [p for p in (root / "imagebuild").rglob("*.py") if "StrictHostKeyChecking" in p.read_text()]
+    assert hits == []
+    assert "StrictHostKeyChecking no" not in (root / "scripts" / "peer.sh").read_text()
