@@ -7,51 +7,19 @@ the API on loopback."""
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 
 from tests.gitfixtures import git_daemon, git_root, upstreams  # noqa: F401  (pytest fixtures)
 from tests.integration.fetch.test_prefetch import IMAGE, _edit_env, make_project, prefetch, read_lock
-
-
-class _Api(BaseHTTPRequestHandler):
-    answers: dict = {}  # (repo, number) -> JSON document
-    asked: list = []
-
-    def do_GET(self):  # noqa: N802
-        parts = self.path.strip("/").split("/")  # repos/<owner>/<repo>/pulls/<n>
-        key = (parts[2], int(parts[4])) if len(parts) == 5 and parts[4].isdigit() else None
-        type(self).asked.append(key)
-        doc = self.answers.get(key)
-        body = json.dumps(doc or {"message": "Not Found"}).encode()
-        self.send_response(200 if doc else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
+from tests.integration.fetch.test_prefetch_more import _github_urls, github_api  # noqa: F401  (a fixture)
 
 
 @pytest.fixture
-def api(monkeypatch, git_daemon):  # noqa: F811
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    _Api.answers, _Api.asked = {}, []
-    monkeypatch.setenv("IMAGEBUILD_GITHUB_API", f"http://127.0.0.1:{server.server_address[1]}")
+def api(github_api, git_daemon, monkeypatch):  # noqa: F811
+    """The loopback GitHub API stand-in (test_prefetch_more.py), the fork reached as github.com."""
+    _github_urls(monkeypatch, git_daemon.port)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
-    monkeypatch.setenv("GIT_CONFIG_KEY_0", f"url.git://127.0.0.1:{git_daemon.port}/.insteadOf")
-    monkeypatch.setenv("GIT_CONFIG_VALUE_0", "https://github.com/example/")
-    try:
-        yield _Api
-    finally:
-        server.shutdown()
-        server.server_close()
+    return github_api
 
 
 def _github_project(tmp_path, ups, prs: str):
@@ -63,20 +31,20 @@ def _github_project(tmp_path, ups, prs: str):
 def test_a_bare_number_whose_ref_is_gone_is_pinned_from_the_api(upstreams, tmp_path, api):  # noqa: F811
     pr4 = upstreams.shas["pr4"]  # refs/pull/4/head deleted upstream; the commit is still served by SHA
     repo = upstreams.app.path_in_daemon.removesuffix(".git")
-    api.answers = {(repo, 4): {"number": 4, "state": "closed", "merged": False, "head": {"sha": pr4}}}
+    api.states = {("example", repo, 4): {"number": 4, "state": "closed", "merged": False, "head": {"sha": pr4}}}
     root = _github_project(tmp_path, upstreams, "4")
     r = prefetch(root, tmp_path / "cache")
     assert r.code == 0, r.err
-    assert (repo, 4) in api.asked
+    assert len(api.seen_auth) == 1  # the API was asked, once
     assert f"pinned 4@{pr4} from the pull-request API (closed)" in r.err
     env = (root / "docker-images" / IMAGE / "versions.env").read_text()
     assert any(line.startswith("APP_PRS=") and f"4@{pr4}" in line for line in env.splitlines()), env
     assert read_lock(root)["sources"]["APP"]["prs"] == [{"number": 4, "sha": pr4}]
     # the pin holds: the next run resolves nothing and needs no API
-    api.asked.clear()
+    api.seen_auth.clear()
     r = prefetch(root, tmp_path / "cache")
     assert r.code == 0, r.err
-    assert api.asked == []
+    assert api.seen_auth == []
 
 
 @pytest.mark.parametrize("answer", [None, {"state": "closed", "merged": False},
@@ -84,7 +52,7 @@ def test_a_bare_number_whose_ref_is_gone_is_pinned_from_the_api(upstreams, tmp_p
                          ids=["404", "no-head", "bad-sha"])
 def test_without_a_head_from_the_api_it_stays_an_error_and_writes_nothing(upstreams, tmp_path, api, answer):  # noqa: F811
     repo = upstreams.app.path_in_daemon.removesuffix(".git")
-    api.answers = {(repo, 4): answer} if answer else {}
+    api.states = {("example", repo, 4): answer} if answer else {}
     root = _github_project(tmp_path, upstreams, "4")
     env_before = (root / "docker-images" / IMAGE / "versions.env").read_text()
     r = prefetch(root, tmp_path / "cache")
