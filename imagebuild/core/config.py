@@ -16,6 +16,7 @@ from pathlib import Path
 
 from imagebuild.core import yamlread
 from imagebuild.core.errors import DefinitionError, Problem, excerpt
+from imagebuild.core.fsutil import inside
 from imagebuild.core.remote import is_destination
 
 CONFIG_FILE = "imagebuild.yaml"
@@ -35,14 +36,9 @@ def load(root: Path | None) -> ProjectConfig:
         return ProjectConfig()
     path = Path(root) / CONFIG_FILE
     shown = CONFIG_FILE
-    if path.is_symlink():
-        try:
-            real, top = path.resolve(), Path(root).resolve()
-        except OSError:
-            real, top = path, Path(root)
-        if top not in real.parents:
-            raise DefinitionError([Problem(shown, "is a symlink that leads outside the project: not read",
-                                           hint="keep imagebuild.yaml in the project's root folder")]) from None
+    if path.is_symlink() and not inside(path, root):
+        raise DefinitionError([Problem(shown, "is a symlink that leads outside the project: not read",
+                                       hint="keep imagebuild.yaml in the project's root folder")])
     if path.exists() and not path.is_file():
         raise DefinitionError([Problem(shown, "is not a file", hint="imagebuild.yaml is a YAML file in the "
                                        "project's root folder")])

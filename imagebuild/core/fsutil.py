@@ -88,6 +88,16 @@ def _xbit(path: Path) -> str:
     return "x" if os.stat(path).st_mode & 0o111 else "-"
 
 
+def inside(path: Path, folder: Path) -> bool:
+    """Whether ``path``, symlinks followed, is in ``folder`` (also resolved): a link may point
+    within the folder, never out of it."""
+    try:
+        real, top = Path(path).resolve(), Path(folder).resolve()
+    except OSError:
+        return False
+    return top in real.parents
+
+
 def canonical_json(obj: object) -> bytes:
     """The one serialisation that keys are hashed over."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()

@@ -25,6 +25,12 @@ def state_dir(root: Path) -> Path:
 STAGES_ENV = "IMAGEBUILD_STAGES"
 
 
+def cache_home() -> Path:
+    """The user's cache folder: ``$XDG_CACHE_HOME``, else ``~/.cache``. imagebuild's caches live in
+    ``<cache_home>/imagebuild/``: stages, git, sync, peer (and parse, left by earlier versions)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"))
+
+
 def stages_dir() -> Path:
     """The stage store (stagestore.py): ``$IMAGEBUILD_STAGES``, else
     ``$XDG_CACHE_HOME/imagebuild/stages`` (``~/.cache/imagebuild/stages``). It is a cache of
@@ -33,8 +39,7 @@ def stages_dir() -> Path:
     explicit = os.environ.get(STAGES_ENV)
     if explicit:
         return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "imagebuild" / "stages"
+    return cache_home() / "imagebuild" / "stages"
 
 
 def deps_dir(root: Path, image: str) -> Path:

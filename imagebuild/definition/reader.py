@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from imagebuild.core import yamlread
 from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.core.fsutil import inside
 from imagebuild.definition import envfile, pkgspec
 from imagebuild.definition import source_options as source_options_mod
 from imagebuild.definition.model import *  # noqa: F403  (the records, names and rules: imported from here)
@@ -107,11 +108,7 @@ def load(root: Path, name: str) -> Definition:
 def _inside(path: Path, display: str, c: Collector) -> bool:
     """Whether ``path`` stays inside its definition folder (a symlink may point within it, never
     out of it: its target is then not read, and nothing of it is quoted)."""
-    try:
-        real = path.resolve()
-    except OSError:
-        real = path
-    if c.resolved(path.parent) not in real.parents:
+    if not inside(path, path.parent):
         c.err(display, "is a symlink that leads outside its definition folder: not read",
               hint="definition files live in the definition folder (a symlink to another file in it is fine)")
         return False

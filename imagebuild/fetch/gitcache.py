@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import run as run_mod
+from imagebuild.core import state
 from imagebuild.core.errors import CommandFailed, OperationFailed
 
 log = logging.getLogger("imagebuild")
@@ -64,8 +65,7 @@ def default_cache_dir(explicit: str | os.PathLike | None = None) -> Path:
     env = os.environ.get("IMAGEBUILD_CACHE")
     if env:
         return Path(env).expanduser().resolve()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser().resolve() / "imagebuild" / "git"
+    return state.cache_home().expanduser().resolve() / "imagebuild" / "git"
 
 
 def redact(url: str) -> str:

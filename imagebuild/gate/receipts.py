@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from imagebuild.core import state
 from imagebuild.core.fsutil import atomic_write_json
 
 SCHEMA = "imagebuild.receipt"
@@ -160,8 +161,7 @@ def synced_dir() -> Path:
     (``$IMAGEBUILD_PEER_CACHE``, default ``$XDG_CACHE_HOME/imagebuild/peer``) ``/receipts/``, laid out
     like ``<state>/receipts/``. ``imagebuild gate IMAGE --check-receipt`` reads it."""
     explicit = os.environ.get("IMAGEBUILD_PEER_CACHE")
-    base = Path(explicit) if explicit else \
-        Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "imagebuild" / "peer"
+    base = Path(explicit) if explicit else state.cache_home() / "imagebuild" / "peer"
     return base / "receipts"
 
 

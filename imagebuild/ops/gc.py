@@ -379,8 +379,7 @@ def plan_mirror_cache() -> list[Item]:
 
 def plan_parse_cache() -> list[Item]:
     """The parse cache of earlier versions (``$XDG_CACHE_HOME/imagebuild/parse``): nothing reads it now."""
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    d = Path(xdg) / "imagebuild" / "parse"
+    d = state.cache_home() / "imagebuild" / "parse"
     if not d.is_dir() or d.is_symlink():
         return []
     return [Item("parse-cache", str(d), tree_bytes(d), "left by an earlier imagebuild (the parse cache is gone)",

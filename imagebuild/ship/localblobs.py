@@ -34,6 +34,7 @@ from imagebuild.build.stagestore import digest_hex as _hex
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
+from imagebuild.core import state
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_json, canonical_json
 
@@ -49,8 +50,7 @@ CONTENT_SUBDIR = "io.containerd.content.v1.content/blobs/sha256"
 
 
 def cache_dir() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "imagebuild" / "sync"
+    return state.cache_home() / "imagebuild" / "sync"
 
 
 @dataclass(frozen=True)
