@@ -746,3 +746,43 @@ def make_realshape_upstreams(factory: UpstreamFactory, *, tk_tag: str = "v3.6.0"
     shas["vl_dev"] = vl.commit({"vl/judgement.py": "J = 1\n"}, "judgement work", branch="dev/judgement")
     shas["vl_pr1"] = vl.pull_request(1, {"vl/pr1.py": "P = 1\n"}, base="dev/judgement")
     return RealShapes(factory, repos, shas)
+
+
+class GitHubApi:
+    """A stand-in for GitHub's pull-request API on 127.0.0.1 (``GET /repos/OWNER/REPO/pulls/N``):
+    ``states[(owner, repo, n)]`` is the JSON document it answers, anything else a 404; ``seen_auth``
+    records each request's Authorization header. Point imagebuild at it with ``IMAGEBUILD_GITHUB_API=
+    api.url``."""
+
+    def __init__(self):
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.states: dict = {}
+        self.seen_auth: list = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                api.seen_auth.append(self.headers.get("Authorization"))
+                parts = self.path.strip("/").split("/")  # repos/<owner>/<repo>/pulls/<n>
+                st = api.states.get((parts[1], parts[2], int(parts[4]))) \
+                    if len(parts) == 5 and parts[4].isdigit() else None
+                body = json.dumps(st or {"message": "Not Found"}).encode()
+                self.send_response(200 if st else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
+
+    def stop(self) -> None:
+        self._srv.shutdown()
+        self._srv.server_close()
+

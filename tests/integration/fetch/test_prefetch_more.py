@@ -8,13 +8,20 @@ import io
 import json
 import subprocess
 import tarfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from imagebuild.fetch import gitcache, tarball
-from tests.gitfixtures import DropProxy, GitDaemon, UpstreamFactory, git, git_daemon, git_root, upstreams  # noqa: F401
+from tests.gitfixtures import (  # noqa: F401
+    DropProxy,
+    GitDaemon,
+    GitHubApi,
+    UpstreamFactory,
+    git,
+    git_daemon,
+    git_root,
+    upstreams,
+)
 from tests.integration.fetch.test_prefetch import IMAGE, _edit_env, make_project, prefetch, read_lock
 
 TOKEN = "sekrit-token-0123456789"
@@ -28,37 +35,12 @@ def _env(monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
 
 
-class _Api(BaseHTTPRequestHandler):
-    states: dict = {}
-    seen_auth: list = []
-
-    def do_GET(self):  # noqa: N802
-        type(self).seen_auth.append(self.headers.get("Authorization"))
-        parts = self.path.strip("/").split("/")  # repos/<owner>/<repo>/pulls/<n>
-        n = int(parts[-1]) if parts[-1].isdigit() else -1
-        st = self.states.get((parts[1], parts[2], n)) if len(parts) == 5 else None
-        body = json.dumps(st or {"message": "Not Found"}).encode()
-        self.send_response(200 if st else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.fixture
 def github_api(monkeypatch):
-    _Api.states = {}
-    _Api.seen_auth = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    monkeypatch.setenv("IMAGEBUILD_GITHUB_API", f"http://127.0.0.1:{srv.server_address[1]}")
-    yield _Api
-    srv.shutdown()
-    srv.server_close()
+    api = GitHubApi()
+    monkeypatch.setenv("IMAGEBUILD_GITHUB_API", api.url)
+    yield api
+    api.stop()
 
 
 def _github_urls(monkeypatch, daemon_port: int) -> None:

@@ -22,9 +22,7 @@ import os
 import secrets
 import shutil
 import subprocess
-import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonschema
@@ -32,7 +30,7 @@ import pytest
 
 from tests.buildfixtures import image_id, remove_images
 from tests.conftest import FIXTURES, run_cli, start_peer
-from tests.gitfixtures import GitDaemon, UpstreamFactory, git
+from tests.gitfixtures import GitDaemon, GitHubApi, UpstreamFactory, git
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -87,25 +85,6 @@ def pkg_init(version: str) -> str:
     return f'"""greetpkg"""\nVERSION = "{version}"\n\n\ndef greet():\n    return "hello"\n'
 
 
-class _Api(BaseHTTPRequestHandler):
-    states: dict = {}
-    seen_auth: list = []
-
-    def do_GET(self):  # noqa: N802
-        type(self).seen_auth.append(self.headers.get("Authorization"))
-        parts = self.path.strip("/").split("/")  # repos/<owner>/<repo>/pulls/<n>
-        st = self.states.get((parts[2], int(parts[4]))) if len(parts) == 5 and parts[4].isdigit() else None
-        body = json.dumps(st or {"message": "Not Found"}).encode()
-        self.send_response(200 if st else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
-
-
 @dataclass
 class World:
     root: Path
@@ -115,6 +94,7 @@ class World:
     peer_docker: str
     outputs: list  # every stdout/stderr of the runs, to look for the token
     times: dict
+    api: object = None  # the GitHub API stand-in (tests/gitfixtures.GitHubApi)
 
 
 def peer_docker(w: World, *args: str) -> subprocess.CompletedProcess:
@@ -145,11 +125,9 @@ def world(tmp_path_factory, engine_info):
         git("update-ref", f"refs/pull/{n}/merge", git("rev-parse", f"refs/pull/{n}/head", cwd=greet.bare),
             cwd=greet.bare)
 
-    _Api.states = {("greetpkg", 1): {"state": "open", "merged": False},
-                   ("greetpkg", 2): {"state": "open", "merged": False}}
-    _Api.seen_auth = []
-    api = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    threading.Thread(target=api.serve_forever, daemon=True).start()
+    api = GitHubApi()
+    api.states = {("example", "greetpkg", 1): {"state": "open", "merged": False},
+                  ("example", "greetpkg", 2): {"state": "open", "merged": False}}
 
     root = base / "project"
     (root / "docker-images").mkdir(parents=True)
@@ -166,7 +144,7 @@ def world(tmp_path_factory, engine_info):
     mp.setenv("GIT_CONFIG_COUNT", "1")
     mp.setenv("GIT_CONFIG_KEY_0", f"url.git://127.0.0.1:{daemon.port}/.insteadOf")
     mp.setenv("GIT_CONFIG_VALUE_0", "https://github.com/example/")
-    mp.setenv("IMAGEBUILD_GITHUB_API", f"http://127.0.0.1:{api.server_address[1]}")
+    mp.setenv("IMAGEBUILD_GITHUB_API", api.url)
     mp.setenv("NO_PROXY", "127.0.0.1,localhost")
     mp.setenv("GITHUB_TOKEN", TOKEN)
     mp.setenv("IMAGEBUILD_CACHE", str(base / "git-cache"))
@@ -183,13 +161,12 @@ def world(tmp_path_factory, engine_info):
     mp.setenv("IMAGEBUILD_SSH", peer.ssh_env)
     remove_images(f"imagebuild/{NAME}", NAME)
     try:
-        yield World(root, base / "reports", greet, addr, docker_host, [], {})
+        yield World(root, base / "reports", greet, addr, docker_host, [], {}, api)
     finally:
         mp.undo()
         stop_peer()
         remove_images(f"imagebuild/{NAME}", NAME)
-        api.shutdown()
-        api.server_close()
+        api.stop()
         daemon.stop()
 
 
@@ -231,7 +208,7 @@ def test_nightly_end_to_end(world):
     assert im["changes"] is None and "first promotion" in im["changes_note"]
     assert {p["number"]: p["state"] for p in im["upstream"]["pull_requests"]} == {1: "open", 2: "open"}
     assert all(p["via"] == ["git ls-remote", "GitHub API"] for p in im["upstream"]["pull_requests"])
-    assert f"Bearer {TOKEN}" in _Api.seen_auth
+    assert f"Bearer {TOKEN}" in w.api.seen_auth
     md = (w.reports / f"{doc['run_id']}.md").read_text()
     assert "**GPU checks were SKIPPED**" in md and "| SKIPPED (GPU) | gpu-visible |" in md
     first_local = local_identity()
@@ -279,7 +256,7 @@ def test_nightly_end_to_end(world):
     # --- 3. upstream breaks the image (and PR 1 is merged): the gate fails, nothing moves
     w.greet.move_pull_request(2, {"greetpkg/__init__.py": pkg_init("broken")})
     git("update-ref", "-d", "refs/pull/1/merge", cwd=w.greet.bare)
-    _Api.states[("greetpkg", 1)] = {"state": "closed", "merged": True}
+    w.api.states[("example", "greetpkg", 1)] = {"state": "closed", "merged": True}
     r, doc = nightly(w)
     assert r.code == 4, r.err[-3000:]
     (im,) = doc["images"]
