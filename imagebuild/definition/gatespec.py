@@ -24,6 +24,8 @@ SEVERITIES = ("error", "warn")
 REQUIRES = ("gpu",)
 ID_RE = lazy.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 SHA256_RE = lazy.compile(r"[0-9a-f]{64}\Z")
+SASS_RE = lazy.compile(r"sm_[0-9]{2,3}[af]?\Z")
+PTX_RE = lazy.compile(r"compute_[0-9]{2,3}[af]?\Z")
 MODULE_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 DEFAULT_PYTHON = "python3"
 DEFAULT_TIMEOUT_S = 600
@@ -44,6 +46,9 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "expression": (("expr",), ("imports",)),
     "elf": (("path", "machine"), ("glob", "min_files")),
     "pip-check": ((), ("allow",)),
+    # `path` or `module` (the folder of an installed package), checked in _p_cuda_targets
+    "cuda-targets": (("sass",), ("path", "module", "ptx", "require", "kernels", "glob", "min_files",
+                                 "cuobjdump")),
 }
 
 
@@ -462,5 +467,63 @@ def _p_pip_check(p, m, label):
     return out
 
 
+def _targets(p, node, label, rx, example):
+    vals = _str_list(p, node, label)
+    for v in vals or []:
+        if not rx.match(v):
+            p.err(node.line, label, f"not a CUDA target: {excerpt(v)}", hint=f"e.g. {example}")
+    return vals or []
+
+
+def _p_cuda_targets(p, m, label):
+    out: dict = {"glob": ["*.so", "*.so.*"], "min_files": 1, "ptx": [], "kernels": []}
+    path, mod = m.get("path"), m.get("module")
+    if (path is None) == (mod is None):
+        p.err(None if not m else min(n.line for n in m.values()), label,
+              "a `cuda-targets` check needs exactly one of `path` (a folder or file in the image) "
+              "and `module` (an installed package, e.g. vllm)")
+    if path is not None:
+        if not isinstance(path.value, str) or not path.value.startswith("/"):
+            p.err(path.line, f"{label}.path", f"expected an absolute path in the image, got {path.plain()!r}")
+        out["path"] = path.value
+    if mod is not None:
+        if not isinstance(mod.value, str) or not MODULE_RE.match(mod.value):
+            p.err(mod.line, f"{label}.module", f"expected a module name, got {mod.plain()!r}")
+        out["module"] = mod.value
+    if "sass" in m:
+        out["sass"] = _targets(p, m["sass"], f"{label}.sass", SASS_RE, "[sm_121a] (sm_<major><minor>[a|f])")
+        if not out["sass"]:
+            p.err(m["sass"].line, f"{label}.sass", "expected at least one SASS target",
+                  hint="the architectures the image's kernels must be compiled for, e.g. [sm_121a]")
+    if "ptx" in m:
+        out["ptx"] = _targets(p, m["ptx"], f"{label}.ptx", PTX_RE, "[compute_121a]")
+    out["require"] = list(out.get("sass") or [])
+    if "require" in m:
+        req = _str_list(p, m["require"], f"{label}.require") or []
+        allowed = set(out.get("sass") or []) | set(out["ptx"])
+        for t in req:
+            if t not in allowed:
+                p.err(m["require"].line, f"{label}.require", f"{excerpt(t)} is not one of the allowed targets",
+                      hint="a required target must also be listed under sass: or ptx:")
+        out["require"] = req
+    if "kernels" in m:
+        out["kernels"] = _regexes(p, m["kernels"], f"{label}.kernels") or []
+    if "glob" in m:
+        out["glob"] = _str_list(p, m["glob"], f"{label}.glob")
+    if "min_files" in m:
+        v = m["min_files"].value
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            p.err(m["min_files"].line, f"{label}.min_files", f"expected a number >= 1, got {v!r}",
+                  hint="a check that finds no file would pass on an empty folder")
+        out["min_files"] = v
+    if "cuobjdump" in m:
+        v = m["cuobjdump"].value
+        if not isinstance(v, str) or not v.strip():
+            p.err(m["cuobjdump"].line, f"{label}.cuobjdump", f"expected a command or a path, got {v!r}")
+        out["cuobjdump"] = v
+    return out
+
+
 _PARAMS = {"import": _p_import, "version": _p_version, "command": _p_command, "file": _p_file,
-           "metadata": _p_metadata, "expression": _p_expression, "elf": _p_elf, "pip-check": _p_pip_check}
+           "metadata": _p_metadata, "expression": _p_expression, "elf": _p_elf, "pip-check": _p_pip_check,
+           "cuda-targets": _p_cuda_targets}

@@ -19,6 +19,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from imagebuild.definition.gatespec import Check
+from imagebuild.gate import cuda_targets
 
 
 class CheckFailed(AssertionError):
@@ -301,8 +302,81 @@ def check_pip_check(ctx: Context, check: Check) -> str:
     return f"{len(problems)} pip check problem(s), all allowed"
 
 
+# Lists the regular files under $1 whose names match the globs ($3...), after the cuobjdump to use
+# ($2, or the one on PATH, or the CUDA toolkit's). Plain shell: the image needs no Python for this.
+_CUDA_FIND = """root=$1; c=$2; shift 2
+[ -e "$root" ] || { echo "no such path: $root" >&2; exit 2; }
+if [ -z "$c" ]; then c=$(command -v cuobjdump) || c=/usr/local/cuda/bin/cuobjdump; fi
+command -v "$c" >/dev/null 2>&1 || { echo "cuobjdump not found ($c)" >&2; exit 127; }
+command -v "$c"
+n=$#; i=0
+for g; do [ $i -gt 0 ] && set -- "$@" -o; set -- "$@" -name "$g"; i=$((i + 1)); done
+shift $n
+find "$root" -type f \\( "$@" \\) -print | LC_ALL=C sort"""
+
+# Runs cuobjdump ($1, with option $2 when set) on each file ($3...), framing each listing.
+_CUDA_LIST = """c=$1; opt=$2; shift 2
+for f; do
+  printf '\\n%s%s\\n' "$F" "$f"
+  if [ -n "$opt" ]; then "$c" "$opt" "$f" 2>&1; else "$c" "$f" 2>&1; fi
+  printf '\\n%s%s\\n' "$R" "$?"
+done"""
+
+
+_PACKAGE_DIR = """import importlib.util, os, sys
+spec = importlib.util.find_spec(sys.argv[1])
+if spec is None:
+    sys.exit("no module named " + sys.argv[1])
+locs = list(spec.submodule_search_locations or [])
+print(locs[0] if locs else spec.origin)"""
+
+
+def _package_dir(ctx: Context, check: Check, module: str) -> str:
+    """Where ``module`` is installed in the image (found, not imported: find_spec of a top level)."""
+    out = _python(ctx, check, _PACKAGE_DIR, module)
+    if out.rc != 0:
+        raise CheckFailed(f"cannot find module {module}: {_last(out.stderr) or f'exit {out.rc}'}")
+    return _last(out.stdout)
+
+
+def check_cuda_targets(ctx: Context, check: Check) -> str:
+    p = dict(check.params)
+    if p.get("module"):
+        p["path"] = _package_dir(ctx, check, p["module"])
+    out = _run(ctx, check, "sh -c %s sh %s %s" + " %s" * len(p["glob"]), _CUDA_FIND, p["path"],
+               p.get("cuobjdump") or "", *p["glob"])
+    if out.rc == 127:
+        raise CheckFailed(f"{_last(out.stderr)} in the image (install nvidia-cuda-cuobjdump, or set "
+                          f"`cuobjdump:` in the gate spec)")
+    if out.rc != 0:
+        raise CheckFailed(f"scanning {p['path']} failed: {_last(out.stderr) or f'exit {out.rc}'}")
+    lines = [ln for ln in out.stdout.splitlines() if ln]
+    tool, files = lines[0], lines[1:]
+    option = "--dump-resource-usage" if p["kernels"] else ""
+    listing = []
+    for i in range(0, len(files), 200):  # well under any ARG_MAX
+        chunk = files[i:i + 200]
+        env = f"F={shlex.quote(cuda_targets.FRAME)} R={shlex.quote(cuda_targets.RC)} "
+        res = ctx.host.run(env + "sh -c %s sh %s %s" + " %s" * len(chunk), _CUDA_LIST, tool, option, *chunk)
+        if res.rc != 0:
+            raise CheckFailed(f"running {tool} failed (exit {res.rc}): {_last(res.stderr_bytes.decode('utf-8', 'replace'))}")
+        listing.append(res.stdout_bytes.decode("utf-8", "replace"))
+    scan = cuda_targets.parse_scan("\n".join(listing))
+    for f in sorted(scan.cuda):  # one line a file; a full listing of a vLLM wheel is megabytes
+        fb = scan.cuda[f]
+        ctx.log(f"[{check.id}] {f}: SASS {' '.join(sorted(fb.sass)) or '-'}; PTX {' '.join(sorted(fb.ptx)) or '-'}"
+                + (f"; {len(fb.kernels)} kernels" if option else "") + "\n")
+    for f, msg in sorted(scan.unreadable.items()):
+        ctx.log(f"[{check.id}] {f}: unreadable: {msg}\n")
+    ok, detail = cuda_targets.judge(scan, sass=p["sass"], ptx=p["ptx"], require=p["require"],
+                                    kernels=p["kernels"], min_files=p["min_files"])
+    if not ok:
+        raise CheckFailed(f"{p['path']}: {detail}")
+    return f"{p['path']}: {detail} (by {tool})"
+
+
 CHECKS: dict[str, Callable[[Context, Check], str]] = {
     "import": check_import, "version": check_version, "command": check_command, "file": check_file,
     "metadata": check_metadata, "expression": check_expression, "elf": check_elf,
-    "pip-check": check_pip_check,
+    "pip-check": check_pip_check, "cuda-targets": check_cuda_targets,
 }

@@ -91,10 +91,28 @@ def test_unknown_keys_and_bad_specifiers_name_file_and_line():
     ("- {id: a, kind: elf, path: /x, machine: vax}", "unknown ELF machine 'vax'"),
     ("- {id: a, kind: elf, path: /x, machine: arm64, min_files: 0}", "expected a number >= 1"),
     ("- {id: a, kind: version, distribution: x, specifier: 2}", "invalid PEP 440"),
+    ("- {id: a, kind: cuda-targets, sass: [sm_121a]}", "needs exactly one of `path`"),
+    ("- {id: a, kind: cuda-targets, path: /x, module: vllm, sass: [sm_121a]}", "needs exactly one of `path`"),
+    ("- {id: a, kind: cuda-targets, path: /x}", "needs `sass:`"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: []}", "expected at least one SASS target"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [12.1a]}", "not a CUDA target: '12.1a'"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], ptx: [sm_121a]}", "not a CUDA target"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], require: [sm_120]}",
+     "'sm_120' is not one of the allowed targets"),
+    ("- {id: a, kind: cuda-targets, module: 'a b', sass: [sm_121a]}", "expected a module name"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: sm_121a, kernels: '(['}", "invalid regular expression"),
 ])
 def test_each_problem_is_reported(body, expected):
     text = "\n".join(_problems("checks:\n  " + body + "\n"))
     assert expected in text and "gate.yaml:" in text
+
+
+def test_cuda_targets_defaults():
+    spec = gatespec.parse("checks:\n  - {id: a, kind: cuda-targets, module: vllm, sass: [sm_121a, sm_121f]}\n",
+                          "gate.yaml")
+    assert spec.checks[0].params == {"module": "vllm", "sass": ["sm_121a", "sm_121f"],
+                                     "require": ["sm_121a", "sm_121f"], "ptx": [], "kernels": [],
+                                     "glob": ["*.so", "*.so.*"], "min_files": 1}
 
 
 def test_all_problems_at_once_and_yaml_errors_have_lines():
