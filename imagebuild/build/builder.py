@@ -880,7 +880,8 @@ def _source_provenance(b: Build) -> dict:
         if not isinstance(s, dict) or not s.get("commit"):
             continue
         prs = plan_mod.pr_pins(s.get("prs"))
-        entry = {"commit": s.get("commit"), "repo": s.get("repo"), "ref": s.get("ref"), "prs": prs,
+        entry = {"commit": s.get("commit"), "version": s.get("version"), "repo": s.get("repo"), "ref": s.get("ref"),
+                 "prs": prs,
                  "tree": s.get("tree"), "tarball_sha256": s.get("sha256")}
         if prs:
             entry["local_only"] = True

@@ -59,6 +59,21 @@ def check_git_version(version_text: str) -> None:
                               hint="install a newer git (Ubuntu 24.04 ships 2.43)")
 
 
+SCM_NODE_DIGITS = 9  # the seed's build reported 0.1.dev20489+g06f922207
+
+
+def scm_version(m: Mirror, commit: str) -> str | None:
+    """The version setuptools-scm's default scheme gives a checkout of ``commit`` that has no tags
+    (prefetch fetches none): ``0.1.dev<commits in its history>+g<first 9 hex digits>``, the form
+    the operators' own build of the fork reported. The count is the composed history's, so every
+    base or PR head change moves it, and the node names the composed commit. None for a shallow
+    mirror, whose history cannot be counted."""
+    if m.is_shallow():
+        return None
+    count = int(m.out("rev-list", "--count", commit))
+    return f"0.1.dev{count}+g{commit[:SCM_NODE_DIGITS]}"
+
+
 def compose(m: Mirror, source: str, ref: str, prs: list[tuple[int, str]]) -> Composed:
     if prs:
         check_git_version(m.out("version"))

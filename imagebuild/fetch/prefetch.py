@@ -277,6 +277,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             "repo": gitcache.redact(p.repo), "ref": p.ref, "follows": p.follows,  # never a credential
             "prs": [{"number": n, "sha": s} for n, s in p.prs],
             "commit": c.commit, "tree": tree, "source_date_epoch": c.epoch,
+            "version": _local(lambda: compose_mod.scm_version(m, c.commit)),
             "packed_id": pid, "tarball_format": tarball.FORMAT,
             "tarball": d.display_path(defn.root, dest), "sha256": digest,
             "dependency_of": p.opts.dependency_of,

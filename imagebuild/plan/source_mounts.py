@@ -60,11 +60,13 @@ class Mount:
     dir: str  # where it is extracted in the build
     dependency_of: str | None
     overrides: tuple[Override, ...] = ()
+    commit: str | None = None  # the (composed) commit the tarball is
+    version: str | None = None  # its setuptools-scm version (fetch/compose.scm_version)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "tarball": self.tarball, "file": self.file, "sha256": self.sha256,
-                "dir": self.dir, "dependency_of": self.dependency_of,
-                "overrides": [o.as_dict() for o in self.overrides]}
+                "dir": self.dir, "dependency_of": self.dependency_of, "commit": self.commit,
+                "version": self.version, "overrides": [o.as_dict() for o in self.overrides]}
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
         elif e.get("env"):  # a lock written before overrides were checked: as the environment
             ovs.append(Override(e["env"], "env", where))
         mounts.append(Mount(name, e["tarball"], f"{name}.tar.gz", e["sha256"], where, e.get("dependency_of"),
-                            tuple(ovs)))
+                            tuple(ovs), _str(e.get("commit")), _str(e.get("version"))))
         for x in e.get("excluded") or []:
             if isinstance(x, dict) and x.get("name"):
                 excluded.append(Excluded(x["name"], name, str(x.get("reason", "")),
@@ -197,6 +199,10 @@ def _script(ms: Mounts) -> str:
         lines.append(f"_imagebuild_src {_q(m.name)} {_q(m.file)} {m.sha256} {_q(m.dir)} || return 1 2>/dev/null"
                      " || exit 1")
         lines.append(f"export IMAGEBUILD_SRC_{_var(m.name)}={_q(m.dir)}")
+        if m.commit:
+            lines.append(f"export IMAGEBUILD_COMMIT_{_var(m.name)}={_q(m.commit)}")
+        if m.version:
+            lines.append(f"export IMAGEBUILD_VERSION_{_var(m.name)}={_q(m.version)}")
     for name, value in env:
         lines.append(f"export {name}={_q(value)}")
         lines.append(f"echo {_q(f'imagebuild-src: {name}={value} (environment)')} >&2")
@@ -214,6 +220,10 @@ def _script(ms: Mounts) -> str:
         lines.append(f"echo {_q(text)} >&2")
     lines.append("unset -f _imagebuild_src")
     return "\n".join(lines) + "\n"
+
+
+def _str(value) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _var(name: str) -> str:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import signal
+import re
 import subprocess
 import sys
 import tarfile
@@ -123,6 +124,12 @@ def test_prefetch_pins_composes_and_locks(done, upstreams):  # noqa: F811
     assert app["prs"] == [{"number": 1, "sha": shas["pr1"]}, {"number": 2, "sha": shas["pr2"]},
                           {"number": 4, "sha": shas["pr4"]}]  # PR 4's ref is deleted, its SHA still fetched
     assert app["ref"] == shas["app_base"] and app["commit"] not in shas.values()
+    # the version setuptools-scm would give the composed commit (no tags): its history counted
+    dev, node = re.fullmatch(r"0\.1\.dev(\d+)\+g([0-9a-f]{9})", app["version"]).groups()
+    assert node == app["commit"][:9] and int(dev) > 3 + 3  # the base's history, 3 PRs, 3 merges
+    kernels = lk["sources"]["KERNELS"]
+    # a dependency fetched shallow has no countable history, so no version (never a wrong one)
+    assert kernels["version"] is None or kernels["version"].endswith("+g" + kernels["commit"][:9])
     # the composed tree contains every PR's change
     names = tarfile.open(root / app["tarball"]).getnames()
     assert {"./feature1.txt", "./feature4.txt", "./CMakeLists.txt", "./src/main.cpp"} <= set(names)

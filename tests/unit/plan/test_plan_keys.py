@@ -143,3 +143,20 @@ def test_patch_primitive_change_reaches_patching_stages_only(project, monkeypatc
     before = keys(project)
     monkeypatch.setattr(plan, "_primitive_sha256", lambda: "0" * 64)
     assert changed(before, keys(project)) == ["app", "runner"]
+
+
+def test_source_script_exports_commit_and_version_of_each_source():
+    from imagebuild.plan import source_mounts
+
+    lock = {"sources": {"VLLM": {"tarball": "deps-src/x/vllm-1.tar.gz", "sha256": "a" * 64,
+                                 "commit": "06f922207" + "0" * 31, "version": "0.1.dev20489+g06f922207"},
+                        "OLD": {"tarball": "deps-src/x/old.tar.gz", "sha256": "b" * 64}}}
+    script = source_mounts.source_mounts(lock, "s", ["VLLM", "OLD"]).script()
+    assert "export IMAGEBUILD_VERSION_VLLM=0.1.dev20489+g06f922207\n" in script
+    assert f"export IMAGEBUILD_COMMIT_VLLM={'06f922207' + '0' * 31}" in script
+    assert "IMAGEBUILD_VERSION_OLD" not in script and "IMAGEBUILD_COMMIT_OLD" not in script
+    # the version is part of what the stage receives, so of its key
+    other = {"sources": {**lock["sources"], "VLLM": {**lock["sources"]["VLLM"], "version": "0.1.dev1+g06f922207"}}}
+    a = source_mounts.source_mounts(lock, "s", ["VLLM"]).key_inputs()
+    b = source_mounts.source_mounts(other, "s", ["VLLM"]).key_inputs()
+    assert a["tarballs"] == b["tarballs"] and a["generated"] != b["generated"]
