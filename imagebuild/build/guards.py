@@ -223,10 +223,28 @@ def serving_containers(patterns: ServingPatterns | None = None) -> list[ServingC
         if not line.startswith("{"):
             continue
         c = json.loads(line)
-        why = patterns.match(c)
+        why = patterns.match(c) or _exec_match(c.get("ID", ""), patterns)
         if why:
             found.append(ServingContainer(c.get("ID", "")[:12], c.get("Names", ""), c.get("Image", ""), why))
     return found
+
+
+def _exec_match(cid: str, patterns: ServingPatterns) -> str | None:
+    """A process of container ``cid`` whose command line matches a serving pattern: eugr's launcher
+    starts ``sleep infinity`` and ``docker exec``s ``vllm serve``, so the container's own command
+    says nothing. ``docker top`` lists every process in it (one ps on the host, no exec)."""
+    if not cid or not patterns.commands:
+        return None
+    res = run_mod.run(["docker", "top", cid, "-o", "pid,args"], check=False, timeout=15)  # top needs the pid
+    if res.returncode != 0:  # the container ended in between: not serving
+        return None
+    for row in res.stdout.decode("utf-8", "replace").splitlines()[1:]:  # first line: the header
+        proc = row.strip().partition(" ")[2].strip()
+        for pat in patterns.commands:
+            if fnmatch.fnmatchcase(proc, pat):
+                shown = proc if len(proc) <= 60 else proc[:57] + "..."
+                return f"process {shown!r} matches {pat!r} (started by docker exec)"
+    return None
 
 
 def check_serving(*, force: bool, patterns: ServingPatterns | None = None) -> str | None:

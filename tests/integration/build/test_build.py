@@ -235,6 +235,27 @@ def test_serving_container_makes_build_refuse(built, serving_container, monkeypa
     assert run_cli("--root", str(root), "build", IMAGE, "--dry-run").code == 0
 
 
+def test_a_serve_started_by_docker_exec_makes_build_refuse(built, engine_info):
+    """eugr's launcher: `sleep infinity` as the container's command, `vllm serve` docker-exec'd."""
+    root = built[0]
+    name = f"imagebuild-test-exec-serve-{os.getpid()}"
+    subprocess.run(["docker", "run", "-d", "--rm", "--name", name, "--network", "none", BUSYBOX,
+                    "sleep", "300"], check=True, capture_output=True)
+    try:
+        assert run_cli("--root", str(root), "build", IMAGE, "--dry-run").code == 0  # only sleep runs
+        subprocess.run(["docker", "exec", "-d", name, "sh", "-c",
+                        "while :; do sleep 1; done; : vllm serve /models/glm --port 8000"], check=True)
+        deadline = time.monotonic() + 10
+        while "vllm serve" not in subprocess.run(["docker", "top", name, "-o", "pid,args"], capture_output=True,
+                                                 text=True).stdout and time.monotonic() < deadline:
+            time.sleep(0.2)
+        res, _ = _build(root)
+        assert res.code == 3, res.err
+        assert name in res.err and "started by docker exec" in res.err and "vllm serve" in res.err
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
 def test_failing_stage_leaves_local_and_candidate_where_they_were(built, tmp_path):
     root = staged_project(tmp_path / "p")
     subprocess.run(["docker", "tag", BUSYBOX, f"{IMAGE}:local"], check=True)
