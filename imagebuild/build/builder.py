@@ -894,23 +894,70 @@ def _source_provenance(b: Build) -> dict:
     return out
 
 
-def release_tar(files: dict[str, bytes], epoch: int) -> bytes:
-    """``/opt/imagebuild/<name>`` for each of ``files``, as a tar whose bytes depend on nothing else:
-    sorted entries, owner root, mode 0755/0644, every mtime ``epoch``."""
+def release_tar(files: dict[str, bytes], epoch: int, extra: dict[str, bytes] | None = None) -> bytes:
+    """``/opt/imagebuild/<name>`` for each of ``files``, and each absolute path of ``extra``, as a tar
+    whose bytes depend on nothing else: sorted entries, owner root, mode 0755/0644, every mtime
+    ``epoch``; the folders above each file come first."""
     import io
     import tarfile
+    from pathlib import PurePosixPath
 
+    members = {f"{IMAGE_META_DIR.lstrip('/')}/{n}": data for n, data in files.items()}
+    members.update({p.lstrip("/"): data for p, data in (extra or {}).items()})
+    dirs = sorted({str(q) for m in members for q in PurePosixPath(m).parents if str(q) != "."},
+                  key=lambda x: x.split("/"))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for d in ("opt", IMAGE_META_DIR.lstrip("/")):
+        for d in dirs:
             ti = tarfile.TarInfo(d)
             ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, epoch
             tf.addfile(ti)
-        for name in sorted(files):
-            ti = tarfile.TarInfo(f"{IMAGE_META_DIR.lstrip('/')}/{name}")
-            ti.size, ti.mode, ti.mtime = len(files[name]), 0o644, epoch
-            tf.addfile(ti, io.BytesIO(files[name]))
+        for name in sorted(members, key=lambda x: x.split("/")):
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(members[name]), 0o644, epoch
+            tf.addfile(ti, io.BytesIO(members[name]))
     return buf.getvalue()
+
+
+def eugr_build_metadata(b: Build) -> bytes:
+    """eugr's ``build-metadata.yaml`` (the fields its audit scripts read: build_date, vllm_version,
+    vllm_commit, flashinfer_commit, gpu_arch, base image, build_args), from the lock and the plan:
+    deterministic, like build.json. A field imagebuild cannot know is null (flashinfer comes from a
+    PyPI wheel here, so it has a version, not a commit)."""
+    import yaml
+
+    lock = b.lock or {}
+    sources = lock.get("sources") or {}
+    vllm = sources.get("VLLM") if isinstance(sources.get("VLLM"), dict) else {}
+    wheels = {}
+    for entry in (lock.get("wheels") or {}).values():
+        for w in (entry or {}).get("files") or [] if isinstance(entry, dict) else []:
+            if isinstance(w, dict) and w.get("name") and w.get("version"):
+                wheels[str(w["name"]).lower().replace("_", "-")] = str(w["version"])
+    images = lock.get("images") or {}
+    root = next((v for v in images.values() if isinstance(v, dict)), {}) if isinstance(images, dict) else {}
+    build_args = {f"{k}_version": wheels[d] for k, d in (("torch", "torch"), ("torchvision", "torchvision"),
+                                                         ("flashinfer", "flashinfer-python"),
+                                                         ("cutlass_dsl", "nvidia-cutlass-dsl")) if d in wheels}
+    for n, s in sorted(sources.items()):
+        if isinstance(s, dict) and n != "VLLM" and not s.get("dependency_of"):
+            build_args[f"{n.lower()}_repo"] = s.get("repo")
+            build_args[f"{n.lower()}_ref"] = s.get("ref")
+            build_args[f"{n.lower()}_commit"] = s.get("commit")
+    doc = {
+        "build_date": _iso(b.epoch),
+        "build_script_commit": b.plan.provenance.revision if b.plan.provenance else None,
+        "imagebuild_build_id": b.plan.build_id,
+        "vllm_version": vllm.get("version"),
+        "vllm_commit": vllm.get("commit"),
+        "vllm_repo": vllm.get("repo"),
+        "flashinfer_commit": None,
+        "flashinfer_version": wheels.get("flashinfer-python"),
+        "gpu_arch": b.defn.env.get("TORCH_CUDA_ARCH_LIST"),
+        "base_image": root.get("ref") or root.get("image") if isinstance(root, dict) else None,
+        "build_args": build_args,
+    }
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).encode()
 
 
 def release_ref(image: str, build_id: str) -> str:
@@ -932,7 +979,8 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
         files = {"build.json": (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()}
         if lock_bytes is not None:
             files["lock.json"] = lock_bytes
-        data = release_tar(files, b.epoch)
+        extra = {b.defn.build_metadata: eugr_build_metadata(b)} if b.defn.build_metadata else None
+        data = release_tar(files, b.epoch, extra)
         ctx = tmp / context_dir_name("context", sha256_bytes(data))
         ctx.mkdir(parents=True)
         (ctx / RELEASE_TAR).write_bytes(data)

@@ -71,7 +71,7 @@ BUILDKIT_ARGS = frozenset(
 
 STAGE_KEYS = ("name", "dockerfile", "from", "files", "patches", "sources", "network", "description",
               "requirements", "apt")
-TOP_KEYS = ("description", "platform", "stages", "gate", "sources", "python", "apt_snapshot")
+TOP_KEYS = ("description", "platform", "stages", "gate", "sources", "python", "apt_snapshot", "build_metadata")
 
 
 def stage_arg(stage_name: str) -> str:
@@ -192,6 +192,7 @@ class Definition:
     python: pkgspec.PythonTarget | None = None  # target of the wheel downloads
     apt_snapshot: str | None = None  # snapshot archive date (versions.env value)
     source_options: dict[str, SourceOptions] = field(default_factory=dict)
+    build_metadata: str | None = None  # where the release writes eugr's build-metadata.yaml (absolute)
 
     def rel(self, path: Path) -> str:
         return display_path(self.root, path)

@@ -76,6 +76,7 @@ def load(root: Path, name: str) -> Definition:
     platform, description, gate, stage_nodes = _top_level(spec, yfile, d, c)
     python, apt_snapshot, _ = pkgspec.top_level(spec.value, yfile, env, c.err)
     source_options = source_options_mod.source_options(spec, yfile, env, sources, c.err)
+    build_metadata = _build_metadata(spec.value.get("build_metadata"), yfile, c)
 
     stages: list[Stage] = []
     images: dict[str, ImageRef] = {}
@@ -102,7 +103,22 @@ def load(root: Path, name: str) -> Definition:
     return Definition(
         name=name, root=root, dir=d, platform=platform, description=description, env=env,
         stages=tuple(stages), sources=sources, images=images, gate=gate, notices=tuple(c.notices),
-        source_options=source_options, python=python, apt_snapshot=apt_snapshot)
+        source_options=source_options, python=python, apt_snapshot=apt_snapshot, build_metadata=build_metadata)
+
+
+def _build_metadata(node, yfile: str, c: Collector) -> str | None:
+    """``build_metadata: /workspace/build-metadata.yaml``: an absolute file path in the image, outside
+    /opt/imagebuild (which the release owns)."""
+    if node is None:
+        return None
+    v = node.value
+    ok = isinstance(v, str) and v.startswith("/") and not v.endswith("/") and "\n" not in v
+    parts = PurePosixPath(v).parts if ok else ()
+    if not ok or ".." in parts or len(parts) < 2 or parts[1:3] == ("opt", "imagebuild"):
+        c.err(yfile, f"expected an absolute file path in the image outside /opt/imagebuild, got {node.plain()!r}",
+              line=node.line, key="build_metadata", hint="e.g. /workspace/build-metadata.yaml (eugr's audit file)")
+        return None
+    return str(PurePosixPath(v))
 
 
 def _inside(path: Path, display: str, c: Collector) -> bool:

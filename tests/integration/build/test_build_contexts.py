@@ -61,3 +61,37 @@ def test_a_same_size_edit_reaches_the_stage_and_the_release(engine_info, tmp_pat
         assert json.loads(cat(f"{name}:candidate", "/opt/imagebuild/build.json"))["build_id"] == three["build_id"]
     finally:
         remove_fleet_images(name)
+
+
+def test_build_metadata_writes_eugrs_audit_file_into_the_release(engine_info, tmp_path, monkeypatch):
+    """image.yaml `build_metadata:`: the release also carries eugr's build-metadata.yaml at that
+    path, from the lock and the plan (deterministic: a rebuild gives the same bytes)."""
+    import yaml
+
+    from tests.buildfixtures import cat
+
+    name = unique_name()
+    root = fleet_project(tmp_path / "p", name)
+    d = root / "docker-images" / name
+    y = d / "image.yaml"
+    y.write_text(y.read_text() + "build_metadata: /workspace/build-metadata.yaml\n")
+    (d / "versions.env").write_text((d / "versions.env").read_text() + "TORCH_CUDA_ARCH_LIST=12.1a\n")
+    try:
+        monkeypatch.setenv("IMAGEBUILD_STAGES", str(tmp_path / "stages"))
+        code, one, err = build(root, name, "--no-gate")
+        assert code == 0, err
+        text = cat(f"{name}:candidate", "/workspace/build-metadata.yaml")
+        meta = yaml.safe_load(text)
+        assert meta["gpu_arch"] == "12.1a" and meta["imagebuild_build_id"] == one["build_id"]
+        assert meta["build_date"].endswith("Z") and "vllm_commit" in meta and "build_args" in meta
+        assert meta["flashinfer_commit"] is None  # a wheel from an index: no commit to name
+        code, two, err = build(root, name, "--no-gate", "--no-cache")
+        assert code == 0, err
+        assert cat(f"{name}:candidate", "/workspace/build-metadata.yaml") == text
+    finally:
+        remove_fleet_images(name)
+
+    # bad values name the key
+    y.write_text(y.read_text().replace("/workspace/build-metadata.yaml", "/opt/imagebuild/x.yaml"))
+    res = run_cli("--root", str(root), "validate", name)
+    assert res.code == 2 and "build_metadata" in res.err and "outside /opt/imagebuild" in res.err
