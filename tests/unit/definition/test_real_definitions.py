@@ -167,3 +167,31 @@ def test_every_sha_and_digest_is_named_in_the_image_doc(image):
             found |= set(HEX.findall(f.read_text(errors="replace")))
     missing = sorted(h for h in found if h not in doc)
     assert not missing, f"pins without a provenance line in docs/images/{image}.md: {missing}"
+
+
+@pytest.mark.parametrize("outcome, marker, fork_b12x_first, passes", [
+    ("applied", True, False, True),
+    ("already-applied", True, False, True),
+    ("applied", False, False, False),          # the report says applied, the file has no marker
+    ("not-needed", False, True, True),         # the fork's own list starts with B12X
+    ("not-needed", False, False, False),       # the report says not needed, the list does not lead with B12X
+    ("not-applicable", False, False, False),   # the list the patch edits is gone
+])
+def test_glm53_sm12x_check_agrees_with_the_patch_report(tmp_path, outcome, marker, fork_b12x_first, passes):
+    import importlib.util
+    import json as json_mod
+
+    spec = gatespec.load(ROOT / "docker-images" / "glm53-jovian-r12" / "gate.yaml")
+    expr = spec.check("sm12x-patch").params["expr"]
+    report = tmp_path / "patches.json"
+    report.write_text(json_mod.dumps({"patches": {"patch_cuda_sm12x.py": {"outcome": outcome}}}))
+    pkg = tmp_path / "vllm"
+    (pkg / "platforms").mkdir(parents=True)
+    first = "AttentionBackendEnum.B12X" if fork_b12x_first else "AttentionBackendEnum.TRITON_MLA"
+    body = ("        elif device_capability.major == 12:\n            return [\n                " + first + ",\n")
+    if marker:
+        body = body.replace(first, "AttentionBackendEnum.B12X,  # imagebuild-patch: sm12x-b12x\n                " + first)
+    (pkg / "platforms" / "cuda.py").write_text(body)
+    expr = expr.replace("/opt/imagebuild/patches.json", str(report)).replace(
+        "importlib.util.find_spec('vllm').submodule_search_locations[0]", repr(str(pkg)))
+    assert bool(eval(expr, {"json": json_mod, "importlib": importlib})) is passes
