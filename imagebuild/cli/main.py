@@ -404,7 +404,7 @@ sync environment:
                         description="Apply IMAGE's patch_*.py files (every stage's, in build order) to the "
                         "source tree DIR with the same primitive the build uses, or with --check only say what "
                         "would happen. Each patch: applied, already-applied, not-needed (upstream has it), "
-                        "would-apply (--check) or failed (naming the patch, file and anchor). Exit 1 when one "
+                        "not-applicable (the code it fixes is not in this tree), would-apply (--check) or failed (naming the patch, file and anchor). Exit 1 when one "
                         "fails. How to write a patch: docs/patches.md.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
@@ -611,6 +611,10 @@ def _print_plan(plan: plan_mod.Plan) -> None:
                 print(f"   excluded    {x['name']} ({x['declared_by']} at {x['where']}): {x['reason']}")
             for n in s.src_mounts["missing"]:
                 print(f"   mounts      {n}: NOT PREFETCHED (imagebuild prefetch {plan.image})")
+        for pc in s.patch_check:
+            why = " (patch changed since prefetch checked it)" if pc["stale"] else ""
+            msg = f"  {pc['message'].splitlines()[0]}" if pc["message"] and pc["outcome"] != "would-apply" else ""
+            print(f"   patch       {pc['outcome']:<15} {pc['patch']}{why}{msg}")
         for m in s.mounts:
             if m.stale and m.sha256:
                 print(f"   STALE       {m.name}: {m.stale} (imagebuild prefetch {plan.image})")

@@ -314,6 +314,8 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         defn.env.update(updates)
         for u in rep.pinned:
             log.info("  pinned %s=%s in %s", u["key"], u["to"], defn.env.display)
+    for name, per_stage in _check_patches(defn, sources, rep).items():
+        sources[name]["patch_check"] = per_stage
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
     sums = "".join(f"{e['sha256']}  {Path(e['tarball']).name}\n"
                    for e in sorted(sources.values(), key=lambda e: Path(e["tarball"]).name))
@@ -326,6 +328,49 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     rep.sources = sources
     rep.lock = lock_disp
     return rep
+
+
+def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
+    """Check each patching stage's patches against the composed tree of its first source, as the
+    build will apply them, without writing anything: {source: {stage: [outcome, ...]}}.
+
+    Only the files the patches name are read out of the packed tarball (the bytes the build gets).
+    The outcomes go into the lock, so that `imagebuild plan` shows, offline, which patches apply,
+    which are not needed and which do not apply to this tree (with the reason); a patch that would
+    fail is said now, not an hour into the build."""
+    import tarfile
+    import tempfile
+
+    from imagebuild.definition import patching
+
+    out: dict = {}
+    for st in defn.stages:
+        paths = [i.path for i in st.inputs if i.kind == "patch"]
+        if not paths or not st.sources or st.sources[0] not in sources:
+            continue
+        name = st.sources[0]
+        try:
+            files = sorted({e.file for p in paths for e in patching.load_patch(p)[0] if getattr(e, "file", None)})
+        except patching.PatchError as exc:
+            files = []
+            log.warning("  warning: %s", exc)
+        with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
+            with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
+                wanted = {"./" + f for f in files}
+                members = [m for m in tf.getmembers() if m.name in wanted and m.isfile()]
+                tf.extractall(tmp, members=members, filter="data")
+            results = patching.apply_all(paths, Path(tmp), write=False)
+        entries = [{"patch": r.patch, "outcome": r.outcome, "message": r.message, "sha256": r.sha256}
+                   for r in results]
+        out.setdefault(name, {})[st.name] = entries
+        for r in results:
+            if r.outcome == patching.FAILED:
+                msg = (f"stage {st.name!r}: patch {r.patch} fails on the composed {name} "
+                       f"({r.message.splitlines()[0] if r.message else 'failed'}); the build would stop there "
+                       f"(imagebuild patch {defn.name} --src <checkout> --check shows every patch)")
+                rep.notices.append(msg)
+                log.warning("  warning: %s", msg)
+    return out
 
 
 def packed_id(tree: str, submodules: list[dict], epoch: int) -> str:

@@ -99,6 +99,7 @@ class PlannedStage:
     source_date_epoch: int = DEFAULT_SOURCE_DATE_EPOCH
     stage_contexts: dict = field(default_factory=dict)  # named context -> earlier stage it holds
     src_mounts: dict | None = None  # what imagebuild-src gives it (source_mounts.py); None: no sources
+    patch_check: tuple[dict, ...] = ()  # each patch checked by prefetch on the composed tree (the lock's)
 
     def build_args(self) -> dict[str, str]:
         """The --build-arg values to pass (BuildKit fills its own platform args)."""
@@ -123,7 +124,33 @@ class PlannedStage:
             "exists": self.exists,
             "packages": self.packages,
             "mounts": self.src_mounts,
+            "patch_check": list(self.patch_check),
         }
+
+
+def _patch_check(lock: dict | None, st) -> tuple[dict, ...]:
+    """What prefetch found for each of the stage's patches on the composed tree of its first source
+    (the lock's ``sources.<NAME>.patch_check``): outcome and reason, ``stale`` when the patch file
+    changed since, ``not-checked`` when the lock has no entry for it. Reads files' bytes only."""
+    from imagebuild.core.fsutil import sha256_file
+
+    patches = [i for i in st.inputs if i.kind == "patch"]
+    if not patches or not st.sources:
+        return ()
+    src = ((lock or {}).get("sources") or {}).get(st.sources[0])
+    per = (src.get("patch_check") or {}).get(st.name) if isinstance(src, dict) else None
+    by_name = {e.get("patch"): e for e in per or [] if isinstance(e, dict)}
+    out = []
+    for i in patches:
+        e = by_name.get(i.path.name)
+        if e is None:
+            out.append({"patch": i.path.name, "outcome": "not-checked", "message": "no prefetch check in the lock",
+                        "stale": False})
+            continue
+        stale = e.get("sha256") != "sha256:" + sha256_file(i.path)
+        out.append({"patch": i.path.name, "outcome": str(e.get("outcome")), "message": str(e.get("message") or ""),
+                    "stale": stale})
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -344,7 +371,8 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             parent_kind=st.parent.kind, parent=st.parent.name, parent_ref=parent_ref,
             args=tuple(args), inputs=inputs, sources=tuple(st.sources), uses_stages=uses,
             network=st.network, key=key, image=stage_image(defn.name, st.name, key), packages=pkgs,
-            mounts=mounts, source_date_epoch=epoch, stage_contexts=stage_contexts, src_mounts=src_mounts)
+            mounts=mounts, source_date_epoch=epoch, stage_contexts=stage_contexts, src_mounts=src_mounts,
+            patch_check=_patch_check(lock, st))
         if exists is not None:
             ps = _with_exists(ps, exists(ps.key))
         planned[st.name] = ps

@@ -149,6 +149,23 @@ def test_prefetch_plan_and_dry_run_of_the_real_definition(served, github, engine
     assert len(mounts["vllm-wheel"]["mounts"]) == 10
     assert [x["name"] for x in mounts["vllm-wheel"]["excluded"]] == ["arm_compute", "oneDNN"]
     assert plan["unpinned"] == []
+    # every patch of the vllm-wheel stage was checked on the composed tree at prefetch: in the lock and
+    # in the plan, not-applicable ones with their reason, none failing (as `imagebuild patch --check`)
+    checked = s["VLLM"]["patch_check"]["vllm-wheel"]
+    assert len(checked) == 12 and not any(c["outcome"] == "failed" for c in checked), checked
+    na = [c for c in checked if c["outcome"] == "not-applicable"]
+    assert na and all(c["message"] for c in na)
+    pc = next(st for st in plan["stages"] if st["name"] == "vllm-wheel")["patch_check"]
+    assert [(c["patch"], c["outcome"]) for c in pc] == [(c["patch"], c["outcome"]) for c in checked]
+    assert not any(c["stale"] for c in pc)
+    text_plan = run_cli("--root", str(root), "plan", IMAGE).out
+    assert f"   patch       not-applicable  {na[0]['patch']}" in text_plan, text_plan
+    # a patch edited after prefetch is marked stale
+    edited = root / "patches-eugr" / na[0]["patch"]
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    pc = next(st for st in json.loads(run_cli("--root", str(root), "plan", IMAGE, "--json").out)["stages"]
+              if st["name"] == "vllm-wheel")["patch_check"]
+    assert [c["stale"] for c in pc if c["patch"] == na[0]["patch"]] == [True]
     # dry run: every stage would run with --network none (it builds nothing: the disk guard may be low)
     monkeypatch.setenv("IMAGEBUILD_MIN_FREE_GB", "0")
     dry = run_cli("--root", str(root), "build", IMAGE, "--dry-run", "--json")
