@@ -41,6 +41,7 @@ from imagebuild.core.errors import (
     CommandFailed,
     DefinitionError,
     OperationFailed,
+    Problem,
     UsageError,
 )
 from imagebuild.core.fsutil import (
@@ -77,6 +78,8 @@ class Pin:
     ref_key: str
     prs_key: str
     follows: str | None = None  # the branch or tag the pin follows (NAME_REF=<name>@<sha>)
+    env_display: str = "versions.env"  # how errors name the file
+    ref_line: int | None = None  # NAME_REF's line in it
 
     def ref_value(self) -> str:
         """NAME_REF as versions.env holds it: ``<name>@<sha>`` when it follows a name."""
@@ -193,7 +196,8 @@ def _pins(defn: d.Definition) -> dict[str, Pin]:
     for name, src in sorted(defn.sources.items()):
         opts = defn.source_options.get(name) or d.default_source_options(name)
         out[name] = Pin(name, src.repo, src.ref, [[p.number, p.sha] for p in src.prs], opts,
-                        f"{name}_REF", f"{name}_PRS", src.follows)
+                        f"{name}_REF", f"{name}_PRS", src.follows, defn.env.display,
+                        defn.env.line_of(f"{name}_REF"))
     return out
 
 
@@ -462,6 +466,10 @@ def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: Imag
     name = p.ref if ref_is_name else (p.follows if refreshing else None)
     if name:
         patterns += [f"refs/heads/{name}", f"refs/tags/{name}", f"refs/tags/{name}^{{}}"]
+    # a pin that says which branch it follows (NAME_REF=<branch>@<sha>) is checked to be on it
+    on_branch = p.follows if (not ref_is_name and p.follows and not refreshing) else None
+    if on_branch:
+        patterns += [f"refs/heads/{on_branch}", f"refs/tags/{on_branch}"]
     want_prs = [n for n, s in p.prs if s is None or refreshing]
     patterns += [f"refs/pull/{n}/head" for n in want_prs]
     if not patterns:
@@ -490,7 +498,10 @@ def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: Imag
                 rep.moved.append({"source": p.name, "ref": name, "from": p.ref, "to": sha})
                 log.info("  %s: %s moved %s -> %s", p.name, name, p.ref[:12], sha[:12])
             p.ref, p.follows = sha, name
+    if on_branch and f"refs/tags/{on_branch}" not in refs:  # a tag pin is compared by --refresh
+        _check_on_branch(p, m, on_branch, refs.get(f"refs/heads/{on_branch}"), rep)
     states = _github_states(p.repo, want_prs)
+    missing_prs: list[int] = []
     for item in p.prs:
         n, old = item
         if n not in want_prs:
@@ -514,13 +525,8 @@ def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: Imag
                 item[1] = api_head
                 continue
             if old is None:
-                asked = "the pull-request API did not name its head either" if _github_repo(p.repo) else \
-                    "and it is no GitHub repository, whose API could name the head"
-                raise gitcache.RemoteMissing(
-                    f"{p.name}: pull request {n} not found: {gitcache.redact(p.repo)} has no refs/pull/{n}/head, "
-                    f"{asked}",
-                    hint=f"check the number in {p.prs_key}; a closed PR whose ref is gone can still be used "
-                    f"pinned as {n}@<sha> (GITHUB_TOKEN raises the API's rate limit)")
+                missing_prs.append(n)
+                continue
             msg = f"{p.name}: PR {n}: refs/pull/{n}/head is gone upstream; keeping the pinned {old[:12]}"
             rep.notices.append(msg)
             log.warning("  warning: %s", msg)
@@ -529,6 +535,39 @@ def _resolve(p: Pin, cache: gitcache.Cache, refresh: list[str] | None, rep: Imag
             rep.moved.append({"source": p.name, "number": n, "from": old, "to": head})
             log.info("  %s: PR %d moved %s -> %s", p.name, n, old[:12], head[:12])
         item[1] = head
+    if missing_prs:  # every number that is no pull request with a head, at once
+        one = len(missing_prs) == 1
+        nums = ", ".join(str(n) for n in missing_prs)
+        refs_txt = f"refs/pull/{nums}/head" if one else "refs/pull/N/head for any of them"
+        asked = (f"the pull-request API did not name {'its head' if one else 'their heads'} either"
+                 if _github_repo(p.repo) else "and it is no GitHub repository, whose API could name the head")
+        raise gitcache.RemoteMissing(
+            f"{p.name}: pull request{'' if one else 's'} {nums} not found: {gitcache.redact(p.repo)} has no "
+            f"{refs_txt}, {asked}",
+            hint=f"check the numbers in {p.prs_key}; a closed PR whose ref is gone can still be used "
+            f"pinned as {missing_prs[0] if one else 'N'}@<sha> (GITHUB_TOKEN raises the API's rate limit)")
+
+
+def _check_on_branch(p: Pin, m, branch: str, tip: str | None, rep: ImageReport) -> None:
+    """``NAME_REF=<branch>@<sha>``: the pinned commit must be in the branch's history (the log's
+    "b12x master 139e0405" is only true if it is). A branch gone upstream is a warning."""
+    if tip is None:
+        msg = f"{p.name}: {p.ref_key} follows {branch}, which is gone upstream; the pin {p.ref[:12]} is kept"
+        rep.notices.append(msg)
+        log.warning("  warning: %s", msg)
+        return
+    if tip != p.ref:
+        m.fetch([tip, p.ref], p.name)
+        r = m.git("merge-base", "--is-ancestor", p.ref, tip, check=False)
+        if r.returncode == 1:
+            raise DefinitionError([Problem(
+                p.env_display, f"{p.ref_key}={branch}@{p.ref}: that commit is not on {branch} of "
+                f"{gitcache.redact(p.repo)} (its tip is {tip[:12]})", key=p.ref_key, line=p.ref_line,
+                hint=f"pin a commit of {branch}, or write the branch the commit is on before the @")])
+        if r.returncode != 0:
+            raise OperationFailed(f"{p.name}: cannot tell whether {p.ref[:12]} is on {branch}: "
+                                  + r.stdout.decode("utf-8", "replace").strip()[-200:])
+    log.info("  %s: %s is on %s", p.name, p.ref[:12], branch)
 
 
 def _github_repo(url: str):

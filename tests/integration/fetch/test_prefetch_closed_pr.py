@@ -62,3 +62,33 @@ def test_without_a_head_from_the_api_it_stays_an_error_and_writes_nothing(upstre
     assert "4@<sha>" in r.err
     assert (root / "docker-images" / IMAGE / "versions.env").read_text() == env_before
     assert not (root / "docker-images" / IMAGE / "lock.json").exists()
+
+
+def test_every_number_without_a_head_is_named_at_once(upstreams, tmp_path):  # noqa: F811
+    """The log's "PR heads 260-270" and "master + 6/5 PRs" disagree: prefetch names every number in
+    the list that is no pull request with a head, not only the first."""
+    root = make_project(tmp_path, upstreams, prs="1 77 2 78")
+    env_before = (root / "docker-images" / IMAGE / "versions.env").read_text()
+    r = prefetch(root, tmp_path / "cache")
+    assert r.code == 1, r.err
+    assert "pull requests 77, 78 not found" in r.err and "Traceback" not in r.err
+    assert (root / "docker-images" / IMAGE / "versions.env").read_text() == env_before
+
+
+def test_a_pin_that_follows_a_branch_must_be_on_it(upstreams, tmp_path):  # noqa: F811
+    """NAME_REF=<branch>@<sha>: prefetch checks that the commit is in the branch's history (the
+    definition's b12x pin says master@139e0404...; the log only says "master 139e0405")."""
+    shas = upstreams.shas
+    root = make_project(tmp_path, upstreams, prs="2")
+    _edit_env(root, f"APP_REF={shas['app_base']}", f"APP_REF=main@{shas['app_base']}")
+    r = prefetch(root, tmp_path / "cache")
+    assert r.code == 0, r.err
+    assert "is on main" in r.err
+    # a PR head is no commit of main
+    root2 = make_project(tmp_path / "two", upstreams, prs="2")
+    _edit_env(root2, f"APP_REF={shas['app_base']}", f"APP_REF=main@{shas['pr1']}")
+    env_before = (root2 / "docker-images" / IMAGE / "versions.env").read_text()
+    r = prefetch(root2, tmp_path / "cache2")
+    assert r.code == 2, r.err
+    assert f"APP_REF=main@{shas['pr1']}: that commit is not on main" in r.err and "versions.env:" in r.err
+    assert (root2 / "docker-images" / IMAGE / "versions.env").read_text() == env_before
