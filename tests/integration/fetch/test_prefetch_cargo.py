@@ -314,3 +314,24 @@ def test_tree_without_cargo_lock_has_no_cargo_artifact_and_switch_0(repo, env, t
     ms = source_mounts.source_mounts(read_lock(root), "build", ["APP"])
     assert [m.name for m in ms.mounts] == ["APP"] and ms.cargo_config() is None
     assert "CARGO_HOME" not in ms.script()
+
+
+def test_bundle_carries_the_vendored_crates(repo, env, tmp_path):
+    """An air-gapped node gets the crates too: bundle holds the cargo tarball, and the SHA256SUMS it
+    carries is the one prefetch wrote (both tarballs)."""
+    up, _plain, with_rust = repo
+    root = make_project(tmp_path, up.url(), with_rust)
+    assert prefetch(root, tmp_path / "cache").code == 0
+    cg = read_lock(root)["sources"]["APP"]["cargo"]
+    out = tmp_path / "b.tar"
+    r = run_cli("--root", str(root), "bundle", IMAGE, "-o", str(out))
+    assert r.code == 0, r.err
+    with tarfile.open(out) as tf:
+        assert cg["tarball"] in tf.getnames()
+        sums = tf.extractfile(f"deps-src/{IMAGE}/src/SHA256SUMS").read()
+    assert sums == (root / f"deps-src/{IMAGE}/src/SHA256SUMS").read_bytes()
+    node = tmp_path / "node"
+    shutil.copytree(root / "docker-images", node / "docker-images", ignore=shutil.ignore_patterns("lock.json"))
+    r = run_cli("--root", str(node), "unbundle", str(out))
+    assert r.code == 0, r.err
+    assert (node / cg["tarball"]).read_bytes() == (root / cg["tarball"]).read_bytes()
