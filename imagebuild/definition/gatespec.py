@@ -19,7 +19,8 @@ difflib = lazy.module("difflib")  # error hints only
 
 SPEC_VERSION = 1
 TOP_KEYS = ("version", "description", "python", "timeout", "checks")
-COMMON_KEYS = ("id", "kind", "description", "requires", "severity")
+COMMON_KEYS = ("id", "kind", "description", "requires", "severity", "when")
+WHEN_KEY_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 SEVERITIES = ("error", "warn")
 REQUIRES = ("gpu",)
 ID_RE = lazy.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
@@ -61,11 +62,24 @@ class Check:
     severity: str = "error"
     description: str | None = None
     line: int = 0
+    # runs only when the image definition's versions.env has these values (key, value); () = always
+    when: tuple[tuple[str, str], ...] = ()
 
     def as_dict(self) -> dict:
         return {"id": self.id, "kind": self.kind, "severity": self.severity,
                 "requires": ["gpu"] if self.requires_gpu else [], "description": self.description,
-                "params": self.params}
+                "params": self.params, **({"when": dict(self.when)} if self.when else {})}
+
+    def when_unmet(self, env: dict[str, str] | None) -> str | None:
+        """Why ``when:`` keeps this check from running with the definition's versions.env ``env``
+        (None: it runs). ``env`` None (a bare image reference, no definition) cannot satisfy it."""
+        if not self.when:
+            return None
+        want = ", ".join(f"{k}={v}" for k, v in self.when)
+        if env is None:
+            return f"when {want}: no image definition (a bare image reference) to read versions.env from"
+        diff = [f"{k}={env.get(k, '(not set)')}" for k, v in self.when if env.get(k) != v]
+        return f"not applicable: when {want}; versions.env has {', '.join(diff)}" if diff else None
 
 
 @dataclass(frozen=True)
@@ -270,6 +284,21 @@ def _check(p: _Problems, cn: yamlread.Node, i: int) -> Check | None:
             else:
                 requires_gpu = True
     description = _opt_str(p, m, "description", f"{label}.description")
+    when: list[tuple[str, str]] = []
+    if "when" in m:
+        wn = m["when"]
+        if not isinstance(wn.value, dict) or not wn.value:
+            p.err(wn.line, f"{label}.when", "expected a mapping of versions.env keys to values",
+                  hint="e.g. when: {VLLM_REQUIRE_RUST_FRONTEND: \"1\"}")
+        else:
+            for k, vn in wn.value.items():
+                if not WHEN_KEY_RE.match(str(k)):
+                    p.err(vn.line, f"{label}.when", f"invalid versions.env key {k!r}")
+                elif isinstance(vn.value, bool) or not isinstance(vn.value, (str, int)):
+                    p.err(vn.line, f"{label}.when.{k}", f"expected a string or number, got {vn.plain()!r}",
+                          hint="quote it: versions.env values are text")
+                else:
+                    when.append((str(k), str(vn.value)))
 
     params: dict = {}
     if kind is not None:
@@ -284,7 +313,7 @@ def _check(p: _Problems, cn: yamlread.Node, i: int) -> Check | None:
         params = _PARAMS[kind](p, m, label)
     if len(p.items) != before or cid is None or kind is None:
         return None
-    return Check(cid, kind, params, requires_gpu, severity, description, cn.line)
+    return Check(cid, kind, params, requires_gpu, severity, description, cn.line, tuple(when))
 
 
 # ---------------------------------------------------------------------------------------------

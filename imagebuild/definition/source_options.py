@@ -19,7 +19,8 @@ from imagebuild.definition import envfile
 
 difflib = lazy.module("difflib")  # error hints only
 
-SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules", "exclude")
+SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules", "exclude",
+               "cargo_switch")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # an override may also be a CMake cache variable, which may hold '-', '.', '+'
 # (FetchContent's own FETCHCONTENT_SOURCE_DIR_VLLM-FLASH-ATTN); only ENV_NAME_RE names can be env vars
@@ -44,6 +45,9 @@ class SourceOptions:
     line: int | None = None  # where image.yaml declares it (None: defaults)
     # FetchContent declarations of this source's tree that no source pins, on purpose: (name, reason)
     exclude: tuple[tuple[str, str], ...] = ()
+    # a versions.env key prefetch sets to 1 when the composed tree has Rust crates (a Cargo.lock it
+    # vendored), else 0 (VLLM_REQUIRE_RUST_FRONTEND); None: none
+    cargo_switch: str | None = None
 
     def setting(self) -> dict:
         """The settings as the lock records them (compared by prefetch's no-change check)."""
@@ -51,7 +55,9 @@ class SourceOptions:
         return {"scan_fetchcontent": self.scan_fetchcontent, "dependency_of": self.dependency_of,
                 "declares": self.declares, "env": self.env, "subdir": self.subdir,
                 "submodules": SUBMODULES_DECLARED if sub is None else (list(sub) if isinstance(sub, tuple) else sub),
-                "exclude": {n: r for n, r in self.exclude}}
+                "exclude": {n: r for n, r in self.exclude},
+                # only when set: the settings of locks written before it stay the same
+                **({"cargo_switch": self.cargo_switch} if self.cargo_switch else {})}
 
     def excluded(self, declared_name: str) -> str | None:
         """The reason ``declared_name`` is excluded, or None."""
@@ -110,7 +116,7 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             ex = _exclude(m["exclude"], yfile, f"{where}.exclude", err)
             if ex is not _BAD:
                 vals["exclude"] = ex
-        for key in ("dependency_of", "declares", "env", "subdir"):
+        for key in ("dependency_of", "declares", "env", "subdir", "cargo_switch"):
             if key in m:
                 v = m[key].value
                 if not isinstance(v, str) or not v.strip():
@@ -131,6 +137,10 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             err(yfile, f"invalid variable name {vals['env']!r}", line=kl("env"), key=f"{where}.env",
                 hint="e.g. VLLM_CUTLASS_SRC_DIR or FETCHCONTENT_SOURCE_DIR_CUTLASS")
             vals.pop("env")
+        if "cargo_switch" in vals and not ENV_NAME_RE.match(vals["cargo_switch"]):
+            err(yfile, f"invalid versions.env key {vals['cargo_switch']!r}", line=kl("cargo_switch"),
+                key=f"{where}.cargo_switch", hint="e.g. VLLM_REQUIRE_RUST_FRONTEND")
+            vals.pop("cargo_switch")
         if "subdir" in vals:
             sp = PurePosixPath(vals["subdir"])
             if sp.is_absolute() or ".." in sp.parts or "\\" in vals["subdir"] or str(sp) == ".":
@@ -145,7 +155,7 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             scan_fetchcontent=vals.get("scan_fetchcontent", not vals.get("dependency_of")),
             dependency_of=vals.get("dependency_of"), declares=declares, env=vals.get("env"),
             subdir=vals.get("subdir"), submodules=vals.get("submodules"), line=line,
-            exclude=vals.get("exclude", ()))
+            exclude=vals.get("exclude", ()), cargo_switch=vals.get("cargo_switch"))
         lines[name] = {k: m[k].line for k in m}
     # no cycles through dependency_of
     in_cycle: set[str] = set()

@@ -105,6 +105,8 @@ def items(image: str, lock: dict, lock_disp: str) -> list[Item]:
         if not isinstance(e, dict) or not e.get("tarball"):
             raise OperationFailed(f"{lock_disp}: sources.{name}: no tarball", hint=f"imagebuild prefetch {image}")
         add(e["tarball"], e.get("sha256"), f"sources.{name}")
+        if isinstance(e.get("cargo"), dict):  # its vendored Rust crates (fetch/cargo.py)
+            add(str(e["cargo"].get("tarball")), e["cargo"].get("sha256"), f"sources.{name}.cargo")
     if lock.get("sources"):
         out[f"deps-src/{image}/src/{SRC_SUMS}"] = Item(f"deps-src/{image}/src/{SRC_SUMS}", _src_sums_sha(lock))
     for section, extra in (("wheels", "install_requirements"), ("apt", "generated")):
@@ -125,9 +127,9 @@ def items(image: str, lock: dict, lock_disp: str) -> list[Item]:
 
 def _src_sums_sha(lock: dict) -> str:
     """The sha256 of deps-src/<image>/src/SHA256SUMS as prefetch writes it for this lock."""
-    srcs = (lock.get("sources") or {}).values()
-    text = "".join(f"{e['sha256']}  {PurePosixPath(e['tarball']).name}\n"
-                   for e in sorted(srcs, key=lambda e: PurePosixPath(e["tarball"]).name))
+    packed = {PurePosixPath(x["tarball"]).name: x["sha256"] for e in (lock.get("sources") or {}).values()
+              for x in (e, e.get("cargo")) if isinstance(x, dict)}
+    text = "".join(f"{sha}  {name}\n" for name, sha in sorted(packed.items()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

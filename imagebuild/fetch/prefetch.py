@@ -51,6 +51,7 @@ from imagebuild.core.fsutil import (
     sha256_file,
 )
 from imagebuild.definition import reader as d
+from imagebuild.fetch import cargo as cargo_mod
 from imagebuild.fetch import compose as compose_mod
 from imagebuild.fetch import depcheck, fetchcontent, gitcache, packages, tarball
 
@@ -275,6 +276,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         if digest is None:
             log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
             digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
+        crates = _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep)
         decl = info.decl if info else None
         scanned = p.name in scans
         return {
@@ -296,6 +298,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
                                                                         key=lambda x: x.name.lower())]
                              if scanned else None),
             "excluded": check.excluded.get(p.name) if scanned else None,
+            "cargo": crates,
         }
 
     entries = _pmap(do_pack, pins.values(), jobs)
@@ -314,6 +317,12 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         if old != new:
             updates[p.prs_key] = p.prs_value()
             rep.pinned.append({"key": p.prs_key, "from": " ".join(old), "to": p.prs_value()})
+        if p.opts.cargo_switch:  # 1 when the composed tree has Rust crates (vendored), else 0
+            want = "1" if sources[p.name]["cargo"] else "0"
+            have = defn.env.get(p.opts.cargo_switch)
+            if have != want:
+                updates[p.opts.cargo_switch] = want
+                rep.pinned.append({"key": p.opts.cargo_switch, "from": have or "", "to": want})
     if updates:
         defn.env.update(updates)
         for u in rep.pinned:
@@ -321,12 +330,13 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     for name, per_stage in _check_patches(defn, sources, rep).items():
         sources[name]["patch_check"] = per_stage
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
-    sums = "".join(f"{e['sha256']}  {Path(e['tarball']).name}\n"
-                   for e in sorted(sources.values(), key=lambda e: Path(e["tarball"]).name))
+    packed = {Path(x["tarball"]).name: x["sha256"] for e in sources.values()
+              for x in (e, e.get("cargo")) if isinstance(x, dict)}
+    sums = "".join(f"{sha}  {name}\n" for name, sha in sorted(packed.items()))
 
     def commit() -> None:  # after the lock (the commit point): SHA256SUMS, then the old tarballs go
         atomic_write_text(srcdir / SUMS_FILE, sums)
-        _prune(srcdir, {Path(e["tarball"]).name for e in sources.values()})
+        _prune(srcdir, set(packed))
 
     lock.after_write(defn.dir, commit)
     rep.sources = sources
@@ -404,6 +414,36 @@ def _reusable(defn: d.Definition, p: Pin, old: dict | None, dest: Path, pid: str
     return None
 
 
+def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dict | None, srcdir: Path,
+           rep: ImageReport) -> dict | None:
+    """The lock's ``cargo`` record of a source: its Cargo.lock files vendored into one tarball
+    (fetch/cargo.py); None when the packed tree has none. Kept without running cargo when the
+    lock already has the same Cargo.lock files and the tarball is intact."""
+    listing = _local(lambda: tarball.list_tree(m, commit))
+    locks = cargo_mod.find_lockfiles(listing, p.opts.subdir)
+    if not locks:
+        return None
+    vid = cargo_mod.vendor_id(locks)
+    dest = srcdir / f"{p.name.lower()}-cargo-vendor-{vid[:12]}.tar.gz"
+    shown = d.display_path(defn.root, dest)
+    prev = old.get("cargo") if isinstance(old, dict) else None
+    if isinstance(prev, dict) and prev.get("vendor_id") == vid and prev.get("tarball") == shown and dest.is_file():
+        got = sha256_file(dest)
+        if got == prev.get("sha256"):
+            log.info("  %s: %s unchanged (kept; %s crates)", p.name, defn.rel(dest), prev.get("crates"))
+            return prev
+        msg = (f"{p.name}: {defn.rel(dest)} does not match the lock (sha256 {got}, the lock says "
+               f"{prev.get('sha256')}): vendoring its crates again")
+        rep.notices.append(msg)
+        log.warning("  warning: %s", msg)
+    log.info("  %s: vendoring the crates of %s into %s", p.name, ", ".join(x.path for x in locks), defn.rel(dest))
+    v = cargo_mod.vendor(p.name, m, commit, p.opts.subdir, locks, dest)
+    log.info("  %s: %d crates vendored (%s)", p.name, v.crates, v.cargo)
+    return {"format": cargo_mod.FORMAT, "vendor_id": vid, "tarball": shown, "sha256": v.tarball_sha256,
+            "lockfiles": [{"path": x.path, "blob": x.blob} for x in locks], "crates": v.crates,
+            "config": v.config, "cargo": v.cargo}
+
+
 def _build_id(defn: d.Definition) -> str:
     from imagebuild.plan.planner import make_plan
 
@@ -448,6 +488,17 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
             return None, f"{p.name}: {tb} is missing"
         if sha256_file(path) != e.get("sha256"):
             return None, f"{p.name}: {tb} does not match the lock's sha256"
+        if "cargo" not in e:
+            return None, f"{p.name}: the lock predates the Rust crates scan (Cargo.lock files)"
+        cg = e["cargo"]
+        if cg is not None:
+            if not isinstance(cg, dict) or cg.get("format") != cargo_mod.FORMAT or not isinstance(cg.get("tarball"), str):
+                return None, f"{p.name}: the lock's cargo record is of another format"
+            cpath = defn.root / cg["tarball"]
+            if not cpath.is_file() or sha256_file(cpath) != cg.get("sha256"):
+                return None, f"{p.name}: {cg['tarball']} is missing or does not match the lock's sha256"
+        if p.opts.cargo_switch and defn.env.get(p.opts.cargo_switch) != ("1" if cg else "0"):
+            return None, f"{p.name}: {p.opts.cargo_switch} in versions.env does not follow the lock's Rust crates"
     sums = state.deps_dir(defn.root, defn.name) / "src" / SUMS_FILE
     if not sums.is_file():
         return None, f"{defn.rel(sums)} is missing"

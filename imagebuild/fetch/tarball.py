@@ -279,3 +279,68 @@ def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
         except FileNotFoundError:
             pass
         raise
+
+
+def pack_dir(root: Path, dest: Path, mtime: int) -> str:
+    """Write a folder's files (not ``root`` itself) to ``dest`` atomically, in the same layout as
+    ``pack`` (sorted names, ``mtime``, owner 0, modes 0644/0755 by the owner's execute bit, symlinks
+    as symlinks, the same gzip members); return its SHA-256. For files that are not in git (the
+    crates ``cargo vendor`` writes): their bytes and names decide the archive, nothing else."""
+    check_deflate()
+    items: list[tuple[tuple[bytes, ...], str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        base = Path(dirpath)
+        for n in dirnames + filenames:
+            p = base / n
+            rel = p.relative_to(root).as_posix()
+            if not (p.is_symlink() or p.is_dir() or p.is_file()):
+                raise OperationFailed(f"{p}: not a file, folder or symlink; cannot pack it")
+            items.append((tuple(rel.encode("utf-8", "surrogateescape").split(b"/")), rel, p))
+    items.sort(key=lambda t: t[0])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as raw:
+            hf = _HashingFile(raw)
+            sink = _GzipSink(hf)
+            written = 0
+            for _key, name, p in items:
+                ti = tarfile.TarInfo("./" + name)
+                ti.mtime = mtime
+                ti.uid = ti.gid = 0
+                ti.uname = ti.gname = ""
+                data = b""
+                if p.is_symlink():
+                    ti.type = tarfile.SYMTYPE
+                    ti.mode = 0o777
+                    ti.linkname = os.readlink(p)
+                elif p.is_dir():
+                    ti.type = tarfile.DIRTYPE
+                    ti.mode = 0o755
+                else:
+                    data = p.read_bytes()
+                    ti.mode = 0o755 if os.stat(p).st_mode & 0o100 else 0o644
+                    ti.size = len(data)
+                header = ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
+                sink.write(header)
+                written += len(header)
+                if data:
+                    sink.write(data)
+                    sink.write(b"\0" * (-len(data) % tarfile.BLOCKSIZE))
+                    written += len(data) + (-len(data) % tarfile.BLOCKSIZE)
+            end = 2 * tarfile.BLOCKSIZE
+            end += -(written + end) % tarfile.RECORDSIZE
+            sink.write(b"\0" * end)
+            sink.close()
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+        return hf.h.hexdigest()
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise

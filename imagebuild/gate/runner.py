@@ -102,6 +102,7 @@ class Target:
     spec_path: Path
     spec_display: str
     authority: str = receipts.AUTHORITY_AD_HOC  # "definition": the definition's own spec ran
+    env: dict[str, str] | None = None  # the definition's versions.env (checks' `when:`); None: a bare REF
 
 
 def resolve(ctx: context_mod.Context | Path | None, target: str, *, ref: str | None = None,
@@ -124,7 +125,7 @@ def resolve(ctx: context_mod.Context | Path | None, target: str, *, ref: str | N
         # only the definition's own spec file proves its gate; any other --spec is an ad-hoc run
         own = dfn.gate is not None and spec_path.resolve() == Path(dfn.gate).resolve()
         return Target(root, target, ref or default_ref(target), spec_path, _display(root, spec_path, spec),
-                      receipts.AUTHORITY_DEFINITION if own else receipts.AUTHORITY_AD_HOC)
+                      receipts.AUTHORITY_DEFINITION if own else receipts.AUTHORITY_AD_HOC, dfn.env.values())
     if spec is None:
         where = f"under {root / defn_mod.IMAGES_DIR}" if root else "(no project root found)"
         raise UsageError(f"{target!r} is not an image definition {where}",
@@ -188,6 +189,7 @@ class GatePlugin:
     inspect: dict
     gpu: bool
     require_gpu: bool
+    env: dict[str, str] | None = None  # the definition's versions.env, for checks' `when:`
     transcript: list[str] = field(default_factory=list)
     results: dict[str, _Result] = field(default_factory=dict)
     collected: int = 0
@@ -230,6 +232,12 @@ class GatePlugin:
     # the one thing each item does
     def run_check(self, check: gatespec.Check) -> None:
         r = self.results.setdefault(check.id, _Result())
+        unmet = check.when_unmet(self.env)
+        if unmet is not None:
+            r.detail = unmet
+            if self.env is None:  # cannot tell whether it applies: never silently passed
+                pytest.fail(r.detail, pytrace=False)
+            pytest.skip(r.detail)
         if check.requires_gpu and not self.gpu:
             if self.require_gpu:
                 r.detail = "requires a GPU; this host has none (--require-gpu)"
@@ -360,7 +368,7 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
              len(spec.checks), f"GPU: {gpus[0]}" if gpu else "no GPU on this host")
 
     name = f"{CONTAINER_PREFIX}{ident.digest[7:19]}-{secrets.token_hex(4)}"
-    plugin = GatePlugin(spec, name, data, gpu, require_gpu)
+    plugin = GatePlugin(spec, name, data, gpu, require_gpu, target.env)
     container_log = ""
     exit_code = None
     reason = None

@@ -265,6 +265,10 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
             (entry or {}).get("dependency_of") or (defn.source_options[n].dependency_of
                                                    if n in defn.source_options else None),
             sde if isinstance(sde, int) else None, stale))
+        cg = entry.get("cargo") if entry else None
+        if isinstance(cg, dict):  # its vendored Rust crates (source_mounts.CARGO_SUFFIX), checked like it
+            out.append(MountedSource(n + source_mounts.CARGO_SUFFIX, cg.get("tarball"), cg.get("sha256"), n, None,
+                                     stale))
     return out
 
 

@@ -39,6 +39,10 @@ SCRIPT = "imagebuild-src.sh"
 MANIFEST = "imagebuild-src.json"
 SCHEMA = "imagebuild.source-mounts"
 VERSION = 1
+CARGO_VENDOR = f"{WORK}/cargo-vendor"  # every vendored crate of the stage's sources (fetch/cargo.py)
+CARGO_HOME = f"{WORK}/cargo-home"  # a fresh CARGO_HOME whose config.toml replaces crates-io with it
+CARGO_SUFFIX = ".cargo-vendor"  # the mount of NAME's crates is NAME.cargo-vendor
+CARGO_DIR_PLACEHOLDER = "@IMAGEBUILD_CARGO_VENDOR_DIR@"  # fetch/cargo.py writes it in the lock's config
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,23 @@ class Mounts:
     mounts: tuple[Mount, ...] = ()
     excluded: tuple[Excluded, ...] = ()
     missing: tuple[str, ...] = field(default=())  # sources the lock has no usable entry for
+    cargo: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (source, cargo's config, Cargo.lock paths)
+
+    def cargo_config(self, vendor_dir: str = CARGO_VENDOR) -> str | None:
+        """The config.toml of the stage's CARGO_HOME: each source's replacement of crates-io (and of
+        its git sources) by ``vendor_dir``, every table once, and ``net.offline = true``; None when
+        no source has crates."""
+        if not self.cargo:
+            return None
+        seen: set[str] = set()
+        out: list[str] = []
+        for _name, text, _locks in self.cargo:
+            for header, body in _toml_tables(text.replace(CARGO_DIR_PLACEHOLDER, vendor_dir)):
+                if header in seen or header == "[net]":
+                    continue
+                seen.add(header)
+                out += [header, *body, ""]
+        return "\n".join(out + ["[net]", "offline = true"]) + "\n"
 
     @property
     def complete(self) -> bool:
@@ -96,7 +117,9 @@ class Mounts:
         return {"schema": SCHEMA, "version": VERSION, "stage": self.stage, "sources": list(self.sources),
                 "context": CONTEXT, "mount": MOUNT, "work": WORK, "script": SCRIPT,
                 "mounts": [m.as_dict() for m in self.mounts], "excluded": [x.as_dict() for x in self.excluded],
-                "missing": list(self.missing)}
+                "missing": list(self.missing),
+                "cargo": {"home": CARGO_HOME, "vendor": CARGO_VENDOR,
+                          "lockfiles": {n: list(locks) for n, _t, locks in self.cargo}} if self.cargo else None}
 
     def script(self) -> str:
         return _script(self)
@@ -143,6 +166,7 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
     mounts: list[Mount] = []
     excluded: list[Excluded] = []
     missing: list[str] = []
+    cargo: list[tuple[str, str, tuple[str, ...]]] = []
     for name in closure(lock, sources):
         e = srcs.get(name)
         if not isinstance(e, dict) or not e.get("tarball") or not e.get("sha256"):
@@ -157,11 +181,34 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
             ovs.append(Override(e["env"], "env", where))
         mounts.append(Mount(name, e["tarball"], f"{name}.tar.gz", e["sha256"], where, e.get("dependency_of"),
                             tuple(ovs), _str(e.get("commit")), _str(e.get("version"))))
+        cg = e.get("cargo")
+        if isinstance(cg, dict):  # its Rust crates (every Cargo.lock of the tree), vendored
+            if not cg.get("tarball") or not cg.get("sha256") or not isinstance(cg.get("config"), str):
+                missing.append(name + CARGO_SUFFIX)
+            else:
+                mounts.append(Mount(name + CARGO_SUFFIX, cg["tarball"], f"{name}{CARGO_SUFFIX}.tar.gz", cg["sha256"],
+                                    CARGO_VENDOR, name))
+                locks = tuple(str(x.get("path")) for x in cg.get("lockfiles") or [] if isinstance(x, dict))
+                cargo.append((name, cg["config"], locks))
         for x in e.get("excluded") or []:
             if isinstance(x, dict) and x.get("name"):
                 excluded.append(Excluded(x["name"], name, str(x.get("reason", "")),
                                          f"{x.get('file')}:{x.get('line')}"))
-    return Mounts(stage, sources, tuple(mounts), tuple(excluded), tuple(missing))
+    return Mounts(stage, sources, tuple(mounts), tuple(excluded), tuple(missing), tuple(cargo))
+
+
+def _toml_tables(text: str) -> list[tuple[str, list[str]]]:
+    """(header, lines) of each table of the config ``cargo vendor`` printed (comments dropped)."""
+    out: list[tuple[str, list[str]]] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            out.append((line, []))
+        elif out:
+            out[-1][1].append(line)
+    return out
 
 
 def _q(text: str) -> str:
@@ -214,6 +261,15 @@ def _script(ms: Mounts) -> str:
             lines.append(f"echo {_q(f'imagebuild-src: {a} (CMAKE_ARGS)')} >&2")
     else:
         lines.append("export IMAGEBUILD_CMAKE_ARGS=")
+    cfg = ms.cargo_config()
+    if cfg is not None:  # Rust crates: a fresh CARGO_HOME whose config points cargo at the vendored ones
+        locks = "; ".join(f"{n}: {', '.join(ls)}" for n, _t, ls in ms.cargo)
+        lines.append(f"mkdir -p {CARGO_HOME} || return 1 2>/dev/null || exit 1")
+        lines.append(f"cat > {CARGO_HOME}/config.toml <<'IMAGEBUILD_CARGO_CONFIG'")
+        lines += cfg.rstrip("\n").split("\n")
+        lines.append("IMAGEBUILD_CARGO_CONFIG")
+        lines.append(f"export CARGO_HOME={CARGO_HOME} CARGO_NET_OFFLINE=true")
+        lines.append(f"echo {_q(f'imagebuild-src: CARGO_HOME={CARGO_HOME}: crates-io replaced by {CARGO_VENDOR}, offline ({locks})')} >&2")
     for x in ms.excluded:
         text = (f"imagebuild-src: {x.name} is excluded on purpose ({x.reason}; declared by {x.declared_by} at "
                 f"{x.where}): it is not in this build, so a step that needs it fails offline")

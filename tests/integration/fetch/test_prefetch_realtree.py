@@ -102,8 +102,8 @@ def _project(base: Path, real: dict, *, deps: bool) -> Path:
     img.mkdir(parents=True, exist_ok=True)
     env = ["BASE_IMAGE=imagebuild-test/busybox:1",
            "# STAND-IN: the snapshot's tree committed here (the real commit is 28be48fa944d8c58aeffd1ab1b56e27828c6b268)",
-           f"VLLM_REPO={real['vllm'].url()}", f"VLLM_REF={real['stand_in']}"]
-    sources = ["sources:", "  VLLM:", "    exclude:"] + [f'      {n}: "{r}"' for n, r in CPU_ONLY.items()]
+           f"VLLM_REPO={real['vllm'].url()}", f"VLLM_REF={real['stand_in']}", "VLLM_REQUIRE_RUST_FRONTEND=1"]
+    sources = ["sources:", "  VLLM:", "    cargo_switch: VLLM_REQUIRE_RUST_FRONTEND", "    exclude:"] + [f'      {n}: "{r}"' for n, r in CPU_ONLY.items()]
     if deps:  # stand-in repositories for every CUDA dependency (their commits are not the declared ones)
         env += [f"CUTLASS_REPO={real['cutlass'].url()}", "CUTLASS_REF=v4.4.2",
                 f"FLASH_ATTN_REPO={real['fa'].url()}", f"FLASH_ATTN_REF={real['fa'].head()}",
@@ -193,6 +193,10 @@ def test_prefetch_and_plan_the_real_tree_with_stand_in_dependencies(real, tmp_pa
     assert s["FLASH_ATTN"]["declared_as"]["matches"] is False
     assert any(n.startswith("FLASH_ATTN: pinned") and "differs from bce29425653e" in n for n in rep["notices"])
     assert [x["name"] for x in s["VLLM"]["excluded"]] == ["arm_compute", "oneDNN"]
+    # the snapshot has no rust/Cargo.lock: no crates vendored, the Rust frontend switched off
+    assert s["VLLM"]["cargo"] is None
+    assert "VLLM_REQUIRE_RUST_FRONTEND=0\n" in (root / "docker-images" / IMAGE / "versions.env").read_text()
+    assert {"key": "VLLM_REQUIRE_RUST_FRONTEND", "from": "1", "to": "0"} in rep["pinned"]
     assert any("'oneDNN' is declared more than once" in n for n in rep["notices"])
     plan = json.loads(run_cli("--root", str(root), "plan", IMAGE, "--no-engine", "--json").out)
     mounts = plan["stages"][0]["mounts"]

@@ -465,3 +465,29 @@ def test_junit_creates_missing_parent_folders(engine_ready, state, tmp_path, mon
     r = run_cli("gate", BUSYBOX, "--spec", str(spec), "--junit", "rel/out/junit.xml")
     assert r.code == 0, r.err
     assert (tmp_path / "rel" / "out" / "junit.xml").is_file()
+
+
+def test_when_follows_the_definitions_versions_env(gate_image, project, monkeypatch):
+    """A check with `when:` runs only when versions.env has those values (glm53's Rust tool parser
+    follows VLLM_REQUIRE_RUST_FRONTEND); skipped, never passed, otherwise; a bare REF cannot tell."""
+    monkeypatch.delenv("IMAGEBUILD_STATE_DIR", raising=False)
+    monkeypatch.setenv(gate.NO_GPU_ENV, "1")
+    img = project / "docker-images" / "tiny"
+    (img / "gate.yaml").write_text(
+        "checks:\n  - {id: title, kind: metadata, labels: {org.opencontainers.image.title: gatedemo}}\n"
+        "  - {id: rust, kind: import, module: no_such_rust_parser, when: {NEEDS_RUST: \"1\"}}\n")
+    env = img / "versions.env"
+    env.write_text(env.read_text() + "NEEDS_RUST=0\n")
+    r = run_cli("--root", str(project), "gate", "tiny", "--ref", gate_image, "--json")
+    assert r.code == 0, r.err
+    out = {c["id"]: (c["outcome"], c["detail"]) for c in json.loads(r.out)["checks"]}
+    assert out["rust"] == ("skipped", "not applicable: when NEEDS_RUST=1; versions.env has NEEDS_RUST=0")
+    env.write_text(env.read_text().replace("NEEDS_RUST=0", "NEEDS_RUST=1"))
+    r = run_cli("--root", str(project), "gate", "tiny", "--ref", gate_image, "--json")
+    assert r.code == 4, r.err
+    out = {c["id"]: c["outcome"] for c in json.loads(r.out)["checks"]}
+    assert out == {"title": "passed", "rust": "failed"}
+    r = run_cli("--root", str(project), "gate", gate_image, "--spec", str(img / "gate.yaml"), "--json")
+    assert r.code == 4, r.err
+    rust = next(c for c in json.loads(r.out)["checks"] if c["id"] == "rust")
+    assert rust["outcome"] == "failed" and "no image definition" in rust["detail"]

@@ -231,3 +231,34 @@ def test_validate_reports_gate_spec_problems(project):
     r = run_cli("--root", str(project), "validate", "tiny")
     assert r.code == 2
     assert "docker-images/tiny/gate.yaml:2: checks[a].kind: unknown check kind 'imprt'" in r.err
+
+
+def test_when_parses_and_decides_from_versions_env():
+    spec = gatespec.parse(textwrap.dedent("""\
+        checks:
+          - {id: rust, kind: import, module: vllm._rust_tool_parser, when: {VLLM_REQUIRE_RUST_FRONTEND: "1"}}
+          - {id: num, kind: import, module: os, when: {A: 1, B: x}}
+          - {id: always, kind: import, module: os}
+        """), "gate.yaml")
+    rust = spec.check("rust")
+    assert rust.when == (("VLLM_REQUIRE_RUST_FRONTEND", "1"),)
+    assert rust.as_dict()["when"] == {"VLLM_REQUIRE_RUST_FRONTEND": "1"}
+    assert rust.when_unmet({"VLLM_REQUIRE_RUST_FRONTEND": "1"}) is None
+    assert rust.when_unmet({"VLLM_REQUIRE_RUST_FRONTEND": "0"}) == \
+        "not applicable: when VLLM_REQUIRE_RUST_FRONTEND=1; versions.env has VLLM_REQUIRE_RUST_FRONTEND=0"
+    assert "(not set)" in rust.when_unmet({})
+    assert "no image definition" in rust.when_unmet(None)
+    assert spec.check("num").when == (("A", "1"), ("B", "x"))
+    assert spec.check("always").when_unmet(None) is None and "when" not in spec.check("always").as_dict()
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("when: VLLM_REQUIRE_RUST_FRONTEND", "checks[a].when: expected a mapping of versions.env keys to values"),
+    ("when: {}", "checks[a].when: expected a mapping"),
+    ("when: {A: true}", "checks[a].when.A: expected a string or number"),
+    ("when: {A: [1]}", "checks[a].when.A: expected a string or number"),
+    ("when: {1A: x}", "invalid versions.env key '1A'"),
+])
+def test_when_problems(body, expected):
+    probs = _problems(f"checks:\n  - id: a\n    kind: import\n    module: os\n    {body}\n")
+    assert any(expected in p for p in probs), probs

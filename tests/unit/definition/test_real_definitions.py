@@ -195,3 +195,16 @@ def test_glm53_sm12x_check_agrees_with_the_patch_report(tmp_path, outcome, marke
     expr = expr.replace("/opt/imagebuild/patches.json", str(report)).replace(
         "importlib.util.find_spec('vllm').submodule_search_locations[0]", repr(str(pkg)))
     assert bool(eval(expr, {"json": json_mod, "importlib": importlib})) is passes
+
+
+def test_glm53_rust_frontend_follows_the_composed_tree():
+    """VLLM_REQUIRE_RUST_FRONTEND is prefetch's switch of the vLLM source (1 when the composed tree
+    has rust/Cargo.lock), and the gate checks the Rust tool parser exactly then."""
+    defn = definition.load(ROOT, "glm53-jovian-r12")
+    assert defn.source_options["VLLM"].cargo_switch == "VLLM_REQUIRE_RUST_FRONTEND"
+    assert defn.env.get("VLLM_REQUIRE_RUST_FRONTEND") in ("0", "1")
+    check = gatespec.load(defn.gate).check("vllm-rust-tool-parser")
+    assert check.kind == "import" and check.params["module"] == "vllm._rust_tool_parser"
+    assert check.when == (("VLLM_REQUIRE_RUST_FRONTEND", "1"),)
+    df = (defn.dir / "Dockerfile.vllm-wheel").read_text()
+    assert "ARG VLLM_REQUIRE_RUST_FRONTEND" in df and 'if [ "$VLLM_REQUIRE_RUST_FRONTEND" = 1 ]' in df
