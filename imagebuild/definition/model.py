@@ -71,7 +71,8 @@ BUILDKIT_ARGS = frozenset(
 
 STAGE_KEYS = ("name", "dockerfile", "from", "files", "patches", "sources", "network", "description",
               "requirements", "apt")
-TOP_KEYS = ("description", "platform", "stages", "gate", "sources", "python", "apt_snapshot", "build_metadata")
+TOP_KEYS = ("description", "platform", "stages", "gate", "sources", "python", "apt_snapshot", "build_metadata",
+            "verified_bases")
 
 
 def stage_arg(stage_name: str) -> str:
@@ -193,6 +194,7 @@ class Definition:
     apt_snapshot: str | None = None  # snapshot archive date (versions.env value)
     source_options: dict[str, SourceOptions] = field(default_factory=dict)
     build_metadata: str | None = None  # where the release writes eugr's build-metadata.yaml (absolute)
+    verified_bases: tuple[str, ...] = ()  # versions.env keys of bases pinned only from the engine's image
 
     def rel(self, path: Path) -> str:
         return display_path(self.root, path)

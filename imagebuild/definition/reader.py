@@ -77,6 +77,7 @@ def load(root: Path, name: str) -> Definition:
     python, apt_snapshot, _ = pkgspec.top_level(spec.value, yfile, env, c.err)
     source_options = source_options_mod.source_options(spec, yfile, env, sources, c.err)
     build_metadata = _build_metadata(spec.value.get("build_metadata"), yfile, c)
+    verified_bases = _verified_bases(spec.value.get("verified_bases"), yfile, env, c)
 
     stages: list[Stage] = []
     images: dict[str, ImageRef] = {}
@@ -103,7 +104,28 @@ def load(root: Path, name: str) -> Definition:
     return Definition(
         name=name, root=root, dir=d, platform=platform, description=description, env=env,
         stages=tuple(stages), sources=sources, images=images, gate=gate, notices=tuple(c.notices),
-        source_options=source_options, python=python, apt_snapshot=apt_snapshot, build_metadata=build_metadata)
+        source_options=source_options, python=python, apt_snapshot=apt_snapshot, build_metadata=build_metadata,
+        verified_bases=verified_bases)
+
+
+def _verified_bases(node, yfile: str, env, c: Collector) -> tuple[str, ...]:
+    """``verified_bases: [KEY, ...]``: base images (versions.env keys) the lane was verified on.
+    Prefetch pins such a base only from the image the engine holds, never from a registry tag."""
+    if node is None:
+        return ()
+    v = node.value
+    if not isinstance(v, list) or not all(isinstance(x.value, str) for x in v):
+        c.err(yfile, f"expected a list of versions.env keys, got {node.plain()!r}", line=node.line,
+              key="verified_bases", hint="e.g. verified_bases: [DSV4_BASE]")
+        return ()
+    out = []
+    for x in v:
+        if env.get(x.value) is None:
+            c.err(yfile, f"{x.value!r} is not a versions.env key", line=x.line or node.line, key="verified_bases",
+                  hint="name the key that holds the base image, e.g. DSV4_BASE")
+        else:
+            out.append(x.value)
+    return tuple(out)
 
 
 def _build_metadata(node, yfile: str, c: Collector) -> str | None:

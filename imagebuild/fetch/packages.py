@@ -253,6 +253,14 @@ def _resolve_tag(defn: d.Definition, ref: d.ImageRef, report: Report) -> str:
         digest = _local_digest(ref, info)
         if digest:
             return digest
+    if ref.key in defn.verified_bases:
+        where = "has no repository digest" if info is not None else "is not in the engine"
+        raise OperationFailed(
+            f"{defn.env.display}: {ref.key}: {tagged} {where}, and the definition marks this base as verified "
+            "(image.yaml verified_bases): a tag asked of its registry names whatever it points at today, not "
+            "the image the lane was verified on, so it is not resolved there",
+            hint=f"run prefetch against the engine that holds the verified image (imagebuild --engine ssh://<node> "
+            f"prefetch {defn.name}), or write its digest into versions.env: {ref.key}={tagged}@sha256:<64 hex>")
     report.need_network(f"{ref.key}: {tagged} is not in the local engine; its registry must be asked")
     digest = _registry_digest(tagged, defn.platform)
     if digest:

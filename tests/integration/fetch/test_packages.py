@@ -329,3 +329,45 @@ def test_base_tag_resolved_from_a_registry_and_pulled_by_digest(tmp_path, regist
                               capture_output=True, text=True).stdout.split()
         digests = [f"{name}@{pushed}"]
         subprocess.run(["docker", "image", "rm", "-f", *refs, *digests], capture_output=True)
+
+
+def test_a_verified_base_is_pinned_from_the_engine_never_from_its_registry(tmp_path, registry, engine_info):
+    """image.yaml `verified_bases`: the base the lane was verified on (dsv4's eugr/spark-vllm-b12x) is
+    pinned from the image the engine holds; a tag that only the registry can answer is refused,
+    since it names whatever the tag points at today."""
+    from imagebuild.core.errors import OperationFailed
+    from tests.conftest import BUSYBOX
+
+    name = f"{registry}/ib-pkgtest/verified"
+    subprocess.run(["docker", "tag", BUSYBOX, f"{name}:1"], check=True, capture_output=True)
+    subprocess.run(["docker", "push", "-q", f"{name}:1"], check=True, capture_output=True)
+    root = tmp_path / "project"
+    img = root / "docker-images" / "ver"
+    img.mkdir(parents=True)
+    (img / "versions.env").write_text(f"BASE_IMAGE={name}:1\n")
+    (img / "image.yaml").write_text("platform: linux/amd64\nverified_bases: [BASE_IMAGE]\n"
+                                    "stages:\n  - name: s\n    from: BASE_IMAGE\n")
+    (img / "Dockerfile.s").write_text("ARG PARENT\nFROM ${PARENT}\n")
+    try:
+        # in the engine (with its repository digest): pinned from there
+        local = json.loads(subprocess.run(["docker", "image", "inspect", f"{name}:1"], check=True,
+                                          capture_output=True).stdout)[0]["RepoDigests"][0].split("@")[1]
+        defn, rep = packages.prefetch_packages(root, "ver")
+        assert rep.pinned == [f"BASE_IMAGE={name}:1@{local}"] and rep.pulled == []
+        # not in the engine: refused, the registry is not asked
+        (img / "versions.env").write_text(f"BASE_IMAGE={name}:2\n")
+        subprocess.run(["docker", "tag", BUSYBOX, f"{name}:2"], check=True, capture_output=True)
+        subprocess.run(["docker", "push", "-q", f"{name}:2"], check=True, capture_output=True)
+        subprocess.run(["docker", "image", "rm", f"{name}:2"], check=True, capture_output=True)
+        with pytest.raises(OperationFailed, match=r"BASE_IMAGE: .*:2 is not in the engine, and the definition "
+                                                   r"marks this base as verified"):
+            packages.prefetch_packages(root, "ver")
+        assert (img / "versions.env").read_text() == f"BASE_IMAGE={name}:2\n"  # nothing written
+        # the key must exist
+        (img / "image.yaml").write_text((img / "image.yaml").read_text().replace("[BASE_IMAGE]", "[NOPE]"))
+        res = run_cli("--root", str(root), "validate", "ver")
+        assert res.code == 2 and "verified_bases" in res.err and "'NOPE' is not a versions.env key" in res.err
+    finally:
+        refs = subprocess.run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", name],
+                              capture_output=True, text=True).stdout.split()
+        subprocess.run(["docker", "image", "rm", "-f", *refs], capture_output=True)
