@@ -114,7 +114,7 @@ def resolve(defn: d.Definition, stage: d.Stage, index_args: list[str],
                and by_parent[r.key].version != r.version]
     if clashes:
         raise _refused(defn, stage, [
-            f"{req.display}:{r.line}: {r.spec()}, but stage {p.stage!r} installs {p.name}=={p.version} (its lock)"
+            (r.line, f"{r.spec()}, but stage {p.stage!r} installs {p.name}=={p.version} (its lock)")
             for r, p in clashes], hint="pin the parent's version here, or move the pin into the parent's "
             "requirements: a stage may add packages, never change what its parent installed")
     uv_version()  # a clear error when uv is missing
@@ -254,9 +254,10 @@ def resolution_error(defn: d.Definition, stage: d.Stage, out: str, parents: list
     lines = [f"conflicting requirements ({target_text(defn)}):"] + [f"  - {c}" for c in found]
     lines += ["resolver (uv pip compile):"] + [f"  {s}" for s in sentences]
     parent_hit = any(c.startswith("stage ") for c in found)
-    hint = ("move the pins named above to versions that resolve together (`uv pip compile --python-platform "
-            f"{python_platform(defn.platform, defn.python.glibc)} --python-version {defn.python.version} "
-            f"{req.display}` shows a resolution); the pins must resolve as one set, not one at a time")
+    hint = ("move the pins named above to versions that resolve together (`python -m uv pip compile --no-config "
+            f"--python-platform {python_platform(defn.platform, defn.python.glibc)} --python-version "
+            f"{defn.python.version} --no-build {req.display}` shows a resolution); the pins must resolve as one "
+            "set, not one at a time")
     if parent_hit:
         hint = ("the set would change a version a parent stage installs: pin that version here, or change the "
                 "parent's requirements; " + hint)
@@ -264,8 +265,10 @@ def resolution_error(defn: d.Definition, stage: d.Stage, out: str, parents: list
                     hint=hint)
 
 
-def _refused(defn: d.Definition, stage: d.Stage, messages: list[str], *, hint: str) -> DefinitionError:
-    return DefinitionError([Problem(file=stage.requirements.display, message=m, hint=hint) for m in messages],
+def _refused(defn: d.Definition, stage: d.Stage, messages: list, *, hint: str) -> DefinitionError:
+    """``messages``: strings, or (line, string) for a line of the requirements file."""
+    return DefinitionError([Problem(file=stage.requirements.display, message=m[1] if isinstance(m, tuple) else m,
+                                    line=m[0] if isinstance(m, tuple) else None, hint=hint) for m in messages],
                            image=defn.name)
 
 

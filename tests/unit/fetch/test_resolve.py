@@ -153,6 +153,6 @@ def test_a_runner_pin_that_differs_from_the_parent_is_refused_naming_both(tmp_pa
     with pytest.raises(DefinitionError) as ei:
         packages.prefetch_wheels(defn)
     text = ei.value.render()
-    assert (f"docker-images/{IMG}/requirements-runner.txt: docker-images/{IMG}/requirements-runner.txt:1: "
-            "gamma==1.0, but stage 'torch' installs gamma==2.0 (its lock)") in text
+    assert (f"docker-images/{IMG}/requirements-runner.txt:1: gamma==1.0, but stage 'torch' installs gamma==2.0 "
+            "(its lock)") in text
     _untouched(defn)
