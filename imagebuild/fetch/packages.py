@@ -9,9 +9,11 @@ installs them with no index, checking hashes. Three steps, each writing its own 
   engine's RepoDigests, else ``docker buildx imagetools inspect`` for the definition's platform),
   pinned in place in versions.env, and made present in the engine (pulled by digest when it is
   not); section ``images``.
-- ``prefetch_wheels``: per stage with ``requirements:``, ``pip download`` of binary wheels for
-  the definition's platform and Python (not the host's) into ``deps-src/<image>/wheels/<stage>/``
-  plus a generated, hashed ``requirements.txt``; section ``wheels``.
+- ``prefetch_wheels``: per stage with ``requirements:``, the requirement set is resolved as a whole
+  for the definition's platform and Python (not the host's), with the parent stages' locked pins as
+  constraints (``fetch/resolve.py``: uv's ``pip compile``); a set that does not resolve is refused.
+  Then ``pip download --no-deps`` of exactly the resolved versions into
+  ``deps-src/<image>/wheels/<stage>/`` plus a generated, hashed ``requirements.txt``; section ``wheels``.
 - ``prefetch_apt``: per stage with ``apt:``, the pinned base image runs once WITH network
   (``docker run --network host``, the only networked step, logged under the state folder) to
   resolve and download the exact versions and their dependencies into
@@ -61,6 +63,7 @@ from imagebuild.plan.package_inputs import (  # noqa: F401  (FORMAT, lock_for_pl
 # (docs/cli.md, "Start-up time")
 log = lazy.logger()
 run_mod = lazy.module("imagebuild.core.run")
+resolve_mod = lazy.module("imagebuild.fetch.resolve")
 shlex = lazy.module("shlex")
 shutil = lazy.module("shutil")
 tempfile = lazy.module("tempfile")
@@ -381,6 +384,26 @@ def _pip_error(defn: d.Definition, stage: d.Stage, out: str) -> OperationFailed:
                            hint="is the index reachable? (the index URLs come from versions.env via image.yaml)")
 
 
+def _indexes(defn: d.Definition, stage: d.Stage) -> tuple[pkgspec.Index, tuple]:
+    req = stage.requirements
+    py = defn.python
+    return req.index or py.index, req.extra_indexes if req.extra_indexes is not None else py.extra_indexes
+
+
+def _resolve(defn: d.Definition, st: d.Stage, parents: list) -> list[tuple[str, str]]:
+    """The stage's whole set for the target (fetch/resolve.py). Where the resolver finds no version
+    or no wheel of a requirement, pip's answer for it (the versions that do have one) is the error."""
+    try:
+        return resolve_mod.resolve(defn, st, pip_index_args(*_indexes(defn, st)), parents)
+    except resolve_mod.Unavailable as exc:
+        tmp = Path(tempfile.mkdtemp(prefix=f".why-{st.name}-", dir=_mkdir(state.state_dir(defn.root))))
+        try:
+            _pip_download(defn, st, exc.specs, tmp, no_deps=True)  # raises pip's message when it fails too
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _check_author_hashes(stage: d.Stage, files: dict[str, Path]) -> None:
     req = stage.requirements
     by_name: dict[str, list[Path]] = {}
@@ -411,8 +434,44 @@ def _write_requirements(defn: d.Definition, stage: d.Stage, dest: Path, wheels: 
 
 
 def prefetch_wheels(defn: d.Definition, report: Report | None = None) -> dict:
-    """Download every stage's wheels for the target; write the lock's ``wheels`` section."""
-    return _prefetch_section(defn, "wheels", lambda st: st.requirements is not None, _stage_wheels, report)
+    """Resolve every stage's requirement set as a whole for the target (with its parents' pins as
+    constraints: fetch/resolve.py), then download exactly those sets; write the lock's ``wheels``
+    section. Every stage is resolved before anything is downloaded, so a refused set leaves no files
+    and no lock behind. Stages come in build order: a parent's pins are known when its children resolve."""
+    report = report if report is not None else Report()
+    locked = _read_lock(defn).get("wheels") or {}
+    pins: dict[str, list[tuple[str, str]]] = {}
+    plans: dict[str, tuple[dict | None, list[tuple[str, str]] | None]] = {}
+    for st in defn.stages:
+        if st.requirements is None:
+            continue
+        parents = resolve_mod.parent_pins(defn, st, pins)
+        constraints = _constraints_entry(parents)
+        entry = locked.get(st.name)
+        if _reusable(entry, _digest(wheel_inputs(defn, st)), constraints):
+            pins[st.name] = [(pkgspec.normalise(w["name"]), w["version"]) for w in entry["files"]]
+            plans[st.name] = (constraints, None)
+        else:
+            report.need_network(f"stage {st.name!r}: its wheels are not locked for {st.requirements.display} as it is")
+            pins[st.name] = _resolve(defn, st, parents)
+            plans[st.name] = (constraints, pins[st.name])
+    section = {st.name: _stage_wheels(defn, st, locked.get(st.name), report, *plans[st.name])
+               for st in defn.stages if st.requirements is not None}
+    lock_mod.update_sections(defn.dir, defn.name, {"wheels": section})
+    return section
+
+
+def _reusable(entry: dict | None, inputs_sha: str, constraints: dict | None) -> bool:
+    return bool(entry) and entry.get("inputs_sha256") == inputs_sha and isinstance(entry.get("files"), list) \
+        and entry.get("constraints") == constraints
+
+
+def _constraints_entry(pins: list) -> dict | None:
+    """What the lock records of the parents' pins a stage was resolved against (None: no parent has wheels)."""
+    if not pins:
+        return None
+    return {"stages": sorted({p.stage for p in pins}),
+            "sha256": _digest({"pins": sorted((p.stage, p.name, p.version) for p in pins)})}
 
 
 def _prefetch_section(defn: d.Definition, name: str, wanted, fetch_stage, report: Report | None) -> dict:
@@ -451,11 +510,13 @@ def _restore_locked(defn: d.Definition, st: d.Stage, dest: Path, missing: list[d
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: Report) -> dict:
+def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: Report, constraints: dict | None,
+                  resolved: list[tuple[str, str]] | None) -> dict:
+    """Check or fetch the stage's wheels: the locked ones (``resolved`` None), else the resolved set."""
     inputs = wheel_inputs(defn, st)
     inputs_sha = _digest(inputs)
     dest = wheels_dir(defn, st.name)
-    if entry and entry.get("inputs_sha256") == inputs_sha and isinstance(entry.get("files"), list):
+    if resolved is None:
         missing = [w for w in entry["files"] if not _has(dest / w["filename"], w["sha256"])]
         if missing:
             report.need_network(f"stage {st.name!r}: {len(missing)} locked wheel(s) are missing or damaged")
@@ -476,12 +537,10 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
                              "files": len(entry["files"])})
         return {**entry, "install_requirements": {**entry["install_requirements"], "sha256": req_sha}}
 
-    report.need_network(f"stage {st.name!r}: its wheels are not locked for {st.requirements.display} as it is")
-    log.info("stage %s: resolving %d requirement(s) for %s, CPython %s", st.name, len(st.requirements.items),
-             defn.platform, defn.python.version)
+    log.info("stage %s: downloading the %d wheel(s) of the resolved set", st.name, len(resolved))
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
     try:
-        _pip_download(defn, st, [r.spec() for r in st.requirements.items], tmp, no_deps=False)
+        _pip_download(defn, st, [f"{n}=={v}" for n, v in resolved], tmp, no_deps=True)
         files = {p.name: p for p in sorted(tmp.iterdir()) if p.is_file()}
         stray = [n for n in files if not n.endswith(".whl")]
         if stray:
@@ -499,7 +558,7 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
                 report.downloaded.append(fn)
             wheels.append({"filename": fn, "name": name, "version": version, "sha256": sha,
                            "size": p.stat().st_size, "requested": name in requested})
-        missing = requested - {w["name"] for w in wheels}
+        missing = {n for n, _ in resolved} - {w["name"] for w in wheels}
         if missing:
             raise OperationFailed(f"stage {st.name!r}: pip returned no wheel for {', '.join(sorted(missing))}")
         wheels.sort(key=lambda w: (w["name"], w["filename"]))
@@ -511,7 +570,8 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
     entry = {"inputs_sha256": inputs_sha, "requirements": st.requirements.display,
              "requirements_sha256": st.requirements.sha256, "python": py.version, "glibc": py.glibc,
              "platform": defn.platform, "index_url": inputs["index_url"],
-             "extra_index_urls": inputs["extra_index_urls"], "dir": _rel(defn, dest), "files": wheels,
+             "extra_index_urls": inputs["extra_index_urls"], "resolver": resolve_mod.uv_version(),
+             "constraints": constraints, "dir": _rel(defn, dest), "files": wheels,
              "install_requirements": {"path": _rel(defn, dest / REQUIREMENTS_FILE), "sha256": req_sha}}
     report.steps.append({"kind": "wheels", "stage": st.name, "resolved": True, "files": len(wheels)})
     return entry
