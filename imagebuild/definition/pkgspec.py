@@ -51,7 +51,7 @@ APT_RE = lazy.compile(r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?
                     r"(?P<version>(?:[0-9]+:)?[A-Za-z0-9][A-Za-z0-9.+~-]*)\Z")
 
 PYTHON_KEYS = ("version", "glibc", "index_url", "extra_index_urls")
-REQ_KEYS = ("file", "index_url", "extra_index_urls")
+REQ_KEYS = ("file", "index_url", "extra_index_urls", "satisfies", "exceptions")
 
 
 def normalise(name: str) -> str:
@@ -110,6 +110,9 @@ class Requirements:
     items: tuple[Requirement, ...]
     index: Index | None  # stage override, else the python target's
     extra_indexes: tuple[Index, ...] | None
+    # the composed trees' own requirement files the installed set must meet: ((SOURCE, (file, ...)), ...)
+    satisfies: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    exceptions: tuple[tuple[str, str], ...] = ()  # (normalised name, why the set differs from the tree)
 
 
 @dataclass(frozen=True)
@@ -260,8 +263,13 @@ def stage_requirements(node, yfile: str, where: str, safe_path, display, env, er
             if extras is None:
                 return None
         fnode = v["file"]
+        satisfies = _satisfies(v.get("satisfies"), yfile, f"{where}.requirements.satisfies", env, err)
+        exceptions = _exceptions(v.get("exceptions"), yfile, f"{where}.requirements.exceptions", err)
+        if satisfies is None or exceptions is None:
+            return None
     else:
         fnode = node
+        satisfies, exceptions = (), ()
     path = safe_path(fnode.value, fnode.line, f"{where}.requirements")
     if path is None:
         return None
@@ -274,7 +282,48 @@ def stage_requirements(node, yfile: str, where: str, safe_path, display, env, er
     if not items:
         err(display(path), "no requirements listed", hint="list exact pins, one per line: name==version")
         return None
-    return Requirements(path, display(path), sha256_bytes(data), tuple(items), index, extras)
+    return Requirements(path, display(path), sha256_bytes(data), tuple(items), index, extras, satisfies, exceptions)
+
+
+def _satisfies(node, yfile: str, key: str, env, err):
+    """``satisfies: {VLLM: [requirements/cuda.txt]}``: files of git sources (versions.env NAME_REPO)."""
+    if node is None:
+        return ()
+    if not isinstance(node.value, dict) or not node.value:
+        err(yfile, "expected a mapping of git sources to lists of their requirement files", line=node.line, key=key,
+            hint="e.g. satisfies: {VLLM: [requirements/cuda.txt]}")
+        return None
+    out = []
+    for name, files in node.value.items():
+        if env.get(f"{name}_REPO") is None:
+            err(yfile, f"{name!r} is no git source (versions.env has no {name}_REPO)", line=files.line or node.line,
+                key=f"{key}.{name}")
+            return None
+        vals = files.value if isinstance(files.value, list) else None
+        if not vals or not all(isinstance(x.value, str) and x.value and not x.value.startswith("/")
+                               and ".." not in x.value.split("/") for x in vals):
+            err(yfile, "expected a list of paths inside the source tree", line=files.line or node.line,
+                key=f"{key}.{name}", hint="e.g. [requirements/cuda.txt]")
+            return None
+        out.append((name, tuple(x.value for x in vals)))
+    return tuple(out)
+
+
+def _exceptions(node, yfile: str, key: str, err):
+    """``exceptions: {torch: "why"}``: packages whose installed version may differ from the tree's."""
+    if node is None:
+        return ()
+    if not isinstance(node.value, dict):
+        err(yfile, "expected a mapping of package names to the reason each may differ", line=node.line, key=key)
+        return None
+    out = []
+    for name, why in node.value.items():
+        if not isinstance(why.value, str) or len(why.value.strip()) < 10:
+            err(yfile, f"{name}: say why the set may differ from the tree here (a sentence)", line=why.line or node.line,
+                key=f"{key}.{name}")
+            return None
+        out.append((normalise(name), why.value.strip()))
+    return tuple(out)
 
 
 def stage_apt(node, yfile: str, where: str, safe_path, display, err) -> AptList | None:

@@ -455,6 +455,9 @@ def prefetch_wheels(defn: d.Definition, report: Report | None = None) -> dict:
             report.need_network(f"stage {st.name!r}: its wheels are not locked for {st.requirements.display} as it is")
             pins[st.name] = _resolve(defn, st, parents)
             plans[st.name] = (constraints, pins[st.name])
+    for st in defn.stages:  # before anything is downloaded: the trees' own requirements
+        if st.requirements is not None and st.requirements.satisfies:
+            _check_tree_requirements(defn, st, pins, report)
     section = {st.name: _stage_wheels(defn, st, locked.get(st.name), report, *plans[st.name])
                for st in defn.stages if st.requirements is not None}
     lock_mod.update_sections(defn.dir, defn.name, {"wheels": section})
@@ -472,6 +475,42 @@ def _constraints_entry(pins: list) -> dict | None:
         return None
     return {"stages": sorted({p.stage for p in pins}),
             "sha256": _digest({"pins": sorted((p.stage, p.name, p.version) for p in pins)})}
+
+
+def _check_tree_requirements(defn: d.Definition, st: d.Stage, pins: dict, report: Report) -> None:
+    """The set stage ``st`` ends with (its own pins and its parents') against the requirement files
+    of the composed trees it names (fetch/treereqs.py); refused before any download."""
+    from imagebuild.fetch import treereqs
+
+    installed = {pkgspec.normalise(n): v for n, v in pins.get(st.name, ())}
+    for pp in resolve_mod.parent_pins(defn, st, pins):
+        installed.setdefault(pkgspec.normalise(pp.name), pp.version)
+    sources = _read_lock(defn).get("sources") or {}
+    env = treereqs.target_environment(defn.platform, defn.python.version if defn.python else "3.12")
+    exceptions = dict(st.requirements.exceptions)
+    problems, excepted, unused_all = [], [], None
+    for source, files in st.requirements.satisfies:
+        entry = sources.get(source)
+        if not isinstance(entry, dict) or not entry.get("tarball"):
+            raise OperationFailed(f"stage {st.name!r}: requirements.satisfies names {source}, which the lock has "
+                                  "no tarball of", hint=f"imagebuild prefetch {defn.name} (sources first)")
+        reqs = treereqs.read_tree_requirements(defn.root / entry["tarball"], source, files)
+        p, e, unused = treereqs.check(reqs, installed, exceptions, env)
+        problems += p
+        excepted += e
+        unused_all = set(unused) if unused_all is None else unused_all & set(unused)
+    if problems:
+        raise treereqs.refuse(st.name, st.requirements.display, problems)
+    for f in excepted:
+        log.info("  stage %s: %s differs on purpose: %s", st.name, f.shown(), f.excepted)
+    for name in sorted(unused_all or ()):
+        log.warning("  warning: stage %r: requirements.exceptions lists %s, but the trees' requirements are met "
+                    "without it: remove the exception", st.name, name)
+    report.steps.append({"kind": "tree-requirements", "stage": st.name,
+                         "excepted": [{"requirement": f.requirement.text, "installed": f.installed,
+                                       "where": f"{f.requirement.source}:{f.requirement.file}:{f.requirement.line}",
+                                       "reason": f.excepted} for f in excepted],
+                         "unused_exceptions": sorted(unused_all or ())})
 
 
 def _prefetch_section(defn: d.Definition, name: str, wanted, fetch_stage, report: Report | None) -> dict:

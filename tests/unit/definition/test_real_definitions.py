@@ -208,3 +208,18 @@ def test_glm53_rust_frontend_follows_the_composed_tree():
     assert check.when == (("VLLM_REQUIRE_RUST_FRONTEND", "1"),)
     df = (defn.dir / "Dockerfile.vllm-wheel").read_text()
     assert "ARG VLLM_REQUIRE_RUST_FRONTEND" in df and 'if [ "$VLLM_REQUIRE_RUST_FRONTEND" = 1 ]' in df
+
+
+def test_glm53_pip_check_allows_exactly_the_runners_exceptions():
+    """The gate's pip check may allow only the differences from vLLM's requirements that image.yaml
+    justifies (requirements.exceptions), not everything vLLM requires."""
+    defn = definition.load(ROOT, "glm53-jovian-r12")
+    reqs = defn.stage("runner").requirements
+    assert dict(reqs.satisfies) == {"VLLM": ("requirements/cuda.txt",)}
+    names = {n for n, _ in reqs.exceptions}
+    allow = gatespec.load(defn.gate).check("pip-check").params["allow"]
+    [vllm] = [a for a in allow if a.startswith("^vllm")]
+    assert set(re.search(r"\(has requirement\|requires\) \((.*?)\)", vllm).group(1).split("|")) == names
+    assert re.search(vllm, "vllm 0.1.dev1+gabc has requirement torch==2.11.0, but you have torch 2.13.0.")
+    assert not re.search(vllm, "vllm 0.1.dev1+gabc has requirement transformers>=4.56, but you have transformers 4.0.")
+    assert all(len(why) > 20 for _, why in reqs.exceptions)
