@@ -2,12 +2,13 @@
 #   make demo    install, set up the test bed, and run the nightly chain on the built-in example
 #   make test    install, set up the test bed (Docker engine + BuildKit + base images), run the suite
 #   make smoke   the smoke lane of glm53-jovian-r12 on the real upstream trees (about 6 minutes)
+#   make kernels real vLLM CUDA kernels configured by the real tree's CMake, compiled and gated here
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install testbed test unit lint bench demo smoke clean
+.PHONY: install testbed test unit lint bench demo smoke kernels clean
 
 install: $(VENV)/.installed
 
@@ -45,8 +46,16 @@ unit: install
 smoke: install testbed
 	IMAGEBUILD_SMOKE=1 IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/integration/ops/test_smoke_lane.py
 
+# Real CUDA device code of the real vLLM tree without a GPU (scripts/kernels.py): PyPI's CUDA torch and
+# CUDA toolchain wheels in a venv under ~/.cache/imagebuild-kernels ($$IMAGEBUILD_KERNELS_DIR), CMake on
+# the real CMakeLists.txt of ../shared/upstream's snapshot for TORCH_CUDA_ARCH_LIST=12.1a, the NVFP4
+# objects built with ninja and gated with glm53's cuda-targets check, patched (PASS) and unpatched
+# (FAIL). About 5 GB and a few minutes (docs/images/glm53-jovian-r12.md); not part of `make test` or CI.
+kernels: install
+	$(BIN)/python scripts/kernels.py
+
 lint: install
-	$(BIN)/ruff check imagebuild tests benchmarks
+	$(BIN)/ruff check imagebuild tests benchmarks scripts
 
 bench: install testbed
 	$(BIN)/python benchmarks/run.py
