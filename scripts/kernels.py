@@ -500,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     built: dict[str, list[Built]] = {}
     for name in names:
         build = configure(work, venv, root, all_trees[name], name, rep)
-        allowed = set(glm53_check().params["sass"]) | set(glm53_check().params.get("ptx") or [])
+        params = glm53_check().params
+        allowed = set(params["sass"]) | set(params.get("ptx") or []) | set(params.get("tolerate") or [])
         for line in selection_lines(selection(build), allowed):
             rep.lines.append(f"selected {name}: {line}")
         built[name] = build_objects(work, venv, root, all_trees[name], build, name, rep)

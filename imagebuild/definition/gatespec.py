@@ -48,7 +48,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "elf": (("path", "machine"), ("glob", "min_files")),
     "pip-check": ((), ("allow",)),
     # `path` or `module` (the folder of an installed package), checked in _p_cuda_targets
-    "cuda-targets": (("sass",), ("path", "module", "ptx", "require", "kernels", "glob", "min_files",
+    "cuda-targets": (("sass",), ("path", "module", "ptx", "tolerate", "require", "kernels", "glob", "min_files",
                                  "cuobjdump")),
 }
 
@@ -505,7 +505,7 @@ def _targets(p, node, label, rx, example):
 
 
 def _p_cuda_targets(p, m, label):
-    out: dict = {"glob": ["*.so", "*.so.*"], "min_files": 1, "ptx": [], "kernels": []}
+    out: dict = {"glob": ["*.so", "*.so.*"], "min_files": 1, "ptx": [], "tolerate": [], "kernels": []}
     path, mod = m.get("path"), m.get("module")
     if (path is None) == (mod is None):
         p.err(None if not m else min(n.line for n in m.values()), label,
@@ -526,6 +526,13 @@ def _p_cuda_targets(p, m, label):
                   hint="the architectures the image's kernels must be compiled for, e.g. [sm_121a]")
     if "ptx" in m:
         out["ptx"] = _targets(p, m["ptx"], f"{label}.ptx", PTX_RE, "[compute_121a]")
+    if "tolerate" in m:  # extra targets allowed beside the file's own, never instead of them
+        vals = _str_list(p, m["tolerate"], f"{label}.tolerate") or []
+        for v in vals:
+            if not (SASS_RE.match(v) or PTX_RE.match(v)):
+                p.err(m["tolerate"].line, f"{label}.tolerate", f"not a CUDA target: {excerpt(v)}",
+                      hint="e.g. [sm_80, compute_80] (SASS sm_..., PTX compute_...)")
+        out["tolerate"] = vals
     out["require"] = list(out.get("sass") or [])
     if "require" in m:
         req = _str_list(p, m["require"], f"{label}.require") or []

@@ -369,7 +369,8 @@ def check_cuda_targets(ctx: Context, check: Check) -> str:
     for f, msg in sorted(scan.unreadable.items()):
         ctx.log(f"[{check.id}] {f}: unreadable: {msg}\n")
     ok, detail = cuda_targets.judge(scan, sass=p["sass"], ptx=p["ptx"], require=p["require"],
-                                    kernels=p["kernels"], min_files=p["min_files"])
+                                    kernels=p["kernels"], min_files=p["min_files"],
+                                    tolerate=p.get("tolerate") or [])
     if not ok:
         raise CheckFailed(f"{p['path']}: {detail}")
     return f"{p['path']}: {detail} (by {tool})"

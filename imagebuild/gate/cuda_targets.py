@@ -8,7 +8,8 @@ architecture (``sm_121a``, ``sm_120f``, ``sm_90``) and PTX that the driver compi
 cuobjdump exits 255 with "does not contain device code" for an ELF without a fatbin.
 
 The rule (the gate's ``cuda-targets`` kind, docs/gate.md): every CUDA ELF carries SASS for at least
-one allowed target, and nothing but allowed targets; each required target is carried by some file;
+one allowed target, and nothing but allowed or tolerated targets (tolerated ones never count as a
+file's own); each required target is carried by some file;
 each kernel pattern matches a kernel of some file. Pure: no I/O, so unit tests feed it real listings.
 """
 
@@ -88,7 +89,7 @@ def parse_scan(stdout: str) -> Scan:
 
 
 def judge(scan: Scan, *, sass: list[str], ptx: list[str], require: list[str], kernels: list[str],
-          min_files: int) -> tuple[bool, str]:
+          min_files: int, tolerate: list[str] = ()) -> tuple[bool, str]:
     """(passed, one-line detail) of the rule on ``scan``."""
     files = sorted(scan.cuda)
     found_sass = sorted({t for f in files for t in scan.cuda[f].sass})
@@ -105,7 +106,7 @@ def judge(scan: Scan, *, sass: list[str], ptx: list[str], require: list[str], ke
     no_sass: list[str] = []
     for f in files:
         fb = scan.cuda[f]
-        for t in sorted(fb.sass - set(sass)) + sorted(fb.ptx - set(ptx)):
+        for t in sorted(fb.sass - set(sass) - set(tolerate)) + sorted(fb.ptx - set(ptx) - set(tolerate)):
             unexpected.setdefault(t, []).append(f)
         if not fb.sass & set(sass):
             no_sass.append(f)
@@ -121,5 +122,6 @@ def judge(scan: Scan, *, sass: list[str], ptx: list[str], require: list[str], ke
         if not any(re.search(pat, k) for k in all_kernels):
             problems.append(f"no kernel matches /{pat}/ (of {len(all_kernels)} kernels)")
     if problems:
-        return False, "; ".join(problems) + f" ({summary}; allowed: {', '.join(sass + ptx)})"
+        allowed = ", ".join(list(sass) + list(ptx)) + (f"; tolerated: {', '.join(tolerate)}" if tolerate else "")
+        return False, "; ".join(problems) + f" ({summary}; allowed: {allowed})"
     return True, summary

@@ -100,6 +100,7 @@ def test_unknown_keys_and_bad_specifiers_name_file_and_line():
     ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], require: [sm_120]}",
      "'sm_120' is not one of the allowed targets"),
     ("- {id: a, kind: cuda-targets, module: 'a b', sass: [sm_121a]}", "expected a module name"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], tolerate: ['8.0']}", "not a CUDA target"),
     ("- {id: a, kind: cuda-targets, path: /x, sass: sm_121a, kernels: '(['}", "invalid regular expression"),
 ])
 def test_each_problem_is_reported(body, expected):
@@ -111,7 +112,7 @@ def test_cuda_targets_defaults():
     spec = gatespec.parse("checks:\n  - {id: a, kind: cuda-targets, module: vllm, sass: [sm_121a, sm_121f]}\n",
                           "gate.yaml")
     assert spec.checks[0].params == {"module": "vllm", "sass": ["sm_121a", "sm_121f"],
-                                     "require": ["sm_121a", "sm_121f"], "ptx": [], "kernels": [],
+                                     "require": ["sm_121a", "sm_121f"], "ptx": [], "tolerate": [], "kernels": [],
                                      "glob": ["*.so", "*.so.*"], "min_files": 1}
 
 

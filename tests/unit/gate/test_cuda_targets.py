@@ -70,6 +70,17 @@ def test_rule_each_part_can_fail():
     assert not ok and "cuobjdump cannot read 1 file(s), e.g. /v/b.so" in detail
 
 
+def test_tolerated_targets_sit_beside_a_files_own_never_instead_of_them():
+    mixed = ct.parse_scan(_framed(("/v/a.so", MIXED, 0)))  # sm_121a + sm_120f
+    ok, detail = _judge(mixed, tolerate=["sm_120f"])
+    assert ok, detail
+    only120 = ct.parse_scan(_framed(("/v/o.so", MIXED.replace("sm_121a", "sm_120f"), 0)))
+    ok, detail = _judge(only120, tolerate=["sm_120f"], require=[])
+    assert not ok and "carry no SASS for sm_121a" in detail and "tolerated: sm_120f" in detail
+    ptx = ct.parse_scan(_framed(("/v/p.so", PTX, 0)))  # sm_121a + compute_121a
+    assert _judge(ptx, tolerate=["compute_121a"])[0]
+
+
 @pytest.mark.parametrize("target, ok", [("sm_121a", True), ("sm_121f", True), ("sm_90", True),
                                         ("sm_1210", False), ("compute_121a", False), ("121a", False)])
 def test_sass_target_names(target, ok):
