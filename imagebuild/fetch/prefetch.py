@@ -81,6 +81,7 @@ class Pin:
     follows: str | None = None  # the branch or tag the pin follows (NAME_REF=<name>@<sha>)
     env_display: str = "versions.env"  # how errors name the file
     ref_line: int | None = None  # NAME_REF's line in it
+    ref_comment: str | None = None  # the comment on that line (an override's reason: "# override: ...")
 
     def ref_value(self) -> str:
         """NAME_REF as versions.env holds it: ``<name>@<sha>`` when it follows a name."""
@@ -192,13 +193,21 @@ def _pmap(fn: Callable, items: Iterable, jobs: int) -> list:
 # ------------------------------------------------------------------------------------------------ image
 
 
+def _line_comment(defn: d.Definition, key: str) -> str | None:
+    line = defn.env.line_of(key)
+    if not line or line > len(defn.env.lines):
+        return None
+    text = defn.env.lines[line - 1]
+    return text.split("#", 1)[1].strip() if "#" in text else None
+
+
 def _pins(defn: d.Definition) -> dict[str, Pin]:
     out = {}
     for name, src in sorted(defn.sources.items()):
         opts = defn.source_options.get(name) or d.default_source_options(name)
         out[name] = Pin(name, src.repo, src.ref, [[p.number, p.sha] for p in src.prs], opts,
                         f"{name}_REF", f"{name}_PRS", src.follows, defn.env.display,
-                        defn.env.line_of(f"{name}_REF"))
+                        defn.env.line_of(f"{name}_REF"), _line_comment(defn, f"{name}_REF"))
     return out
 
 
@@ -751,11 +760,26 @@ def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache, r
                                                                      or a.tag_value == dep.follows)), None)
         msg = (f"{dep.name}: pinned {pinned} differs from {declared} that {parent.name} declares for "
                f"{decl.name!r} at {decl.where}{via}")
-        msg += (f"; it matches the other declaration at {alt.where}" if alt else
-                " (an override: make sure it is deliberate)")
+        why = _override_reason(dep.ref_comment)
+        if alt:
+            msg += f"; it matches the other declaration at {alt.where}"
+        elif why:
+            msg += f"; kept on purpose: {why}"
+        else:  # an override nobody justified: the tree's own pin may be the fix
+            raise DefinitionError([Problem(
+                dep.env_display, msg, key=dep.ref_key, line=dep.ref_line,
+                hint=f"pin what {parent.name} declares ({declared}), or keep this pin and say why on its line: "
+                f"{dep.ref_key}=...  # override: <the reason>")])
+        rec["override_reason"] = why
         rep.notices.append(msg)
         log.warning("  note: %s", msg)
     return rec
+
+
+def _override_reason(comment: str | None) -> str | None:
+    """The reason after ``override:`` in a versions.env line's comment, if any."""
+    m = re.search(r"\boverride:\s*(\S.*)", comment or "", re.IGNORECASE)
+    return m.group(1).strip() if m else None
 
 
 _TAGS_FILE = "imagebuild-tags.json"

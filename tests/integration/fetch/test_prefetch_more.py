@@ -85,13 +85,26 @@ def test_github_api_unreachable_is_not_an_error(upstreams, git_daemon, monkeypat
     assert json.loads(r.out)["images"][0]["pr_states"] == []
 
 
-def test_pin_differing_from_declared_tag_is_reported(upstreams, tmp_path):  # noqa: F811
+def test_pin_differing_from_declared_tag_is_an_error_unless_justified(upstreams, tmp_path):  # noqa: F811
+    """A dependency pin that overrides what the tree declares is an error naming the key, unless its
+    versions.env line says why (`# override: <reason>`); then it is kept and reported with the reason."""
     root = make_project(tmp_path, upstreams, prs="1")
-    _edit_env(root, "KERNELS_REF=v3.5.1", f"KERNELS_REF={upstreams.kernels.head()}")
+    head = upstreams.kernels.head()
+    _edit_env(root, "KERNELS_REF=v3.5.1", f"KERNELS_REF={head}")
+    env_before = (root / "docker-images" / IMAGE / "versions.env").read_text()
+    r = prefetch(root, tmp_path / "c")
+    assert r.code == 2, r.err
+    assert "KERNELS: pinned" in r.err and "differs from v3.5.1" in r.err and \
+        "cmake/external_projects/kernels.cmake:2" in r.err and "KERNELS_REF" in r.err and "# override:" in r.err
+    assert (root / "docker-images" / IMAGE / "versions.env").read_text() == env_before
+    assert not (root / "docker-images" / IMAGE / "lock.json").exists()
+    # justified on its line: kept, and the reason is in the report and the lock
+    _edit_env(root, f"KERNELS_REF={head}", f"KERNELS_REF={head}  # override: the tag's kernels miscompute on GB10")
     r = prefetch(root, tmp_path / "c")
     assert r.code == 0, r.err
-    assert "KERNELS: pinned" in r.err and "differs from v3.5.1" in r.err and \
-        "cmake/external_projects/kernels.cmake:2" in r.err
+    assert "kept on purpose: the tag's kernels miscompute on GB10" in r.err
+    decl = read_lock(root)["sources"]["KERNELS"]["declared_as"]
+    assert decl["override_reason"] == "the tag's kernels miscompute on GB10"
     # the pin that equals the declared tag says nothing
     root2 = make_project(tmp_path / "b", upstreams, prs="1")
     r = prefetch(root2, tmp_path / "c")

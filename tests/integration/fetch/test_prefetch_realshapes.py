@@ -159,10 +159,12 @@ def test_tag_through_variable_compared_with_pin(done, shapes, tmp_path):
     assert s["TK"]["declared_as"]["tag_value"] == "v3.6.0" and s["TK"]["declared_as"]["matches"] is True
     assert s["CUTLASS"]["declared_as"]["matches"] is True and "differs from" not in err
     # the docs' old example: v3.5.1 against the tree's v3.6.0 is no longer silent
-    root2 = project(tmp_path, shapes, tk_ref="v3.5.1")
+    # (an unjustified override is an error, test_prefetch_more.py; this one says why on its line)
+    root2 = project(tmp_path, shapes, tk_ref="v3.5.1  # override: v3.6.0 breaks the sm_121a build")
     r = prefetch(root2, done[1])
     assert r.code == 0, r.err
     assert ("TK: pinned v3.5.1 (" + shapes.shas["tk_v3.5.1"][:12] + ") differs from v3.6.0") in r.err
+    assert "kept on purpose: v3.6.0 breaks the sm_121a build" in r.err
     assert "GIT_TAG ${TK_TAG}, set at tools/cmake/revisions.cmake:3" in r.err
     tk = lock_of(root2)["sources"]["TK"]["declared_as"]
     assert (tk["matches"], tk["commit"]) == (False, shapes.shas["tk_v3.6.0"])
@@ -306,7 +308,8 @@ def test_only_changed_tarballs_are_repacked_and_damage_is_said(shapes, tmp_path)
     # one pin changes: only that tarball is written
     env = root / "docker-images" / IMAGE / "versions.env"
     env.write_text(env.read_text().replace(f"CUTLASS_REF=v4.4.2@{shapes.shas['cutlass_v4.4.2']}",
-                                           f"CUTLASS_REF=v4.3.0@{shapes.shas['cutlass_v4.3.0']}"))
+                                           f"CUTLASS_REF=v4.3.0@{shapes.shas['cutlass_v4.3.0']}"
+                                           "  # override: testing a repack of one changed pin"))
     r = prefetch(root, cache)
     assert r.code == 0, r.err
     lk2 = lock_of(root)["sources"]

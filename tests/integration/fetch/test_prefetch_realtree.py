@@ -106,10 +106,10 @@ def _project(base: Path, real: dict, *, deps: bool) -> Path:
     sources = ["sources:", "  VLLM:", "    cargo_switch: VLLM_REQUIRE_RUST_FRONTEND", "    exclude:"] + [f'      {n}: "{r}"' for n, r in CPU_ONLY.items()]
     if deps:  # stand-in repositories for every CUDA dependency (their commits are not the declared ones)
         env += [f"CUTLASS_REPO={real['cutlass'].url()}", "CUTLASS_REF=v4.4.2",
-                f"FLASH_ATTN_REPO={real['fa'].url()}", f"FLASH_ATTN_REF={real['fa'].head()}",
-                f"FLASHMLA_REPO={real['mla'].url()}", f"FLASHMLA_REF={real['mla'].head()}",
-                f"DEEPGEMM_REPO={real['dg'].url()}", f"DEEPGEMM_REF={real['dg'].head()}",
-                f"QUTLASS_REPO={real['qut'].url()}", f"QUTLASS_REF={real['qut'].head()}",
+                f"FLASH_ATTN_REPO={real['fa'].url()}", f"FLASH_ATTN_REF={real['fa'].head()}  # override: a stand-in head",
+                f"FLASHMLA_REPO={real['mla'].url()}", f"FLASHMLA_REF={real['mla'].head()}  # override: a stand-in head",
+                f"DEEPGEMM_REPO={real['dg'].url()}", f"DEEPGEMM_REF={real['dg'].head()}  # override: a stand-in head",
+                f"QUTLASS_REPO={real['qut'].url()}", f"QUTLASS_REF={real['qut'].head()}  # override: a stand-in head",
                 f"TRITON_KERNELS_REPO={real['triton'].url()}", "TRITON_KERNELS_REF=v3.6.0"]
         sources += ["  CUTLASS: {dependency_of: VLLM}",
                     "  FLASH_ATTN: {dependency_of: VLLM, declares: vllm-flash-attn}",

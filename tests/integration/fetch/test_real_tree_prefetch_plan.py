@@ -93,7 +93,9 @@ def _project(tmp: Path, served: dict) -> Path:
         **{f"{k}_REF": v for k, v in served["heads"].items()},
     }
     for key, value in stand_ins.items():
-        env, n = re.subn(rf"^{key}=\S+", f"{key}={value}  # STAND-IN (tests/integration/fetch/{Path(__file__).name})",
+        why = "; override: a stand-in head, the declared commit is not in the stand-in repository" \
+            if key in {f"{k}_REF" for k in served["heads"]} else ""
+        env, n = re.subn(rf"^{key}=\S+", f"{key}={value}  # STAND-IN (tests/integration/fetch/{Path(__file__).name}){why}",
                          env, count=1, flags=re.M)
         assert n == 1, key
     (img / "versions.env").write_text(env)
