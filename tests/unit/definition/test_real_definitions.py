@@ -223,3 +223,27 @@ def test_glm53_pip_check_allows_exactly_the_runners_exceptions():
     assert re.search(vllm, "vllm 0.1.dev1+gabc has requirement torch==2.11.0, but you have torch 2.13.0.")
     assert not re.search(vllm, "vllm 0.1.dev1+gabc has requirement transformers>=4.56, but you have transformers 4.0.")
     assert all(len(why) > 20 for _, why in reqs.exceptions)
+
+
+def test_dsv4_registry_check_tells_the_plugins_class_from_vllms_own():
+    """The gate's plugin-owns-the-architectures expression, evaluated against registries shaped
+    like vLLM's (lazy entries have module_name/class_name, imported ones model_cls)."""
+    import types
+
+    spec = gatespec.load(ROOT / "docker-images" / "dsv4-flash-vision" / "gate.yaml")
+    expr = spec.check("plugin-owns-the-architectures").params["expr"]
+
+    def lazy(mod, cls):
+        return types.SimpleNamespace(module_name=mod, class_name=cls)
+
+    def run(models):
+        vllm = types.SimpleNamespace(plugins=types.SimpleNamespace(load_general_plugins=lambda: None),
+                                     ModelRegistry=types.SimpleNamespace(models=models))
+        return bool(eval(expr, {"vllm": vllm}))
+
+    plugin = lazy("dsv4_vision.model", "DeepseekV4VisionForCausalLM")
+    assert run({"DeepseekV4ForCausalLM": plugin, "DeepseekV4VisionForCausalLM": plugin})
+    builtin = lazy("vllm.models.deepseek_v4", "DeepseekV4ForCausalLM")
+    assert not run({"DeepseekV4ForCausalLM": builtin, "DeepseekV4VisionForCausalLM": plugin})
+    imported = types.SimpleNamespace(model_cls=type("DeepseekV4VisionForCausalLM", (), {"__module__": "dsv4_vision.model"}))
+    assert run({"DeepseekV4ForCausalLM": imported, "DeepseekV4VisionForCausalLM": plugin})
