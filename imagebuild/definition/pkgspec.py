@@ -49,6 +49,8 @@ REQ_RE = lazy.compile(
 HASH_RE = lazy.compile(r"--hash[=\s]sha256:(?P<hex>[0-9a-f]{64})\Z")
 APT_RE = lazy.compile(r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?="
                     r"(?P<version>(?:[0-9]+:)?[A-Za-z0-9][A-Za-z0-9.+~-]*)\Z")
+# a name without a version: visibly unpinned; prefetch resolves it in the pinned base and writes it back
+APT_UNPINNED_RE = lazy.compile(r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?\Z")
 
 PYTHON_KEYS = ("version", "glibc", "index_url", "extra_index_urls")
 REQ_KEYS = ("file", "index_url", "extra_index_urls", "satisfies", "exceptions")
@@ -119,11 +121,11 @@ class Requirements:
 class AptPackage:
     name: str
     arch: str | None
-    version: str
+    version: str | None  # None: unpinned (prefetch resolves and writes back name=version)
     line: int
 
     def spec(self) -> str:
-        return f"{self.name}{':' + self.arch if self.arch else ''}={self.version}"
+        return f"{self.name}{':' + self.arch if self.arch else ''}" + (f"={self.version}" if self.version else "")
 
 
 @dataclass(frozen=True)
@@ -326,7 +328,7 @@ def _exceptions(node, yfile: str, key: str, err):
     return tuple(out)
 
 
-def stage_apt(node, yfile: str, where: str, safe_path, display, err) -> AptList | None:
+def stage_apt(node, yfile: str, where: str, safe_path, display, err, note=None) -> AptList | None:
     path = safe_path(node.value, node.line, f"{where}.apt")
     if path is None:
         return None
@@ -339,6 +341,10 @@ def stage_apt(node, yfile: str, where: str, safe_path, display, err) -> AptList 
     if not items:
         err(display(path), "no packages listed", hint="list exact versions, one per line: name=version")
         return None
+    for a in items:
+        if a.version is None and note is not None:
+            note(display(path), "unpinned apt package: imagebuild prefetch resolves it in the pinned base and "
+                 "writes name=version here", line=a.line, key=a.name)
     return AptList(path, display(path), sha256_bytes(data), tuple(items))
 
 
@@ -434,9 +440,10 @@ def parse_apt(text: str, file: str, err) -> list[AptPackage] | None:
     ok = True
     for line, body in _logical_lines(text):
         for word in body.split():
-            m = APT_RE.match(word)
+            m = APT_RE.match(word) or APT_UNPINNED_RE.match(word)
             if not m:
-                err(file, f"{word!r}: expected name=version with an exact Debian version", line=line,
+                err(file, f"{word!r}: expected name=version with an exact Debian version (or a bare name, "
+                    "which prefetch pins)", line=line,
                     hint="e.g. jq=1.6-2.1; `apt-cache policy NAME` in the base image shows the candidates")
                 ok = False
                 continue
@@ -446,5 +453,5 @@ def parse_apt(text: str, file: str, err) -> list[AptPackage] | None:
                 ok = False
                 continue
             seen[key] = line
-            out.append(AptPackage(m.group("name"), m.group("arch"), m.group("version"), line))
+            out.append(AptPackage(m.group("name"), m.group("arch"), m.groupdict().get("version"), line))
     return out if ok else None

@@ -224,7 +224,7 @@ def _packages(e: _Entry):
         reqs = pkgspec.stage_requirements(e.m["requirements"], e.yfile, e.where, pkg_path, disp, e.env, e.c.err)
         ok &= reqs is not None
     if "apt" in e.m:
-        apt = pkgspec.stage_apt(e.m["apt"], e.yfile, e.where, pkg_path, disp, e.c.err)
+        apt = pkgspec.stage_apt(e.m["apt"], e.yfile, e.where, pkg_path, disp, e.c.err, e.c.note)
         ok &= apt is not None
     return reqs, apt, ok
 

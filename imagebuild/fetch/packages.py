@@ -831,6 +831,9 @@ def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Repo
                              "size": (repo / fn).stat().st_size,
                              "requested": _control_field(ctl, "Package") in requested})
         packages.sort(key=lambda x: (x["name"], x["filename"]))
+        unpinned = [a for a in st.apt.items if a.version is None]
+        if unpinned:  # a bare name: pin what the archive gave, in place; the lock keys the pinned file
+            st, inputs_sha = _pin_apt_names(defn, st, unpinned, packages, report)
         generated = _write_apt_repo(st, repo, packages, controls)
         _swap_dir(repo, dest)
         shutil.rmtree(repo, ignore_errors=True)
@@ -841,6 +844,28 @@ def _stage_apt(defn: d.Definition, st: d.Stage, entry: dict | None, report: Repo
              "snapshot": defn.apt_snapshot, "dir": _rel(defn, dest), "files": packages, "generated": generated}
     report.steps.append({"kind": "apt", "stage": st.name, "resolved": True, "files": len(packages)})
     return entry
+
+
+def _pin_apt_names(defn: d.Definition, st: d.Stage, unpinned: list, packages: list[dict], report: Report):
+    """Write ``name=version`` for each bare name of the apt list (the version the pinned base's archive
+    resolved, read from the downloaded .deb), comments and order kept, atomically; returns the stage
+    re-read and its new inputs digest."""
+    versions = {p["name"]: p["version"] for p in packages if p.get("requested")}
+    lines = st.apt.path.read_text(encoding="utf-8").split("\n")
+    for a in unpinned:
+        v = versions.get(a.name)
+        if not v:
+            raise OperationFailed(f"{st.apt.display}:{a.line}: {a.name}: the archive installed no such package",
+                                  hint=f"`apt-cache policy {a.name}` in the base image")
+        pinned = f"{a.spec()}={v}"
+        words = lines[a.line - 1].split("#", 1)
+        body = re.sub(rf"(?<![^\s]){re.escape(a.spec())}(?![^\s])", pinned, words[0], count=1)
+        lines[a.line - 1] = body + ("#" + words[1] if len(words) > 1 else "")
+        report.pinned.append(f"{st.apt.display}:{a.line}: {pinned}")
+        log.info("pinned %s in %s", pinned, st.apt.display)
+    atomic_write_text(st.apt.path, "\n".join(lines))
+    fresh = d.load(defn.root, defn.name).stage(st.name)
+    return fresh, _digest(apt_inputs(defn, fresh))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -371,3 +371,31 @@ def test_a_verified_base_is_pinned_from_the_engine_never_from_its_registry(tmp_p
         refs = subprocess.run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", name],
                               capture_output=True, text=True).stdout.split()
         subprocess.run(["docker", "image", "rm", "-f", *refs], capture_output=True)
+
+
+def test_a_bare_apt_name_is_pinned_from_the_archive_and_written_back(tmp_path, debian):
+    """`apt-packages.txt` may name a package without a version (visibly unpinned: plan lists it):
+    prefetch resolves it in the pinned base against the archive, writes name=version back in place
+    (comments kept) and locks the pinned file; a second prefetch changes nothing."""
+    root = _copy(tmp_path / "project")
+    img = root / "docker-images" / IMG
+    (img / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: base\n    from: BASE_IMAGE\n"
+                                    "    apt: apt-base.txt\n")
+    for f in ("Dockerfile.pydeps", "Dockerfile.app", "requirements-py.txt"):
+        (img / f).unlink()
+    (img / "apt-base.txt").write_text("# exact versions\njq=1.6-2.1+deb12u2\ntree  # no version yet\n")
+    plan_out = run_cli("--root", str(root), "plan", IMG, "--no-engine", "--json")
+    assert any(u.get("key") == "tree" for u in json.loads(plan_out.out)["unpinned"]), plan_out.out
+    defn, rep = packages.prefetch_packages(root, IMG)
+    text = (img / "apt-base.txt").read_text()
+    [line] = [ln for ln in text.splitlines() if ln.startswith("tree=")]
+    version = line.split("=", 1)[1].split()[0]
+    assert line == f"tree={version}  # no version yet" and text.startswith("# exact versions\njq=1.6-2.1+deb12u2\n")
+    assert any(p.endswith(f"tree={version}") for p in rep.pinned)
+    entry = _lock(root)["apt"]["base"]
+    assert entry["list_sha256"] == sha256_file(img / "apt-base.txt")
+    assert [f["version"] for f in entry["files"] if f["name"] == "tree"] == [version]
+    install = (root / entry["dir"] / "install.sh").read_text()
+    assert f"tree={version}" in install  # generated from the pinned list
+    _, rep2 = packages.prefetch_packages(root, IMG, offline=True)
+    assert rep2.pinned == [] and (img / "apt-base.txt").read_text() == text

@@ -70,7 +70,8 @@ def test_requirement_with_hash_and_continuation_parses(pkproject):
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("jq\n", "expected name=version"),
+    ("JQ\n", "expected name=version"),
+    ("jq=\n", "expected name=version"),
     ("jq=1.6 jq=1.7\n", "listed twice"),
     ("\n# nothing\n", "no packages listed"),
 ])
@@ -236,3 +237,13 @@ def test_empty_or_omitted_index_means_pips_configured_index(pkproject, monkeypat
     # the key holds "pip's configured index", never a host
     st = d.load(pkproject, IMG).stage("pydeps")
     assert packages.wheel_inputs(d.load(pkproject, IMG), st)["index_url"] is None
+
+
+def test_a_bare_apt_name_is_visibly_unpinned(pkproject):
+    (_idir(pkproject) / "apt-base.txt").write_text("# rdma\njq=1.6-2.1+deb12u2\nlibibverbs1\n")
+    defn = d.load(pkproject, IMG)
+    items = defn.stage("base").apt.items
+    assert [(a.name, a.version, a.spec()) for a in items] == [("jq", "1.6-2.1+deb12u2", "jq=1.6-2.1+deb12u2"),
+                                                              ("libibverbs1", None, "libibverbs1")]
+    [n] = [n for n in defn.notices if n.key == "libibverbs1"]
+    assert n.file == f"docker-images/{IMG}/apt-base.txt" and n.line == 3 and "unpinned apt package" in n.message
