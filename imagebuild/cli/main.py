@@ -237,11 +237,13 @@ prefetch environment:
     sp.set_defaults(func=cmd_bundle)
 
     sp = sub.add_parser("unbundle", help="verify a bundle against its lock, then put its files in place",
-                        description="Read FILE (made by `imagebuild bundle`) into a temporary folder, verify every "
-                        "member against its manifest and SHA256SUMS and every file against the bundled lock, "
-                        "and only then move the prefetched files, versions.env and lock.json into this project. "
-                        "A bad bundle changes nothing (exit 1). After it, `imagebuild build IMAGE` needs no "
-                        "network.",
+                        description="Check FILE's (made by `imagebuild bundle`) headers and manifest before "
+                        "writing anything (regular files only, each listed, each of the listed size), stream its "
+                        "members into a temporary folder hashing each, verify every file against the bundled "
+                        "lock, validate the definition with the bundle's versions.env, and only then move the "
+                        "prefetched files, versions.env and lock.json into this project. A bad bundle changes "
+                        "nothing (exit 1; 2 when its pins break the definition). After it, `imagebuild build "
+                        "IMAGE` needs no network.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("file", metavar="FILE", help="the bundle")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")

@@ -51,8 +51,11 @@ from imagebuild.definition.source_options import (  # noqa: F401  (re-exported: 
 from imagebuild.definition.stages import parse_stage
 
 
-def load(root: Path, name: str) -> Definition:
-    """Read, validate and return the definition ``name``; raise DefinitionError on any problem."""
+def load(root: Path, name: str, *, versions: Path | None = None, versions_display: str | None = None) -> Definition:
+    """Read, validate and return the definition ``name``; raise DefinitionError on any problem.
+
+    ``versions``: read that file as the definition's versions.env (shown as ``versions_display``):
+    unbundle validates the definition with a bundle's pins before it installs them."""
     check_image_name(name)
     root = root.resolve()
     d = root / IMAGES_DIR / name
@@ -66,7 +69,10 @@ def load(root: Path, name: str) -> Definition:
             hint=f"did you mean {close[0]!r}?" if close else
             f"known images: {', '.join(known) or 'none'} (imagebuild list)")], image=name)
 
-    env = _load_env(d / VERSIONS_FILE, disp(d / VERSIONS_FILE), c)
+    if versions is None:
+        env = _load_env(d / VERSIONS_FILE, disp(d / VERSIONS_FILE), c)
+    else:
+        env = _load_env(Path(versions), versions_display or str(versions), c)
     spec = _load_yaml(d / IMAGE_FILE, disp(d / IMAGE_FILE), c)
     if env is None or spec is None:
         raise DefinitionError(c.problems, image=name)
