@@ -394,18 +394,32 @@ def build_lock_path(engine_id: str | None, image: str) -> Path:
     share one engine get the same lock. ``$IMAGEBUILD_LOCK_DIR`` (default
     ``<tmp>/imagebuild-locks``) holds one folder per engine."""
     import re
-    import tempfile
 
-    top = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "imagebuild-locks")
+    top = lock_top()
     eng = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id or "unknown-engine")[:80]
-    d = top / eng
-    d.mkdir(parents=True, exist_ok=True)
+    d = usable_lock_dir(top / eng)
     for p in (top, d):
         try:
             os.chmod(p, 0o1777)  # shared by every user of the engine, like /tmp
         except OSError:
             pass
     return d / f"{image}.lock"
+
+
+def lock_top() -> Path:
+    import tempfile
+
+    return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "imagebuild-locks")
+
+
+def usable_lock_dir(path: Path) -> Path:
+    """``path`` (the lock folder or one of its engine folders) made and writable, else a UsageError
+    naming IMAGEBUILD_LOCK_DIR."""
+    from imagebuild.core.fsutil import usable_dir
+
+    return usable_dir(path, LOCK_DIR_ENV if os.environ.get(LOCK_DIR_ENV) else "the build lock folder",
+                      hint=f"{LOCK_DIR_ENV} names a folder every user of the engine can write (default "
+                      "<tmp>/imagebuild-locks)")
 
 
 class BuildLock:

@@ -651,11 +651,12 @@ def cmd_prefetch(args) -> int:
 
 
 def cmd_bundle(args) -> int:
+    from imagebuild.core.fsutil import check_output_file
     from imagebuild.fetch import bundle as bundle_mod
 
     ctx = common.ctx(args)
     defn_mod.check_image_name(args.image)
-    res = bundle_mod.bundle(ctx, args.image, args.output)
+    res = bundle_mod.bundle(ctx, args.image, check_output_file(args.output, "-o/--output"))
     if args.json:
         common.print_json(res.as_dict())
     else:
@@ -704,6 +705,10 @@ def cmd_gate(args) -> int:
         return _check_receipt(args)
     from imagebuild.gate import runner as gate_mod  # imports pytest: only when gating
 
+    if args.junit is not None:
+        from imagebuild.core.fsutil import check_output_file
+
+        args.junit = str(check_output_file(args.junit, "--junit"))
     ctx = common.ctx_or_none(args)  # a bare REF + --spec works outside a project too
     target = gate_mod.resolve(ctx, args.target, ref=args.ref, spec=args.spec)
     receipt = gate_mod.execute(target, require_gpu=args.require_gpu, junit=args.junit)
@@ -874,12 +879,14 @@ def cmd_log(args) -> int:
                      "logs": [ctx.show(p) for p in run.logs()]})
         return EXIT_OK
     s = run.summary()
+    for p in run.problems():  # a record not written by a build (edited, another version): shown as far as it goes
+        log.warning("warning: %s: %s (shown as -)", ctx.show(run.dir / "record.json"), p)
     print(f"run       {run.run_id}  ({args.image}, {s['status']})")
     print(f"build id  {s['build_id'] or '-'}")
     print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}")
-    for st in run.record.get("stages") or []:
-        took = f"{st['seconds']:.1f} s" if st.get("seconds") is not None else ""
-        print(f"  {st['name']:<16} {st.get('status', '-'):<8} {took:>9}  {st.get('log') or ''}")
+    for st in run.stages():
+        took = f"{st['seconds']:.1f} s" if st["seconds"] is not None else ""
+        print(f"  {st['name'] or '-':<16} {st['status'] or '-':<8} {took:>9}  {st['log'] or ''}")
     if s["identity"]:
         print(f"identity  {s['identity']}")
     if s["promotion"]:

@@ -193,12 +193,18 @@ def bundle(ctx: context_mod.Context | Path, image: str, output: Path) -> Result:
     want = [Item(defn.rel(lock_mod.lock_path(defn.dir)), None), Item(defn.rel(defn.dir / d.VERSIONS_FILE), None)]
     want += items(image, lk, lock_disp)
     output = Path(output).resolve()
+    if output.is_dir() or (output.exists() and not output.is_file()):  # a rename would replace it
+        raise UsageError(f"-o {output}: is a folder or a device, not a file: refusing to replace it")
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     manifest_files = []
     total = 0
     try:
-        with open(tmp, "wb") as raw:
+        try:
+            raw = open(tmp, "wb")
+        except OSError as exc:
+            raise UsageError(f"-o {output}: cannot write in {output.parent}: {exc.strerror or exc}") from None
+        with raw:
             tf = _TarWriter(raw)
             for it in want:
                 src = root / it.path
@@ -228,6 +234,9 @@ def bundle(ctx: context_mod.Context | Path, image: str, output: Path) -> Result:
             tf.close()
         # no fsync: a bundle is a transport file, and unbundle verifies every byte of it
         os.replace(tmp, output)
+    except OSError as exc:  # the disk filled, the folder went away: the bundle is not written
+        tmp.unlink(missing_ok=True)
+        raise OperationFailed(f"-o {output}: could not write the bundle: {exc.strerror or exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
