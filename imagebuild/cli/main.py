@@ -419,7 +419,8 @@ sync environment:
     sp = sub.add_parser("rollback", help="swap IMAGE:local and IMAGE:previous",
                         description="Point IMAGE:local back at IMAGE:previous (what :local was before the last "
                         "promotion); the replaced image becomes IMAGE:previous, so a second rollback undoes the "
-                        "first. Exit 1 when there is no :previous.",
+                        "first. Exit 1 when there is no :previous; 2 for a name that is not one of the project's "
+                        "definitions.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
@@ -1028,6 +1029,7 @@ def cmd_rollback(args) -> int:
     from imagebuild.build import promote as promote_mod
 
     ctx = common.ctx(args)
+    _rollback_target(args.image, ctx)
     if args.registry is not None:
         return _rollback_registry(args, ctx)
     doc = promote_mod.rollback(args.image, ctx)
@@ -1040,11 +1042,30 @@ def cmd_rollback(args) -> int:
     return EXIT_OK
 
 
+def _rollback_target(image: str, ctx) -> None:
+    """rollback takes a definition name (it swaps IMAGE:local and IMAGE:previous): not a reference
+    (``img:local`` would look for ``img:local:previous``), not a path, not a repository this project
+    has no definition of (exit 2, as docs/cli.md says)."""
+    if ":" in image or "@" in image:
+        name = image.split("@", 1)[0].rsplit(":", 1)[0]
+        raise UsageError(f"rollback {image}: expected an image name, not a reference: rollback swaps NAME:local "
+                         "and NAME:previous", hint=f"imagebuild rollback {name}")
+    defn_mod.check_image_name(image)
+    if not (ctx.root / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
+        from imagebuild.core.errors import Problem
+
+        known = defn_mod.list_images(ctx.root)
+        raise DefinitionError([Problem(defn_mod.display_path(ctx.root, ctx.root / defn_mod.IMAGES_DIR / image),
+                                       "no such image definition: rollback swaps the tags of this project's "
+                                       "images only", key="IMAGE",
+                                       hint=f"known images: {', '.join(known) or 'none'} (imagebuild list)")],
+                              image=image)
+
+
 def _rollback_registry(args, ctx) -> int:
     from imagebuild.build import registry_release
     from imagebuild.core import registry as registry_mod
 
-    defn_mod.check_image_name(args.image)
     value = args.registry or ctx.config.registry
     if not value:
         raise UsageError("rollback --registry: which registry? none given and imagebuild.yaml has no registry:",

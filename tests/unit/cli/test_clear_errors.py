@@ -101,3 +101,18 @@ def test_log_of_a_record_with_wrong_field_types(project):
     r = run_cli("--root", str(project), "log", "tiny", "latest")
     assert "record.json: release: expected an object, got str" in r.err
     assert "record.json: stages[1].seconds: expected a number, got str" in r.err
+
+
+@pytest.mark.parametrize("name, says", [
+    ("../x", "invalid image name"),
+    ("unknown", "no such image definition"),
+    ("tiny:local", "not a reference"),
+    ("tiny@sha256:" + "0" * 64, "not a reference"),
+    ("busybox", "no such image definition"),  # a repository the engine has, with no definition here
+])
+@pytest.mark.parametrize("registry", [False, True])
+def test_rollback_of_something_that_is_not_a_definition(project, name, says, registry):
+    before = tree_state(project)
+    r = run_cli("--root", str(project), "rollback", name, *(["--registry", "127.0.0.1:1/x"] if registry else []))
+    _clear(r, 2, says)
+    assert tree_state(project) == before
