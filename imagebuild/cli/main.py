@@ -218,7 +218,8 @@ prefetch environment:
                     "sources (default all) and report which moved")
     sp.add_argument("--offline", action="store_true",
                     help="use the mirror cache only; fail naming the first missing object")
-    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="parallel git operations (default 4)")
+    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+                    help="parallel git operations (default 4)")
     sp.add_argument("--cache", metavar="DIR", help="mirror cache folder (default: $IMAGEBUILD_CACHE, else "
                     "$XDG_CACHE_HOME/imagebuild/git)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
@@ -300,7 +301,7 @@ prefetch environment:
                     help="allow a target platform other than the host's (QEMU emulation; slow)")
     sp.add_argument("--dry-run", action="store_true", help="check everything and print what would run; build "
                     "nothing")
-    sp.add_argument("--jobs", type=int, metavar="N", help="MAX_JOBS for stages that declare it (default: from "
+    sp.add_argument("--jobs", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
     sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
                     help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
@@ -341,7 +342,8 @@ sync environment:
                     "default: peers: in imagebuild.yaml")
     sp.add_argument("--image", metavar="IMAGE|REF", help="a definition name (its :local) or any image reference "
                     "(default: the project's only definition)")
-    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="peers synced in parallel (default 4)")
+    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+                    help="peers synced in parallel (default 4)")
     sp.add_argument("--force", action="store_true", help="sync an image without a passing receipt, or move a tag a "
                     "running container uses (with a warning)")
     sp.add_argument("--dry-run", action="store_true", help="probe the peers and say what would be sent; change "
@@ -382,7 +384,7 @@ sync environment:
                         "Retention: docs/build.md, 'Disk'.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
-    sp.add_argument("--keep", type=int, default=None, metavar="N", help="also keep the last N builds (default 3; "
+    sp.add_argument("--keep", type=common.count(0, 100_000), default=None, metavar="N", help="also keep the last N builds (default 3; "
                     "with --peer: the records and receipts of the last N synced images, default 5)")
     sp.add_argument("--dry-run", action="store_true", help="remove nothing; list what would go and the bytes freed")
     sp.add_argument("--peer", action="append", default=[], metavar="PEER",
@@ -866,8 +868,11 @@ def cmd_log(args) -> int:
         return EXIT_OK
     if not args.image:
         raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
+    if args.stage is not None and not defn_mod.STAGE_RE.match(args.stage) and args.stage != "release":
+        raise UsageError(f"--stage {args.stage!r}: expected a stage name (or 'release')",
+                         hint=f"imagebuild log {args.image} {args.run or 'latest'} lists the run's stages")
     run = runs_mod.find_run(ctx, args.image, args.run)
-    if args.stage:
+    if args.stage is not None:
         path = run.dir / "logs" / f"{args.stage}.log"
         if not path.is_file():
             have = ", ".join(p.stem for p in run.logs()) or "none"

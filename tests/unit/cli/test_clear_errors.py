@@ -116,3 +116,36 @@ def test_rollback_of_something_that_is_not_a_definition(project, name, says, reg
     r = run_cli("--root", str(project), "rollback", name, *(["--registry", "127.0.0.1:1/x"] if registry else []))
     _clear(r, 2, says)
     assert tree_state(project) == before
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["build", "tiny", "--jobs", str(10**20), "--dry-run"], "--jobs"),
+    (["build", "tiny", "--jobs", "0", "--dry-run"], "--jobs"),
+    (["prefetch", "tiny", "--jobs", str(10**20)], "--jobs"),
+    (["sync", "--jobs", "-1", "x"], "--jobs"),
+    (["gc", "--keep", "-1", "--dry-run"], "--keep"),
+    (["diff", "a:1", "b:1", "--limit", "-1"], "--limit"),
+    (["diff", "a:1", "b:1", "--limit", "abc"], "--limit"),
+    (["nightly", "tiny", "--keep-builds", "-1"], "--keep-builds"),
+])
+def test_numbers_out_of_range_are_usage_errors(project, argv, flag):
+    before = tree_state(project)
+    r = run_cli("--root", str(project), *argv)
+    assert r.code == 2 and f"argument {flag}" in r.err and "expected a whole number" in r.err, (r.code, r.err)
+    assert tree_state(project) == before
+
+
+@pytest.mark.parametrize("refs", [["--", "-x", "tiny:local"], ["tiny:local", "--", "--format={{.Id}}"],
+                                  ["", "tiny:local"], ["tiny:local", "a b"]])
+def test_diff_ref_that_would_reach_docker_as_an_option(project, refs):
+    r = run_cli("--root", str(project), "diff", *refs)
+    _clear(r, 2, "expected an image reference")
+
+
+def test_log_stage_empty(project):
+    d = project / ".imagebuild" / "builds" / "tiny" / "20990101T000000Z-x"
+    d.mkdir(parents=True)
+    (d / "record.json").write_text(json.dumps({"status": "ok", "stages": []}))
+    r = run_cli("--root", str(project), "log", "tiny", "latest", "--stage", "")
+    _clear(r, 2, "--stage ''", "expected a stage name")
+    assert r.out == ""
