@@ -505,6 +505,9 @@ def cmd_list(args) -> int:
         except DefinitionError as exc:
             rows.append({"name": name, "valid": False, "platform": None, "stages": [], "description": None,
                          "unpinned": 0, "problems": len(exc.problems)})
+    for name in defn_mod.misnamed_images(root):  # listed INVALID, never skipped
+        rows.append({"name": name, "valid": False, "platform": None, "stages": [], "description": None,
+                     "unpinned": 0, "problems": 1})
     if args.json:
         common.print_json({"schema": "imagebuild.list", "version": 1, "images": rows})
         return EXIT_OK
@@ -517,9 +520,29 @@ def cmd_list(args) -> int:
             extra = f", {r['unpinned']} unpinned" if r["unpinned"] else ""
             print(f"{r['name']:<{w}}  {r['platform']:<12} {len(r['stages'])} stages ({' -> '.join(r['stages'])})"
                   f"{extra}")
+        elif not defn_mod.NAME_RE.match(r["name"]):
+            shown = _shown_name(r["name"])
+            print(f"{shown:<{w}}  INVALID      the folder name is no image name: imagebuild validate")
         else:
             print(f"{r['name']:<{w}}  INVALID      {r['problems']} problem(s): imagebuild validate {r['name']}")
     return EXIT_OK
+
+
+def _shown_name(name: str) -> str:
+    from imagebuild.core.errors import excerpt
+
+    return name if name.isprintable() and name.isascii() and len(name) <= 32 else excerpt(name)
+
+
+def _misnamed_problem(root, name: str):
+    import re
+
+    from imagebuild.core.errors import Problem
+
+    fixed = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-._")[:40] or "my-image"
+    return Problem(f"{defn_mod.IMAGES_DIR}/{_shown_name(name)}", "this folder holds an image.yaml but its name "
+                   "is no image name (lower-case letters, digits, '.', '_', '-'; at most 100 characters): "
+                   "no command can use it", key="IMAGE", hint=f"rename the folder, e.g. to {fixed!r}")
 
 
 # ------------------------------------------------------------------------------------------------ validate
@@ -539,6 +562,12 @@ def cmd_validate(args) -> int:
                             "unpinned": []})
             if not args.json:
                 print(exc.render(), file=sys.stderr)
+    for name in [] if args.images else defn_mod.misnamed_images(root):  # never skipped
+        exc = DefinitionError([_misnamed_problem(root, name)], image=_shown_name(name))
+        results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
+                        "unpinned": []})
+        if not args.json:
+            print(exc.render(), file=sys.stderr)
     if args.json:
         common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
     else:

@@ -244,6 +244,14 @@ def list_images(root: Path) -> list[str]:
                   and (p / IMAGE_FILE).exists())
 
 
+def misnamed_images(root: Path) -> list[str]:
+    """Folders under docker-images/ that hold an image.yaml but whose name is no image name (upper
+    case, unicode, a newline, too long): list and validate show them INVALID, never skip them."""
+    base = root / IMAGES_DIR
+    return sorted(p.name for p in base.iterdir() if p.is_dir() and not NAME_RE.match(p.name)
+                  and (p / IMAGE_FILE).exists()) if base.is_dir() else []
+
+
 class Collector:
     def __init__(self) -> None:
         self.problems: list[Problem] = []

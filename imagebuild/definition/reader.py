@@ -78,6 +78,7 @@ def load(root: Path, name: str, *, versions: Path | None = None, versions_displa
         raise DefinitionError(c.problems, image=name)
 
     yfile = disp(d / IMAGE_FILE)
+    _reserved_names(env, c)
     sources = git_sources(env, c)
     platform, description, gate, stage_nodes = _top_level(spec, yfile, d, c)
     python, apt_snapshot, _ = pkgspec.top_level(spec.value, yfile, env, c.err)
@@ -104,12 +105,26 @@ def load(root: Path, name: str, *, versions: Path | None = None, versions_displa
                       key=f"stages[{st.name}].requirements", line=1,
                       hint='add e.g. python: "3.12" (the base image\'s CPython) at the top level')
                 break
-    if c.problems:
-        raise DefinitionError(c.problems, image=name)
+    if c.problems:  # (a reserved name a Dockerfile also declares is found twice: said once)
+        once = {(q.file, q.line, q.key, q.message): q for q in reversed(c.problems)}  # the first one's hint
+        raise DefinitionError(sorted(once.values(), key=c.problems.index), image=name)
     return Definition(
         name=name, root=root, dir=d, platform=platform, description=description, env=env,
         stages=tuple(stages), sources=sources, images=images, gate=gate, notices=tuple(c.notices),
         source_options=source_options, python=python, apt_snapshot=apt_snapshot, build_metadata=build_metadata)
+
+
+def _reserved_names(env: envfile.EnvFile, c: Collector) -> None:
+    """Names the plan, BuildKit or imagebuild itself provide cannot be pins, used by a Dockerfile or
+    not: ``PARENT``, ``STAGE_<stage>``, ``IMAGEBUILD_*``, BuildKit's platform args."""
+    from imagebuild.definition.model import ARG_PARENT, BUILDKIT_ARGS, STAGE_ARG_PREFIX
+
+    for key in env.entries:
+        if key == ARG_PARENT or key.startswith((STAGE_ARG_PREFIX, "IMAGEBUILD_")) or key in BUILDKIT_ARGS:
+            c.err(env.display, f"{key} is provided by imagebuild and cannot be set in versions.env",
+                  line=env.line_of(key), key=key,
+                  hint="PARENT, STAGE_<stage>, IMAGEBUILD_* and BuildKit's TARGET*/BUILD* args are reserved: "
+                  "rename the pin")
 
 
 def _build_metadata(node, yfile: str, c: Collector) -> str | None:
