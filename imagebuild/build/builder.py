@@ -627,6 +627,7 @@ def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """Run the build; returns the build record (also written under the run's folder)."""
     ctx = context_mod.of(ctx)
     defn_mod.check_image_name(image)
+    guards.min_free_gib()  # a bad setting is said before the engine is asked anything
     _check_folders(ctx)
     b = prepare(ctx, image, opts)
     registry_cache.attach(b)  # stages the registry holds are pulled, not built: their inputs need not be here
@@ -1080,6 +1081,7 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
 
 def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """What ``build`` would do, with every docker command it would run (nothing is built)."""
+    guards.min_free_gib()
     b = prepare(context_mod.of(ctx), image, opts)
     registry_cache.attach(b)
     _check_inputs(b)

@@ -332,9 +332,15 @@ def free_gib(path: Path) -> float:
 def min_free_gib() -> float:
     v = os.environ.get("IMAGEBUILD_MIN_FREE_GB")
     try:
-        return float(v) if v else DEFAULT_MIN_FREE_GIB
+        n = float(v) if v else DEFAULT_MIN_FREE_GIB
     except ValueError:
-        raise OperationFailed(f"IMAGEBUILD_MIN_FREE_GB={v!r} is not a number", hint="e.g. 10") from None
+        n = None
+    if n is None or not 0 <= n < 1e6:  # (nan, inf and negative numbers too)
+        from imagebuild.core.errors import UsageError, excerpt
+
+        raise UsageError(f"IMAGEBUILD_MIN_FREE_GB={excerpt(v)}: expected a number of GiB >= 0",
+                         hint="e.g. IMAGEBUILD_MIN_FREE_GB=10") from None
+    return n
 
 
 # The reproducible export holds each new layer twice for a while (BuildKit's blob, then the one

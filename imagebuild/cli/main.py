@@ -941,6 +941,8 @@ def cmd_gc(args) -> int:
     ctx = common.ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
+    if args.image:  # before the engine is asked
+        defn_mod.check_image_name(args.image)
     plan = gc_mod.plan_gc(ctx, args.image, args.keep)
     if not args.dry_run:
         gc_mod.apply(plan, ctx)

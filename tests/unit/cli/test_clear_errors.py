@@ -149,3 +149,11 @@ def test_log_stage_empty(project):
     r = run_cli("--root", str(project), "log", "tiny", "latest", "--stage", "")
     _clear(r, 2, "--stage ''", "expected a stage name")
     assert r.out == ""
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf"])
+def test_min_free_gb_that_is_not_a_number(project, monkeypatch, value):
+    # not ignored (it was refused already, but as exit 1, an operation failure): bad configuration, exit 2
+    monkeypatch.setenv("IMAGEBUILD_MIN_FREE_GB", value)
+    r = run_cli("--root", str(project), "build", "tiny", "--dry-run")
+    _clear(r, 2, "IMAGEBUILD_MIN_FREE_GB")
