@@ -59,7 +59,7 @@ from imagebuild.core.errors import (
     Problem,
     UsageError,
 )
-from imagebuild.core.fsutil import atomic_write_json, sha256_bytes, sha256_file
+from imagebuild.core.fsutil import atomic_write_json, sha256_bytes, sha256_file, usable_dir
 from imagebuild.definition import patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod
@@ -625,7 +625,11 @@ def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, 
 
 def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """Run the build; returns the build record (also written under the run's folder)."""
-    b = prepare(context_mod.of(ctx), image, opts)
+    ctx = context_mod.of(ctx)
+    defn_mod.check_image_name(image)
+    guards.min_free_gib()  # a bad setting is said before the engine is asked anything
+    _check_folders(ctx)
+    b = prepare(ctx, image, opts)
     registry_cache.attach(b)  # stages the registry holds are pulled, not built: their inputs need not be here
     named = _check_inputs(b)  # before the lock and before docker: a tampered input stops here
     blk = guards.BuildLock(guards.build_lock_path(b.engine_id, b.defn.name), b.defn.name)
@@ -637,6 +641,19 @@ def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
         return _run(b, named)
     finally:
         blk.release()
+
+
+def _check_folders(ctx: context_mod.Context) -> None:
+    """The folders a build writes in, checked before anything starts (a run record never stays
+    ``running`` because one of them is unusable): the stage store, the lock folder, then the state
+    folder (last: a refusal leaves the project as it was)."""
+    usable_dir(state.stages_dir(), state.STAGES_ENV if os.environ.get(state.STAGES_ENV) else "the stage store",
+               hint=f"{state.STAGES_ENV} names a folder this user can write (default "
+               "$XDG_CACHE_HOME/imagebuild/stages)")
+    guards.usable_lock_dir(guards.lock_top())
+    usable_dir(tmp_root(ctx), "IMAGEBUILD_STATE_DIR" if os.environ.get("IMAGEBUILD_STATE_DIR") else
+               "the state folder", hint="IMAGEBUILD_STATE_DIR names a folder this user can write (default "
+               "<project>/.imagebuild)")
 
 
 def _remove_stale_tmp(b: Build) -> None:
@@ -688,9 +705,10 @@ def _run(b: Build, named: dict) -> dict:
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: the child was stopped, the temp folder is gone
         _record(b, "interrupted", started, release=None, promotion=None)
         raise
-    except BaseException:
+    except BaseException as exc:
         if b.cache is not None:  # what was built before the failure still reaches the registry
             b.cache.finish()
+        _record_unfinished(b, started, exc)
         raise
     if b.cache is not None:
         b.cache.finish()
@@ -698,6 +716,17 @@ def _run(b: Build, named: dict) -> dict:
         rec = _record(b, rec["status"], started, release=rec.get("release"), promotion=rec.get("promotion"),
                       **{k: rec[k] for k in ("publish",) if k in rec})
     return rec
+
+
+def _record_unfinished(b: Build, started: str, exc: BaseException) -> None:
+    """A run that stopped on an error no step recorded still ends ``failed``, never ``running``."""
+    try:
+        rec = json.loads((b.dir / "record.json").read_text(encoding="utf-8"))
+        if isinstance(rec, dict) and rec.get("status") == "running":
+            _record(b, "failed", started, release=None, promotion=None,
+                    error=getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
+    except (OSError, ValueError):
+        pass
 
 
 def _run_stages(b: Build, named: dict, started: str) -> dict:
@@ -1052,6 +1081,7 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
 
 def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """What ``build`` would do, with every docker command it would run (nothing is built)."""
+    guards.min_free_gib()
     b = prepare(context_mod.of(ctx), image, opts)
     registry_cache.attach(b)
     _check_inputs(b)

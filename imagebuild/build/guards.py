@@ -332,9 +332,15 @@ def free_gib(path: Path) -> float:
 def min_free_gib() -> float:
     v = os.environ.get("IMAGEBUILD_MIN_FREE_GB")
     try:
-        return float(v) if v else DEFAULT_MIN_FREE_GIB
+        n = float(v) if v else DEFAULT_MIN_FREE_GIB
     except ValueError:
-        raise OperationFailed(f"IMAGEBUILD_MIN_FREE_GB={v!r} is not a number", hint="e.g. 10") from None
+        n = None
+    if n is None or not 0 <= n < 1e6:  # (nan, inf and negative numbers too)
+        from imagebuild.core.errors import UsageError, excerpt
+
+        raise UsageError(f"IMAGEBUILD_MIN_FREE_GB={excerpt(v)}: expected a number of GiB >= 0",
+                         hint="e.g. IMAGEBUILD_MIN_FREE_GB=10") from None
+    return n
 
 
 # The reproducible export holds each new layer twice for a while (BuildKit's blob, then the one
@@ -394,18 +400,32 @@ def build_lock_path(engine_id: str | None, image: str) -> Path:
     share one engine get the same lock. ``$IMAGEBUILD_LOCK_DIR`` (default
     ``<tmp>/imagebuild-locks``) holds one folder per engine."""
     import re
-    import tempfile
 
-    top = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "imagebuild-locks")
+    top = lock_top()
     eng = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id or "unknown-engine")[:80]
-    d = top / eng
-    d.mkdir(parents=True, exist_ok=True)
+    d = usable_lock_dir(top / eng)
     for p in (top, d):
         try:
             os.chmod(p, 0o1777)  # shared by every user of the engine, like /tmp
         except OSError:
             pass
     return d / f"{image}.lock"
+
+
+def lock_top() -> Path:
+    import tempfile
+
+    return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "imagebuild-locks")
+
+
+def usable_lock_dir(path: Path) -> Path:
+    """``path`` (the lock folder or one of its engine folders) made and writable, else a UsageError
+    naming IMAGEBUILD_LOCK_DIR."""
+    from imagebuild.core.fsutil import usable_dir
+
+    return usable_dir(path, LOCK_DIR_ENV if os.environ.get(LOCK_DIR_ENV) else "the build lock folder",
+                      hint=f"{LOCK_DIR_ENV} names a folder every user of the engine can write (default "
+                      "<tmp>/imagebuild-locks)")
 
 
 class BuildLock:

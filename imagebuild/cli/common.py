@@ -37,3 +37,21 @@ def ctx_or_none(args):
 
 def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def count(lo: int, hi: int):
+    """An argparse ``type`` for a whole number in [lo, hi]: anything else (``-1``, ``10**20``, ``abc``)
+    is a usage error (exit 2) naming the flag, before any work starts."""
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            n = int(text, 10)
+        except ValueError:
+            n = None
+        if n is None or not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {lo} to {hi}, got {text[:32]!r}")
+        return n
+
+    parse.__name__ = "count"
+    return parse

@@ -218,7 +218,8 @@ prefetch environment:
                     "sources (default all) and report which moved")
     sp.add_argument("--offline", action="store_true",
                     help="use the mirror cache only; fail naming the first missing object")
-    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="parallel git operations (default 4)")
+    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+                    help="parallel git operations (default 4)")
     sp.add_argument("--cache", metavar="DIR", help="mirror cache folder (default: $IMAGEBUILD_CACHE, else "
                     "$XDG_CACHE_HOME/imagebuild/git)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
@@ -237,11 +238,13 @@ prefetch environment:
     sp.set_defaults(func=cmd_bundle)
 
     sp = sub.add_parser("unbundle", help="verify a bundle against its lock, then put its files in place",
-                        description="Read FILE (made by `imagebuild bundle`) into a temporary folder, verify every "
-                        "member against its manifest and SHA256SUMS and every file against the bundled lock, "
-                        "and only then move the prefetched files, versions.env and lock.json into this project. "
-                        "A bad bundle changes nothing (exit 1). After it, `imagebuild build IMAGE` needs no "
-                        "network.",
+                        description="Check FILE's (made by `imagebuild bundle`) headers and manifest before "
+                        "writing anything (regular files only, each listed, each of the listed size), stream its "
+                        "members into a temporary folder hashing each, verify every file against the bundled "
+                        "lock, validate the definition with the bundle's versions.env, and only then move the "
+                        "prefetched files, versions.env and lock.json into this project. A bad bundle changes "
+                        "nothing (exit 1; 2 when its pins break the definition). After it, `imagebuild build "
+                        "IMAGE` needs no network.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("file", metavar="FILE", help="the bundle")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.bundle-result, version 1)")
@@ -298,7 +301,7 @@ prefetch environment:
                     help="allow a target platform other than the host's (QEMU emulation; slow)")
     sp.add_argument("--dry-run", action="store_true", help="check everything and print what would run; build "
                     "nothing")
-    sp.add_argument("--jobs", type=int, metavar="N", help="MAX_JOBS for stages that declare it (default: from "
+    sp.add_argument("--jobs", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
     sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
                     help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
@@ -339,7 +342,8 @@ sync environment:
                     "default: peers: in imagebuild.yaml")
     sp.add_argument("--image", metavar="IMAGE|REF", help="a definition name (its :local) or any image reference "
                     "(default: the project's only definition)")
-    sp.add_argument("--jobs", "-j", type=int, default=4, metavar="N", help="peers synced in parallel (default 4)")
+    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+                    help="peers synced in parallel (default 4)")
     sp.add_argument("--force", action="store_true", help="sync an image without a passing receipt, or move a tag a "
                     "running container uses (with a warning)")
     sp.add_argument("--dry-run", action="store_true", help="probe the peers and say what would be sent; change "
@@ -380,7 +384,7 @@ sync environment:
                         "Retention: docs/build.md, 'Disk'.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
-    sp.add_argument("--keep", type=int, default=None, metavar="N", help="also keep the last N builds (default 3; "
+    sp.add_argument("--keep", type=common.count(0, 100_000), default=None, metavar="N", help="also keep the last N builds (default 3; "
                     "with --peer: the records and receipts of the last N synced images, default 5)")
     sp.add_argument("--dry-run", action="store_true", help="remove nothing; list what would go and the bytes freed")
     sp.add_argument("--peer", action="append", default=[], metavar="PEER",
@@ -417,7 +421,8 @@ sync environment:
     sp = sub.add_parser("rollback", help="swap IMAGE:local and IMAGE:previous",
                         description="Point IMAGE:local back at IMAGE:previous (what :local was before the last "
                         "promotion); the replaced image becomes IMAGE:previous, so a second rollback undoes the "
-                        "first. Exit 1 when there is no :previous.",
+                        "first. Exit 1 when there is no :previous; 2 for a name that is not one of the project's "
+                        "definitions.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
@@ -500,6 +505,9 @@ def cmd_list(args) -> int:
         except DefinitionError as exc:
             rows.append({"name": name, "valid": False, "platform": None, "stages": [], "description": None,
                          "unpinned": 0, "problems": len(exc.problems)})
+    for name in defn_mod.misnamed_images(root):  # listed INVALID, never skipped
+        rows.append({"name": name, "valid": False, "platform": None, "stages": [], "description": None,
+                     "unpinned": 0, "problems": 1})
     if args.json:
         common.print_json({"schema": "imagebuild.list", "version": 1, "images": rows})
         return EXIT_OK
@@ -512,9 +520,29 @@ def cmd_list(args) -> int:
             extra = f", {r['unpinned']} unpinned" if r["unpinned"] else ""
             print(f"{r['name']:<{w}}  {r['platform']:<12} {len(r['stages'])} stages ({' -> '.join(r['stages'])})"
                   f"{extra}")
+        elif not defn_mod.NAME_RE.match(r["name"]):
+            shown = _shown_name(r["name"])
+            print(f"{shown:<{w}}  INVALID      the folder name is no image name: imagebuild validate")
         else:
             print(f"{r['name']:<{w}}  INVALID      {r['problems']} problem(s): imagebuild validate {r['name']}")
     return EXIT_OK
+
+
+def _shown_name(name: str) -> str:
+    from imagebuild.core.errors import excerpt
+
+    return name if name.isprintable() and name.isascii() and len(name) <= 32 else excerpt(name)
+
+
+def _misnamed_problem(root, name: str):
+    import re
+
+    from imagebuild.core.errors import Problem
+
+    fixed = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-._")[:40] or "my-image"
+    return Problem(f"{defn_mod.IMAGES_DIR}/{_shown_name(name)}", "this folder holds an image.yaml but its name "
+                   "is no image name (lower-case letters, digits, '.', '_', '-'; at most 100 characters): "
+                   "no command can use it", key="IMAGE", hint=f"rename the folder, e.g. to {fixed!r}")
 
 
 # ------------------------------------------------------------------------------------------------ validate
@@ -534,6 +562,12 @@ def cmd_validate(args) -> int:
                             "unpinned": []})
             if not args.json:
                 print(exc.render(), file=sys.stderr)
+    for name in [] if args.images else defn_mod.misnamed_images(root):  # never skipped
+        exc = DefinitionError([_misnamed_problem(root, name)], image=_shown_name(name))
+        results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
+                        "unpinned": []})
+        if not args.json:
+            print(exc.render(), file=sys.stderr)
     if args.json:
         common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
     else:
@@ -649,11 +683,12 @@ def cmd_prefetch(args) -> int:
 
 
 def cmd_bundle(args) -> int:
+    from imagebuild.core.fsutil import check_output_file
     from imagebuild.fetch import bundle as bundle_mod
 
     ctx = common.ctx(args)
     defn_mod.check_image_name(args.image)
-    res = bundle_mod.bundle(ctx, args.image, args.output)
+    res = bundle_mod.bundle(ctx, args.image, check_output_file(args.output, "-o/--output"))
     if args.json:
         common.print_json(res.as_dict())
     else:
@@ -702,6 +737,10 @@ def cmd_gate(args) -> int:
         return _check_receipt(args)
     from imagebuild.gate import runner as gate_mod  # imports pytest: only when gating
 
+    if args.junit is not None:
+        from imagebuild.core.fsutil import check_output_file
+
+        args.junit = str(check_output_file(args.junit, "--junit"))
     ctx = common.ctx_or_none(args)  # a bare REF + --spec works outside a project too
     target = gate_mod.resolve(ctx, args.target, ref=args.ref, spec=args.spec)
     receipt = gate_mod.execute(target, require_gpu=args.require_gpu, junit=args.junit)
@@ -858,8 +897,11 @@ def cmd_log(args) -> int:
         return EXIT_OK
     if not args.image:
         raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
+    if args.stage is not None and not defn_mod.STAGE_RE.match(args.stage) and args.stage != "release":
+        raise UsageError(f"--stage {args.stage!r}: expected a stage name (or 'release')",
+                         hint=f"imagebuild log {args.image} {args.run or 'latest'} lists the run's stages")
     run = runs_mod.find_run(ctx, args.image, args.run)
-    if args.stage:
+    if args.stage is not None:
         path = run.dir / "logs" / f"{args.stage}.log"
         if not path.is_file():
             have = ", ".join(p.stem for p in run.logs()) or "none"
@@ -872,12 +914,14 @@ def cmd_log(args) -> int:
                      "logs": [ctx.show(p) for p in run.logs()]})
         return EXIT_OK
     s = run.summary()
+    for p in run.problems():  # a record not written by a build (edited, another version): shown as far as it goes
+        log.warning("warning: %s: %s (shown as -)", ctx.show(run.dir / "record.json"), p)
     print(f"run       {run.run_id}  ({args.image}, {s['status']})")
     print(f"build id  {s['build_id'] or '-'}")
     print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}")
-    for st in run.record.get("stages") or []:
-        took = f"{st['seconds']:.1f} s" if st.get("seconds") is not None else ""
-        print(f"  {st['name']:<16} {st.get('status', '-'):<8} {took:>9}  {st.get('log') or ''}")
+    for st in run.stages():
+        took = f"{st['seconds']:.1f} s" if st["seconds"] is not None else ""
+        print(f"  {st['name'] or '-':<16} {st['status'] or '-':<8} {took:>9}  {st['log'] or ''}")
     if s["identity"]:
         print(f"identity  {s['identity']}")
     if s["promotion"]:
@@ -897,6 +941,8 @@ def cmd_gc(args) -> int:
     ctx = common.ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
+    if args.image:  # before the engine is asked
+        defn_mod.check_image_name(args.image)
     plan = gc_mod.plan_gc(ctx, args.image, args.keep)
     if not args.dry_run:
         gc_mod.apply(plan, ctx)
@@ -1019,6 +1065,7 @@ def cmd_rollback(args) -> int:
     from imagebuild.build import promote as promote_mod
 
     ctx = common.ctx(args)
+    _rollback_target(args.image, ctx)
     if args.registry is not None:
         return _rollback_registry(args, ctx)
     doc = promote_mod.rollback(args.image, ctx)
@@ -1031,11 +1078,30 @@ def cmd_rollback(args) -> int:
     return EXIT_OK
 
 
+def _rollback_target(image: str, ctx) -> None:
+    """rollback takes a definition name (it swaps IMAGE:local and IMAGE:previous): not a reference
+    (``img:local`` would look for ``img:local:previous``), not a path, not a repository this project
+    has no definition of (exit 2, as docs/cli.md says)."""
+    if ":" in image or "@" in image:
+        name = image.split("@", 1)[0].rsplit(":", 1)[0]
+        raise UsageError(f"rollback {image}: expected an image name, not a reference: rollback swaps NAME:local "
+                         "and NAME:previous", hint=f"imagebuild rollback {name}")
+    defn_mod.check_image_name(image)
+    if not (ctx.root / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
+        from imagebuild.core.errors import Problem
+
+        known = defn_mod.list_images(ctx.root)
+        raise DefinitionError([Problem(defn_mod.display_path(ctx.root, ctx.root / defn_mod.IMAGES_DIR / image),
+                                       "no such image definition: rollback swaps the tags of this project's "
+                                       "images only", key="IMAGE",
+                                       hint=f"known images: {', '.join(known) or 'none'} (imagebuild list)")],
+                              image=image)
+
+
 def _rollback_registry(args, ctx) -> int:
     from imagebuild.build import registry_release
     from imagebuild.core import registry as registry_mod
 
-    defn_mod.check_image_name(args.image)
     value = args.registry or ctx.config.registry
     if not value:
         raise UsageError("rollback --registry: which registry? none given and imagebuild.yaml has no registry:",

@@ -38,8 +38,8 @@ def register(sub, epilog: str) -> None:
     sp.add_argument("--refresh", action="store_true",
                     help="move pinned PR heads and followed branches to their latest commits (prefetch --refresh)")
     sp.add_argument("--report-dir", metavar="DIR", help="where reports go (default .imagebuild/nightly)")
-    sp.add_argument("--keep-reports", type=int, default=14, metavar="N", help="keep the last N reports (default 14)")
-    sp.add_argument("--keep-builds", type=int, default=3, metavar="N",
+    sp.add_argument("--keep-reports", type=common.count(0, 100_000), default=14, metavar="N", help="keep the last N reports (default 14)")
+    sp.add_argument("--keep-builds", type=common.count(0, 100_000), default=3, metavar="N",
                     help="gc retention: also keep the last N builds per image (default 3; docs/build.md, 'Disk')")
     sp.add_argument("--no-gc", action="store_true", help="do not run gc at the end")
     sp.add_argument("--notify", metavar="CMD", default=None,
@@ -70,7 +70,7 @@ def register(sub, epilog: str) -> None:
         epilog=epilog, formatter_class=fmt)
     sp.add_argument("ref1", metavar="REF1", help="the older image")
     sp.add_argument("ref2", metavar="REF2", help="the newer image")
-    sp.add_argument("--limit", type=int, default=50, metavar="N", help="show at most N rows per section (default 50)")
+    sp.add_argument("--limit", type=common.count(1, 1_000_000), default=50, metavar="N", help="show at most N rows per section (default 50)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.image-diff, version 1)")
     sp.set_defaults(func=cmd_diff)
 
@@ -154,8 +154,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from imagebuild.core.errors import EXIT_OK, ImagebuildError
+    from imagebuild.core.errors import EXIT_OK, ImagebuildError, UsageError
     from imagebuild.ops import imagediff
+
+    for name, value in (("REF1", args.ref1), ("REF2", args.ref2)):
+        if not value or value.startswith("-") or not value.isprintable() or any(c.isspace() for c in value):
+            raise UsageError(f"{name} {value!r}: expected an image reference (IMAGE:TAG, an id), not an option "
+                             "or an empty word", hint="imagebuild diff IMAGE:previous IMAGE:local")
 
     try:
         ctx = common.ctx(args)

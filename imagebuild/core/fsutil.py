@@ -101,3 +101,44 @@ def inside(path: Path, folder: Path) -> bool:
 def canonical_json(obj: object) -> bytes:
     """The one serialisation that keys are hashed over."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def usable_dir(path: Path, what: str, *, hint: str | None = None) -> Path:
+    """``path`` as a folder this process can write in, made if missing; else a UsageError (exit 2)
+    naming ``what`` (the setting it came from, e.g. ``IMAGEBUILD_STATE_DIR``) and why."""
+    from imagebuild.core.errors import UsageError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{what}: {path} is not a folder", hint=hint) from None
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot make the folder {path}: {exc.strerror or exc}", hint=hint) from None
+    if not path.is_dir():
+        raise UsageError(f"{what}: {path} is not a folder", hint=hint)
+    try:  # a real probe: root passes os.access() where nothing can be created (/proc, a read-only mount)
+        fd, probe = tempfile.mkstemp(prefix=".imagebuild-probe.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot write in {path}: {exc.strerror or exc}", hint=hint) from None
+    return path
+
+
+def check_output_file(path: str | Path, flag: str) -> Path:
+    """The file a flag names for writing (``bundle -o``, ``gate --junit``), checked before any work:
+    not empty, not an existing folder or device (a rename would replace it), in a folder that can
+    be made and written. A UsageError (exit 2) names the flag otherwise."""
+    from imagebuild.core.errors import UsageError
+
+    if not str(path).strip():
+        raise UsageError(f"{flag}: expected a file name, got an empty one")
+    p = Path(os.path.abspath(path))
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder: expected a file name")
+    if p.exists() and not p.is_file():
+        raise UsageError(f"{flag} {path}: exists and is not a regular file (a device, socket or pipe): "
+                         "refusing to replace it")
+    usable_dir(p.parent, f"{flag} {path}")
+    return p

@@ -28,7 +28,7 @@ class Run:
 
     @property
     def status(self) -> str:
-        return str(self.record.get("status") or "unknown")
+        return _typed(self.record.get("status"), str) or "unknown"
 
     def logs(self) -> list[Path]:
         d = self.dir / "logs"
@@ -36,11 +36,49 @@ class Run:
 
     def summary(self) -> dict:
         r = self.record
-        return {"image": self.image, "run_id": self.run_id, "status": self.status, "build_id": r.get("build_id"),
-                "started": r.get("started"), "finished": r.get("finished"),
-                "failed_stage": r.get("failed_stage"),
-                "identity": (r.get("release") or {}).get("identity"),
-                "promotion": (r.get("promotion") or {}).get("status")}
+        text = lambda k: _typed(r.get(k), str)  # noqa: E731
+        return {"image": self.image, "run_id": self.run_id, "status": self.status, "build_id": text("build_id"),
+                "started": text("started"), "finished": text("finished"),
+                "failed_stage": text("failed_stage"),
+                "identity": _typed((_typed(r.get("release"), dict) or {}).get("identity"), str),
+                "promotion": _typed((_typed(r.get("promotion"), dict) or {}).get("status"), str)}
+
+    def stages(self) -> list[dict]:
+        """The record's stages as ``{name, status, seconds, log}``, a field of the wrong type as None."""
+        out = []
+        for st in _typed(self.record.get("stages"), list) or []:
+            st = st if isinstance(st, dict) else {}
+            secs = st.get("seconds")
+            out.append({"name": _typed(st.get("name"), str), "status": _typed(st.get("status"), str),
+                        "seconds": secs if isinstance(secs, (int, float)) and not isinstance(secs, bool) else None,
+                        "log": _typed(st.get("log"), str)})
+        return out
+
+    def problems(self) -> list[str]:
+        """What in record.json is not of the type a build writes (``imagebuild log`` says so and
+        shows the rest)."""
+        r, out = self.record, []
+        for key, want in _FIELDS.items():
+            if r.get(key) is not None and not isinstance(r[key], want):
+                out.append(f"{key}: expected {_NAMES[want]}, got {type(r[key]).__name__}")
+        for i, st in enumerate(_typed(r.get("stages"), list) or []):
+            if not isinstance(st, dict):
+                out.append(f"stages[{i}]: expected an object, got {type(st).__name__}")
+                continue
+            for key, want in (("name", str), ("status", str), ("seconds", (int, float)), ("log", str)):
+                v = st.get(key)
+                if v is not None and (not isinstance(v, want) or isinstance(v, bool)):
+                    out.append(f"stages[{i}].{key}: expected {_NAMES[want]}, got {type(v).__name__}")
+        return out
+
+
+_FIELDS = {"status": str, "build_id": str, "started": str, "finished": str, "failed_stage": str,
+           "release": dict, "promotion": dict, "stages": list}
+_NAMES = {str: "a string", dict: "an object", list: "a list", (int, float): "a number"}
+
+
+def _typed(value, kind):
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
 def _read(d: Path) -> dict:

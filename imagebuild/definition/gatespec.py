@@ -179,6 +179,9 @@ def _parse(text: str, file: str, path: Path | None) -> GateSpec:
             node = yamlread.Node([], node.line)
         if not isinstance(node.value, list):
             p.err(node.line, "checks", "expected a list of checks")
+        elif not node.value:  # a gate of no checks would pass nothing; at run time it fails (exit 4)
+            p.err(node.line, "checks", "expected at least one check, got an empty list",
+                  hint="a gate of no checks proves nothing; see docs/gate.md for the check kinds")
         else:
             seen: dict[str, int] = {}
             for i, cn in enumerate(node.value):

@@ -33,7 +33,8 @@ VERSIONS_FILE = "versions.env"
 IMAGE_FILE = "image.yaml"
 DEFAULT_GATE_FILE = "gate.yaml"
 
-NAME_RE = lazy.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
+NAME_MAX = 100  # a folder name, a docker repository name with room for a registry prefix
+NAME_RE = lazy.compile(r"(?=.{1,100}\Z)[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")  # NAME_MAX characters
 STAGE_RE = lazy.compile(r"[a-z][a-z0-9]*(?:[_-][a-z0-9]+)*\Z")
 SHA_RE = lazy.compile(r"[0-9a-f]{40}\Z")
 HEXISH_RE = lazy.compile(r"[0-9a-fA-F]{4,64}\Z")
@@ -231,10 +232,11 @@ def find_root(start: Path | None = None, explicit: str | None = None) -> Path:
 
 
 def check_image_name(name: str) -> None:
-    if not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.match(name):
         raise DefinitionError([Problem(
-            "<command line>", f"invalid image name {name!r}: expected a plain identifier "
-            "(lower-case letters, digits, '.', '_', '-'; no slashes, no '..')", key="IMAGE",
+            "<command line>", f"invalid image name {excerpt(name)}: expected a plain identifier "
+            f"(lower-case letters, digits, '.', '_', '-'; at most {NAME_MAX} characters; no slashes, no '..')",
+            key="IMAGE",
             hint="image names are folder names under docker-images/, e.g. glm53-jovian-r12")])
 
 
@@ -242,6 +244,14 @@ def list_images(root: Path) -> list[str]:
     base = root / IMAGES_DIR
     return sorted(p.name for p in base.iterdir() if p.is_dir() and NAME_RE.match(p.name)
                   and (p / IMAGE_FILE).exists())
+
+
+def misnamed_images(root: Path) -> list[str]:
+    """Folders under docker-images/ that hold an image.yaml but whose name is no image name (upper
+    case, unicode, a newline, too long): list and validate show them INVALID, never skip them."""
+    base = root / IMAGES_DIR
+    return sorted(p.name for p in base.iterdir() if p.is_dir() and not NAME_RE.match(p.name)
+                  and (p / IMAGE_FILE).exists()) if base.is_dir() else []
 
 
 class Collector:

@@ -51,8 +51,11 @@ from imagebuild.definition.source_options import (  # noqa: F401  (re-exported: 
 from imagebuild.definition.stages import parse_stage
 
 
-def load(root: Path, name: str) -> Definition:
-    """Read, validate and return the definition ``name``; raise DefinitionError on any problem."""
+def load(root: Path, name: str, *, versions: Path | None = None, versions_display: str | None = None) -> Definition:
+    """Read, validate and return the definition ``name``; raise DefinitionError on any problem.
+
+    ``versions``: read that file as the definition's versions.env (shown as ``versions_display``):
+    unbundle validates the definition with a bundle's pins before it installs them."""
     check_image_name(name)
     root = root.resolve()
     d = root / IMAGES_DIR / name
@@ -66,12 +69,16 @@ def load(root: Path, name: str) -> Definition:
             hint=f"did you mean {close[0]!r}?" if close else
             f"known images: {', '.join(known) or 'none'} (imagebuild list)")], image=name)
 
-    env = _load_env(d / VERSIONS_FILE, disp(d / VERSIONS_FILE), c)
+    if versions is None:
+        env = _load_env(d / VERSIONS_FILE, disp(d / VERSIONS_FILE), c)
+    else:
+        env = _load_env(Path(versions), versions_display or str(versions), c)
     spec = _load_yaml(d / IMAGE_FILE, disp(d / IMAGE_FILE), c)
     if env is None or spec is None:
         raise DefinitionError(c.problems, image=name)
 
     yfile = disp(d / IMAGE_FILE)
+    _reserved_names(env, c)
     sources = git_sources(env, c)
     platform, description, gate, stage_nodes = _top_level(spec, yfile, d, c)
     python, apt_snapshot, _ = pkgspec.top_level(spec.value, yfile, env, c.err)
@@ -99,8 +106,9 @@ def load(root: Path, name: str) -> Definition:
                       key=f"stages[{st.name}].requirements", line=1,
                       hint='add e.g. python: "3.12" (the base image\'s CPython) at the top level')
                 break
-    if c.problems:
-        raise DefinitionError(c.problems, image=name)
+    if c.problems:  # (a reserved name a Dockerfile also declares is found twice: said once)
+        once = {(q.file, q.line, q.key, q.message): q for q in reversed(c.problems)}  # the first one's hint
+        raise DefinitionError(sorted(once.values(), key=c.problems.index), image=name)
     return Definition(
         name=name, root=root, dir=d, platform=platform, description=description, env=env,
         stages=tuple(stages), sources=sources, images=images, gate=gate, notices=tuple(c.notices),
@@ -126,6 +134,19 @@ def _verified_bases(node, yfile: str, env, c: Collector) -> tuple[str, ...]:
         else:
             out.append(x.value)
     return tuple(out)
+
+
+def _reserved_names(env: envfile.EnvFile, c: Collector) -> None:
+    """Names the plan, BuildKit or imagebuild itself provide cannot be pins, used by a Dockerfile or
+    not: ``PARENT``, ``STAGE_<stage>``, ``IMAGEBUILD_*``, BuildKit's platform args."""
+    from imagebuild.definition.model import ARG_PARENT, BUILDKIT_ARGS, STAGE_ARG_PREFIX
+
+    for key in env.entries:
+        if key == ARG_PARENT or key.startswith((STAGE_ARG_PREFIX, "IMAGEBUILD_")) or key in BUILDKIT_ARGS:
+            c.err(env.display, f"{key} is provided by imagebuild and cannot be set in versions.env",
+                  line=env.line_of(key), key=key,
+                  hint="PARENT, STAGE_<stage>, IMAGEBUILD_* and BuildKit's TARGET*/BUILD* args are reserved: "
+                  "rename the pin")
 
 
 def _build_metadata(node, yfile: str, c: Collector) -> str | None:

@@ -14,11 +14,14 @@ Every file is checked against the lock while it is written: a damaged or missing
 stops the bundle (nothing is left at FILE). The archive is deterministic: sorted names, mtime 0,
 owner 0, mode 0644, so the same lock and files give the same bytes.
 
-``imagebuild unbundle FILE`` reads the bundle into a temporary folder inside the project,
-checks every member against the manifest and ``SHA256SUMS`` and every file against the
-bundled lock (nothing missing, nothing extra, no path outside its place), and only then moves
-the files into place: the prefetched folders first, ``versions.env``, then ``lock.json`` (the
-commit point). A bad bundle changes nothing. After it, ``imagebuild build IMAGE`` needs no
+``imagebuild unbundle FILE`` writes nothing before it has read the tar's headers and checked the
+manifest (every field's type and shape): every member must be a regular file inside the project,
+listed once in the manifest, of exactly the size it lists, so the manifest bounds what is written.
+Each member then streams, hashed, into a temporary folder inside the project; every file is checked
+against the bundled lock (nothing missing, nothing extra), the definition is validated with the
+bundle's versions.env, and only then are the files moved into place: the prefetched folders first,
+``versions.env``, then ``lock.json`` (the commit point). A bad bundle changes nothing. After it,
+``imagebuild build IMAGE`` needs no
 network (base images aside: unbundle says which ones the local engine lacks).
 """
 
@@ -28,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -189,12 +193,18 @@ def bundle(ctx: context_mod.Context | Path, image: str, output: Path) -> Result:
     want = [Item(defn.rel(lock_mod.lock_path(defn.dir)), None), Item(defn.rel(defn.dir / d.VERSIONS_FILE), None)]
     want += items(image, lk, lock_disp)
     output = Path(output).resolve()
+    if output.is_dir() or (output.exists() and not output.is_file()):  # a rename would replace it
+        raise UsageError(f"-o {output}: is a folder or a device, not a file: refusing to replace it")
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     manifest_files = []
     total = 0
     try:
-        with open(tmp, "wb") as raw:
+        try:
+            raw = open(tmp, "wb")
+        except OSError as exc:
+            raise UsageError(f"-o {output}: cannot write in {output.parent}: {exc.strerror or exc}") from None
+        with raw:
             tf = _TarWriter(raw)
             for it in want:
                 src = root / it.path
@@ -224,6 +234,9 @@ def bundle(ctx: context_mod.Context | Path, image: str, output: Path) -> Result:
             tf.close()
         # no fsync: a bundle is a transport file, and unbundle verifies every byte of it
         os.replace(tmp, output)
+    except OSError as exc:  # the disk filled, the folder went away: the bundle is not written
+        tmp.unlink(missing_ok=True)
+        raise OperationFailed(f"-o {output}: could not write the bundle: {exc.strerror or exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -240,79 +253,114 @@ def _bytes(data: bytes):
 
 
 def unbundle(ctx: context_mod.Context | Path, file: Path) -> Result:
-    """Verify ``file`` completely, then put its files in place under the project's root."""
+    """Verify ``file`` completely, then put its files in place under the project's root.
+
+    Nothing is written before the tar's headers and its manifest are checked: every member must
+    be a regular file the manifest lists, of the size it says (so the manifest's sizes bound what
+    is written, and a sparse or oversized member is refused unread). The members are then hashed
+    while they stream into a temporary folder, checked against the bundled lock, the definition is
+    validated with the bundle's versions.env, and only then is anything moved into place."""
     t0 = time.monotonic()
     file = Path(file)
     if not file.is_file():
         raise UsageError(f"{file}: no such bundle file")
     root = context_mod.of(ctx).root
-    deps = root / "deps-src"
-    made = not deps.exists()
-    for old in deps.glob(".unbundle-*.tmp") if deps.is_dir() else ():  # left by a killed run
-        pid = old.name.split("-")[1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".unbundle-{os.getpid()}-", suffix=".tmp", dir=_mkdir(deps)))
-    done = False
     try:
-        got = _read(file, stage)
-        man = _manifest(file, got, stage)
+        tf = tarfile.open(file, mode="r:", tarinfo=_Header)
+    except (tarfile.TarError, EOFError, OSError, _Bad) as exc:
+        raise _unreadable(file, exc) from None
+    with tf:
+        heads = _headers(file, tf)
+        man = _manifest(file, tf, heads)
         image = man["image"]
-        d.check_image_name(image)
-        res = Result(image, str(file))
         img_dir = root / d.IMAGES_DIR / image
         if not (img_dir / d.IMAGE_FILE).is_file():
             raise DefinitionError([Problem(d.display_path(root, img_dir), "no such image definition here: the "
                                              "bundle carries the pins and prefetched files, not the definition",
                                              key="IMAGE", hint="check out the project (the same commit as where "
                                              "the bundle was made) first")], image=image)
-        lock_rel = f"{d.IMAGES_DIR}/{image}/{lock_mod.LOCK_FILE}"
-        env_rel = f"{d.IMAGES_DIR}/{image}/{d.VERSIONS_FILE}"
+        total = sum(f["size"] for f in man["files"])
+        deps = root / "deps-src"
+        made = not deps.exists()
+        for old in deps.glob(".unbundle-*.tmp") if deps.is_dir() else ():  # left by a killed run
+            pid = old.name.split("-")[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        _room(file, _mkdir(deps), total)
+        stage = Path(tempfile.mkdtemp(prefix=f".unbundle-{os.getpid()}-", suffix=".tmp", dir=deps))
+        done = False
         try:
-            lk = json.loads((stage / lock_rel).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise OperationFailed(f"{file}: the bundled {lock_rel} is unreadable: {exc}") from None
-        if lk.get("schema") != lock_mod.LOCK_SCHEMA or lk.get("image") != image:
-            raise OperationFailed(f"{file}: the bundled {lock_rel} is not the lock of {image}")
-        wanted = {it.path: it.sha256 for it in items(image, lk, f"{file}: {lock_rel}")}
-        wanted.update({lock_rel: None, env_rel: None})
-        extra = sorted(set(got) - set(wanted))
-        missing = sorted(set(wanted) - set(got))
-        if extra or missing:
-            raise OperationFailed(f"{file}: does not match its lock: " + "; ".join(
-                ([f"missing {', '.join(missing[:5])}"] if missing else []) +
-                ([f"not in the lock: {', '.join(extra[:5])}"] if extra else [])))
-        for rel, sha in sorted(wanted.items()):
-            if sha is not None and got[rel] != sha:
-                raise OperationFailed(f"{file}: {rel} has sha256 {got[rel]}, the bundled lock says {sha}")
-        if man.get("definition_sha256") != definition_digest(img_dir):
-            res.notices.append(f"the definition here ({d.display_path(root, img_dir)}) differs from the one the "
-                               "bundle was prefetched for (image.yaml, Dockerfiles or files): build with the "
-                               "same project commit")
-        # everything is verified: move it into place, the lock last
-        _install(root, stage, image, lk, res)
-        for rel in (env_rel, lock_rel):
-            dest = root / rel
-            new = (stage / rel).read_bytes()
-            if dest.is_file() and dest.read_bytes() == new:
-                continue
-            if dest.is_file():
-                res.replaced.append(rel)
-            atomic_write_bytes(dest, new)
-        res.files = len(got)
-        res.bytes = sum(f["size"] for f in man["files"])
-        res.notices += _missing_images(lk)
-        res.seconds = time.monotonic() - t0
-        log.info("%s: unbundled %d files (%.1f MB) from %s", image, res.files, res.bytes / 1e6, file)
-        done = True
-        return res
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        if made and not done:  # leave the project as it was
-            try:
-                deps.rmdir()
-            except OSError:
-                pass
+            got = _extract(file, tf, heads, man, stage)
+            res = _verify_and_install(root, file, man, got, stage, img_dir)
+            res.files = len(got)
+            res.bytes = total
+            res.seconds = time.monotonic() - t0
+            log.info("%s: unbundled %d files (%.1f MB) from %s", image, res.files, res.bytes / 1e6, file)
+            done = True
+            return res
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+            if made and not done:  # leave the project as it was
+                try:
+                    deps.rmdir()
+                except OSError:
+                    pass
+
+
+def _verify_and_install(root: Path, file: Path, man: dict, got: dict[str, str], stage: Path,
+                        img_dir: Path) -> Result:
+    image = man["image"]
+    res = Result(image, str(file))
+    lock_rel = f"{d.IMAGES_DIR}/{image}/{lock_mod.LOCK_FILE}"
+    env_rel = f"{d.IMAGES_DIR}/{image}/{d.VERSIONS_FILE}"
+    try:
+        lk = json.loads((stage / lock_rel).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise OperationFailed(f"{file}: the bundled {lock_rel} is unreadable: {exc}") from None
+    if not isinstance(lk, dict) or lk.get("schema") != lock_mod.LOCK_SCHEMA or lk.get("image") != image:
+        raise OperationFailed(f"{file}: the bundled {lock_rel} is not the lock of {image}")
+    wanted = {it.path: it.sha256 for it in _lock_items(file, image, lk, lock_rel)}
+    wanted.update({lock_rel: None, env_rel: None})
+    extra = sorted(set(got) - set(wanted))
+    missing = sorted(set(wanted) - set(got))
+    if extra or missing:
+        raise OperationFailed(f"{file}: does not match its lock: " + "; ".join(
+            ([f"missing {', '.join(missing[:5])}"] if missing else []) +
+            ([f"not in the lock: {', '.join(extra[:5])}"] if extra else [])))
+    for rel, sha in sorted(wanted.items()):
+        if sha is not None and got[rel] != sha:
+            raise OperationFailed(f"{file}: {rel} has sha256 {got[rel]}, the bundled lock says {sha}")
+    if man["lock_sha256"] != got[lock_rel]:
+        raise OperationFailed(f"{file}: {MANIFEST}: lock_sha256 is {man['lock_sha256']}, the bundled {lock_rel} "
+                              f"has {got[lock_rel]}")
+    # the definition as it will be after the install (its own files, the bundle's pins) must be valid
+    d.load(root, image, versions=stage / env_rel, versions_display=f"{file}: {env_rel}")
+    if man["definition_sha256"] != definition_digest(img_dir):
+        res.notices.append(f"the definition here ({d.display_path(root, img_dir)}) differs from the one the "
+                           "bundle was prefetched for (image.yaml, Dockerfiles or files): build with the "
+                           "same project commit")
+    # everything is verified: move it into place, the lock last
+    _install(root, stage, image, lk, res)
+    for rel in (env_rel, lock_rel):
+        dest = root / rel
+        new = (stage / rel).read_bytes()
+        if dest.is_file() and dest.read_bytes() == new:
+            continue
+        if dest.is_file():
+            res.replaced.append(rel)
+        atomic_write_bytes(dest, new)
+    res.notices += _missing_images(lk)
+    return res
+
+
+def _lock_items(file: Path, image: str, lk: dict, lock_rel: str) -> list[Item]:
+    """items() of a bundled lock, whose shape nothing has checked yet: a malformed one is an error
+    naming it, never a crash."""
+    try:
+        return items(image, lk, f"{file}: {lock_rel}")
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise OperationFailed(f"{file}: the bundled {lock_rel} is malformed ({type(exc).__name__}: "
+                              f"{str(exc)[:80]}): not a lock prefetch wrote", hint="bundle it again") from None
 
 
 def _alive(pid: int) -> bool:
@@ -330,60 +378,188 @@ def _mkdir(p: Path) -> Path:
     return p
 
 
-def _read(file: Path, stage: Path) -> dict[str, str]:
-    """Extract every member into ``stage`` (regular files only, paths checked); {path: sha256}."""
-    out: dict[str, str] = {}
+_MAX_META = 16 << 20  # the manifest and SHA256SUMS: far more than any real image needs
+_MAX_HEADER = 1 << 20  # a long-name or pax header (tarfile reads one whole into memory)
+_MAX_MEMBERS = 100_000
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class _Bad(Exception):
+    """A tar header this reader refuses (raised inside tarfile's header parsing)."""
+
+
+class _Header(tarfile.TarInfo):
+    """tarfile's header, refusing an extended header (GNU long name, pax) bigger than _MAX_HEADER:
+    tarfile reads one whole into memory before anything else can look at it."""
+
+    def _proc_gnulong(self, tarfile):
+        self._small()
+        return super()._proc_gnulong(tarfile)
+
+    def _proc_pax(self, tarfile):
+        self._small()
+        return super()._proc_pax(tarfile)
+
+    def _small(self) -> None:
+        if self.size > _MAX_HEADER:
+            raise _Bad(f"an extended tar header of {self.size} bytes (at most {_MAX_HEADER})")
+
+
+def _unreadable(file: Path, exc: BaseException) -> OperationFailed:
+    return OperationFailed(f"{file}: not a readable bundle ({exc})",
+                           hint="copy it again; `imagebuild bundle IMAGE -o FILE` makes one")
+
+
+def _headers(file: Path, tf: tarfile.TarFile) -> dict[str, tarfile.TarInfo]:
+    """Every member's header, read without its data (tarfile seeks over it): regular files only,
+    each once, each path inside the project."""
+    heads: dict[str, tarfile.TarInfo] = {}
     try:
-        with tarfile.open(file, mode="r:") as tf:
-            for m in tf:
-                name = m.name
-                if not m.isreg():
-                    raise OperationFailed(f"{file}: member {name!r} is not a regular file; refusing the bundle")
-                rel = _safe(name, str(file))
-                if rel in out:
-                    raise OperationFailed(f"{file}: member {rel!r} appears twice; refusing the bundle")
-                dest = stage / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                h = hashlib.sha256()
-                src = tf.extractfile(m)
-                with open(dest, "wb") as f:
-                    while chunk := src.read(_CHUNK):
-                        h.update(chunk)
-                        f.write(chunk)
-                out[rel] = h.hexdigest()
+        for m in tf:
+            name = m.name
+            if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or m.issparse():
+                sparse = m.issparse() or m.type == tarfile.GNUTYPE_SPARSE
+                raise OperationFailed(f"{file}: member {name!r} is not a regular file"
+                                      + (f" (a sparse file of {m.size} bytes)" if sparse else "")
+                                      + "; refusing the bundle (nothing was extracted)")
+            rel = _safe(name, str(file))
+            if rel in heads:
+                raise OperationFailed(f"{file}: member {rel!r} appears twice; refusing the bundle")
+            heads[rel] = m
+            if len(heads) > _MAX_MEMBERS:
+                raise OperationFailed(f"{file}: more than {_MAX_MEMBERS} members: not an imagebuild bundle")
+    except (tarfile.TarError, EOFError, OSError, _Bad) as exc:
+        raise _unreadable(file, exc) from None
+    return heads
+
+
+def _read_member(file: Path, tf: tarfile.TarFile, m: tarfile.TarInfo) -> bytes:
+    try:
+        data = tf.extractfile(m).read(m.size)
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise OperationFailed(f"{file}: not a readable bundle ({exc})",
-                              hint="copy it again; `imagebuild bundle IMAGE -o FILE` makes one") from None
-    return out
+        raise _unreadable(file, exc) from None
+    if len(data) != m.size:
+        raise _unreadable(file, f"member {m.name!r} is cut short")
+    return data
 
 
-def _manifest(file: Path, got: dict[str, str], stage: Path) -> dict:
-    if MANIFEST not in got or SUMS not in got:
+def _bad_manifest(file: Path, key: str, expected: str, got: object) -> OperationFailed:
+    from imagebuild.core.errors import excerpt
+
+    return OperationFailed(f"{file}: {MANIFEST}: {key}: expected {expected}, got {excerpt(got)}",
+                           hint="not a manifest `imagebuild bundle` wrote: bundle it again")
+
+
+def _manifest(file: Path, tf: tarfile.TarFile, heads: dict[str, tarfile.TarInfo]) -> dict:
+    """The manifest, read and checked field by field before any member is extracted; the members'
+    names and sizes must be exactly what it lists, and SHA256SUMS exactly what it implies."""
+    if MANIFEST not in heads or SUMS not in heads:
         raise OperationFailed(f"{file}: no {MANIFEST} / {SUMS}: not an imagebuild bundle (or cut short)",
                               hint="copy it again")
+    for name in (MANIFEST, SUMS):
+        if heads[name].size > _MAX_META:
+            raise OperationFailed(f"{file}: member {name} is {heads[name].size} bytes (at most {_MAX_META}): "
+                                  "not an imagebuild bundle")
     try:
-        man = json.loads((stage / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        man = json.loads(_read_member(file, tf, heads[MANIFEST]).decode("utf-8"))
+    except ValueError as exc:
         raise OperationFailed(f"{file}: unreadable {MANIFEST}: {exc}") from None
-    if not isinstance(man, dict) or man.get("schema") != SCHEMA or man.get("version") != VERSION:
+    if not isinstance(man, dict) or man.get("schema") != SCHEMA or man.get("version") != VERSION \
+            or isinstance(man.get("version"), bool):
         raise OperationFailed(f"{file}: {MANIFEST} is not a {SCHEMA} version {VERSION} manifest")
-    if got[SUMS] != man.get("sums_sha256"):
-        raise OperationFailed(f"{file}: {SUMS} does not match the manifest")
-    listed = {f["path"]: f["sha256"] for f in man.get("files") or []}
-    sums = {}
-    for line in (stage / SUMS).read_text(encoding="utf-8").splitlines():
-        sha, _, rel = line.partition("  ")
-        sums[rel] = sha
-    members = {k: v for k, v in got.items() if k not in (MANIFEST, SUMS)}
-    if listed != sums or set(listed) != set(members):
+    image = man.get("image")
+    if not isinstance(image, str) or not d.NAME_RE.match(image):
+        raise _bad_manifest(file, "image", "an image name (a folder name under docker-images/)", image)
+    lock_rel = f"{d.IMAGES_DIR}/{image}/{lock_mod.LOCK_FILE}"
+    if man.get("lock") != lock_rel:
+        raise _bad_manifest(file, "lock", repr(lock_rel), man.get("lock"))
+    for key in ("lock_sha256", "definition_sha256", "sums_sha256"):
+        if not isinstance(man.get(key), str) or not _SHA_RE.fullmatch(man[key]):
+            raise _bad_manifest(file, key, "a sha256 (64 lower-case hex digits)", man.get(key))
+    files = man.get("files")
+    if not isinstance(files, list) or not files:
+        raise _bad_manifest(file, "files", "a list of {path, size, sha256}", files)
+    allowed = (lock_rel, f"{d.IMAGES_DIR}/{image}/{d.VERSIONS_FILE}")
+    seen: set[str] = set()
+    for i, f in enumerate(files):
+        where = f"files[{i}]"
+        if not isinstance(f, dict) or set(f) != {"path", "size", "sha256"}:
+            raise _bad_manifest(file, where, "an object with exactly path, size and sha256", f)
+        path, size, sha = f["path"], f["size"], f["sha256"]
+        if not isinstance(path, str) or not path or _unsafe(path) \
+                or not (path in allowed or path.startswith(f"deps-src/{image}/")):
+            raise _bad_manifest(file, f"{where}.path", f"a path under deps-src/{image}/ or {lock_rel}", path)
+        if path in seen or path in (MANIFEST, SUMS):
+            raise _bad_manifest(file, f"{where}.path", "a path listed once", path)
+        seen.add(path)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise _bad_manifest(file, f"{where}.size", "a whole number of bytes >= 0", size)
+        if not isinstance(sha, str) or not _SHA_RE.fullmatch(sha):
+            raise _bad_manifest(file, f"{where}.sha256", "a sha256 (64 lower-case hex digits)", sha)
+    for rel in allowed:
+        if rel not in seen:
+            raise _bad_manifest(file, "files", f"a list naming {rel}", sorted(seen)[:3])
+    members = set(heads) - {MANIFEST, SUMS}
+    extra, missing = sorted(members - seen), sorted(seen - members)
+    if extra:
+        raise OperationFailed(f"{file}: member {extra[0]!r} is not in the manifest; refusing the bundle"
+                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    if missing:
+        raise OperationFailed(f"{file}: the manifest lists {missing[0]!r}, which the bundle lacks "
+                              "(cut short?)", hint="copy it again")
+    for f in files:
+        if heads[f["path"]].size != f["size"]:
+            raise OperationFailed(f"{file}: member {f['path']!r} is {heads[f['path']].size} bytes, the manifest "
+                                  f"says {f['size']}; refusing the bundle")
+    sums = "".join(f"{f['sha256']}  {f['path']}\n" for f in files).encode()
+    if heads[SUMS].size != len(sums) or _read_member(file, tf, heads[SUMS]) != sums \
+            or hashlib.sha256(sums).hexdigest() != man["sums_sha256"]:
         raise OperationFailed(f"{file}: the manifest, {SUMS} and the members do not agree")
-    for rel, sha in sorted(members.items()):
-        if listed[rel] != sha:
-            raise OperationFailed(f"{file}: {rel} is damaged (sha256 {sha}, the manifest says {listed[rel]})",
-                                  hint="copy the bundle again")
-    for k in (MANIFEST, SUMS):
-        got.pop(k)
     return man
+
+
+def _unsafe(rel: str) -> bool:
+    p = PurePosixPath(rel)
+    return p.is_absolute() or ".." in p.parts or "\\" in rel or p.as_posix() != rel \
+        or any(not part.isprintable() for part in p.parts)
+
+
+def _room(file: Path, where: Path, total: int) -> None:
+    """The manifest's sizes bound what unbundle writes: refuse up front where they do not fit."""
+    free = shutil.disk_usage(where).free
+    if total + (64 << 20) > free:
+        raise OperationFailed(f"{file}: its files take {total / 1e6:.1f} MB, {where} has {free / 1e6:.1f} MB free",
+                              hint="free disk (imagebuild gc), then unbundle again")
+
+
+def _extract(file: Path, tf: tarfile.TarFile, heads: dict[str, tarfile.TarInfo], man: dict,
+             stage: Path) -> dict[str, str]:
+    """Stream each listed member into ``stage``, at most its manifest size, hashing as it goes; a
+    member whose bytes are not the manifest's sha256 stops it. {path: sha256}."""
+    out: dict[str, str] = {}
+    for f in man["files"]:
+        rel, m = f["path"], heads[f["path"]]
+        dest = stage / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256()
+        left = f["size"]
+        try:
+            src = tf.extractfile(m)
+            with open(dest, "xb") as w:
+                while left:
+                    chunk = src.read(min(_CHUNK, left))
+                    if not chunk:
+                        raise _Bad(f"member {rel!r} is cut short")
+                    h.update(chunk)
+                    w.write(chunk)
+                    left -= len(chunk)
+        except (tarfile.TarError, EOFError, OSError, _Bad) as exc:
+            raise _unreadable(file, exc) from None
+        out[rel] = h.hexdigest()
+        if out[rel] != f["sha256"]:
+            raise OperationFailed(f"{file}: {rel} is damaged (sha256 {out[rel]}, the manifest says {f['sha256']})",
+                                  hint="copy the bundle again")
+    return out
 
 
 def _install(root: Path, stage: Path, image: str, lk: dict, res: Result) -> None:
@@ -413,7 +589,7 @@ def _install(root: Path, stage: Path, image: str, lk: dict, res: Result) -> None
 def _missing_images(lk: dict) -> list[str]:
     """Base images the lock pins that the local engine does not have (a warning, not an error)."""
     imgs = lk.get("images") or {}
-    if not imgs:
+    if not imgs or not isinstance(imgs, dict):
         return []
     from imagebuild.core import run as run_mod
 

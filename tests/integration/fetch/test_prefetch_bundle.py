@@ -143,3 +143,207 @@ def test_bundle_without_lock_says_what_to_do(tmp_path):
     r = run_cli("--root", str(root), "bundle", "tiny", "-o", str(tmp_path / "x.tar"))
     assert r.code == 1 and "nothing to bundle" in r.err and "imagebuild prefetch tiny" in r.err
     assert not (tmp_path / "x.tar").exists()
+
+
+# ------------------------------------------------------------------------------------------------ hostile bundles
+# issue 22, item 5: unbundle reads and checks the manifest before it writes anything, refuses what
+# it does not list or what is bigger than it says, and validates the definition before installing.
+
+FSIZE_LIMIT = 8 << 20  # no single file unbundle writes in these tests may pass this
+
+
+def _unbundle_bounded(node: Path, bundle: Path):
+    """``imagebuild unbundle`` in a child process that cannot write a file over FSIZE_LIMIT (RLIMIT_FSIZE:
+    Python ignores SIGXFSZ, so a larger write fails with EFBIG); returns (code, stderr)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    r = subprocess.run([sys.executable, "-m", "imagebuild", "--root", str(node), "unbundle", str(bundle)],
+                       capture_output=True, text=True, env=env, preexec_fn=limit, timeout=120)
+    return r.returncode, r.stderr
+
+
+def _du(path: Path) -> int:
+    """Bytes actually allocated under ``path`` (sparse holes not counted)."""
+    return sum(p.lstat().st_blocks * 512 for p in [path, *path.rglob("*")])
+
+
+def _gnu_sparse(name: str, realsize: int, data: bytes = b"x") -> bytes:
+    """One old-GNU sparse member ('S'): ``data`` stored at the end of a ``realsize``-byte file of holes."""
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.type = len(data), tarfile.GNUTYPE_SPARSE
+    buf = bytearray(ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
+    buf[386:398] = b"%011o\0" % (realsize - len(data))
+    buf[398:410] = b"%011o\0" % len(data)
+    buf[482] = 0
+    buf[483:495] = b"%011o\0" % realsize
+    buf[148:156] = b" " * 8
+    buf[148:156] = b"%06o\0 " % sum(buf[:512])
+    return bytes(buf) + data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
+
+
+def _members(bundle: Path) -> list[tuple[str, bytes]]:
+    with tarfile.open(bundle) as tf:
+        return [(m.name, tf.extractfile(m).read()) for m in tf]
+
+
+def _tar(out: Path, members, head: bytes = b"") -> Path:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for n, data in members:
+            ti = tarfile.TarInfo(n)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    out.write_bytes(head + buf.getvalue())
+    return out
+
+
+def test_gnu_sparse_member_is_refused_before_anything_is_written(src, tmp_path):
+    good = _members(_bundle(src, tmp_path / "b.tar"))
+    tarball = f"deps-src/{IMAGE}/src/greet-000000000000.tar.gz"
+    bad = _tar(tmp_path / "sparse.tar", [(n, d) for n, d in good if n != tarball],
+               head=_gnu_sparse(tarball, 4 << 30))
+    assert bad.stat().st_size < 64 << 10  # a small file ...
+    with tarfile.open(bad) as tf:  # ... that tarfile reads as a 4 GiB member
+        assert tf.getmember(tarball).size == 4 << 30
+    node = _target(tmp_path)
+    before, du0 = tree_state(node), _du(node)
+    code, err = _unbundle_bounded(node, bad)
+    assert code == 1, err
+    assert "is not a regular file (a sparse file of 4294967296 bytes)" in err and tarball in err
+    assert "File too large" not in err and "Traceback" not in err
+    assert tree_state(node) == before and _du(node) - du0 < 1 << 20
+
+
+def test_pax_sparse_member_is_refused(src, tmp_path):
+    import shutil
+    import subprocess
+
+    if not shutil.which("tar"):
+        pytest.skip("no tar")
+    good = _members(_bundle(src, tmp_path / "b.tar"))
+    tarball = f"deps-src/{IMAGE}/src/greet-000000000000.tar.gz"
+    work = tmp_path / "w"
+    (work / Path(tarball).parent).mkdir(parents=True)
+    with open(work / tarball, "wb") as f:
+        f.truncate(4 << 30)
+    for n, d in good:
+        if n != tarball:
+            (work / n).parent.mkdir(parents=True, exist_ok=True)
+            (work / n).write_bytes(d)
+    bad = tmp_path / "pax.tar"
+    r = subprocess.run(["tar", "--sparse", "--format=posix", "-cf", str(bad), "-C", str(work), tarball,
+                        *[n for n, _ in good if n != tarball]], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"tar cannot write pax sparse files here: {r.stderr.strip()}")
+    assert bad.stat().st_size < 1 << 20
+    node = _target(tmp_path)
+    before = tree_state(node)
+    code, err = _unbundle_bounded(node, bad)
+    assert code == 1 and "is not a regular file" in err and "File too large" not in err, err
+    assert tree_state(node) == before
+
+
+def test_member_bigger_than_the_manifest_says_is_refused_unread(src, tmp_path):
+    good = _members(_bundle(src, tmp_path / "b.tar"))
+    tarball = f"deps-src/{IMAGE}/src/greet-000000000000.tar.gz"
+    bad = _tar(tmp_path / "big.tar", [(n, d + b"\0" * (2 * FSIZE_LIMIT) if n == tarball else d) for n, d in good])
+    node = _target(tmp_path)
+    before = tree_state(node)
+    code, err = _unbundle_bounded(node, bad)
+    assert code == 1, err
+    assert f"member '{tarball}' is {len(dict(good)[tarball]) + 2 * FSIZE_LIMIT} bytes, the manifest says" in err
+    assert "File too large" not in err and tree_state(node) == before
+
+
+def test_member_not_in_the_manifest_is_refused(src, tmp_path):
+    good = _members(_bundle(src, tmp_path / "b.tar"))
+    bad = _tar(tmp_path / "x.tar", [(f"deps-src/{IMAGE}/src/zz.tar.gz", b"x")] + good)
+    node = _target(tmp_path)
+    before = tree_state(node)
+    r = run_cli("--root", str(node), "unbundle", str(bad))
+    assert r.code == 1 and f"member 'deps-src/{IMAGE}/src/zz.tar.gz' is not in the manifest" in r.err, r.err
+    assert tree_state(node) == before
+
+
+def _with_manifest(good: list[tuple[str, bytes]], out: Path, change) -> Path:
+    """The good bundle with its manifest changed by ``change(man)``; SHA256SUMS and every hash left as they are."""
+    man = json.loads(dict(good)[bundle_mod.MANIFEST])
+    man = change(man) or man
+    return _tar(out, [(n, json.dumps(man).encode() if n == bundle_mod.MANIFEST else d) for n, d in good])
+
+
+def _set(path, value):
+    def change(man):
+        obj = man
+        for k in path[:-1]:
+            obj = obj[k]
+        if value is KeyError:
+            del obj[path[-1]]
+        else:
+            obj[path[-1]] = value
+    return change
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda m: m.update(files={"a": 1}), "files"),
+    (lambda m: m.update(files=[]), "files"),
+    (_set(["files", 0, "sha256"], KeyError), "files[0]"),
+    (_set(["files", 0], "docker-images/staged/lock.json"), "files[0]"),
+    (_set(["files", 1, "size"], "12"), "files[1].size"),
+    (_set(["files", 1, "size"], True), "files[1].size"),
+    (_set(["files", 1, "size"], -1), "files[1].size"),
+    (_set(["files", 2, "sha256"], 5), "files[2].sha256"),
+    (_set(["files", 2, "path"], None), "files[2].path"),
+    (_set(["files", 2, "path"], "../../etc/x"), "files[2].path"),
+    (_set(["files", 2, "path"], "deps-src/other/src/x"), "files[2].path"),
+    (_set(["image"], 5), "image"),
+    (_set(["image"], None), "image"),
+    (_set(["image"], "../staged"), "image"),
+    (_set(["lock"], ["x"]), "lock"),
+    (_set(["lock_sha256"], None), "lock_sha256"),
+    (_set(["definition_sha256"], 7), "definition_sha256"),
+    (_set(["sums_sha256"], {}), "sums_sha256"),
+    (lambda m: [1, 2], None),
+    (_set(["version"], True), None),
+])
+def test_malformed_hash_consistent_manifest_is_a_clear_error(src, tmp_path, change, key):
+    good = _members(_bundle(src, tmp_path / "b.tar"))
+    bad = _with_manifest(good, tmp_path / "m.tar", change)
+    node = _target(tmp_path)
+    before = tree_state(node)
+    r = run_cli("--root", str(node), "unbundle", str(bad))
+    assert r.code == 1, (r.code, r.err)
+    assert "internal error" not in r.err and "Traceback" not in r.err
+    assert bundle_mod.MANIFEST in r.err and (key is None or f"{bundle_mod.MANIFEST}: {key}: expected" in r.err), r.err
+    assert tree_state(node) == before
+
+
+def test_malformed_hash_consistent_lock_is_a_clear_error(src, tmp_path):
+    lock_rel = f"docker-images/{IMAGE}/lock.json"
+    bad = _rewrite(_bundle(src, tmp_path / "b.tar"), tmp_path / "l.tar", lambda n, d: [(
+        n, json.dumps({"schema": "imagebuild.lock", "version": 1, "image": IMAGE,
+                       "sources": {"GREET": {"tarball": 5}}}).encode() if n == lock_rel else d, tarfile.REGTYPE)])
+    node = _target(tmp_path)
+    before = tree_state(node)
+    r = run_cli("--root", str(node), "unbundle", str(bad))
+    assert r.code == 1 and "internal error" not in r.err and lock_rel in r.err, r.err
+    assert tree_state(node) == before
+
+
+def test_bundle_whose_versions_env_breaks_the_definition_is_not_installed(src, tmp_path):
+    env_rel = f"docker-images/{IMAGE}/versions.env"
+    bad = _rewrite(_bundle(src, tmp_path / "b.tar"), tmp_path / "v.tar",
+                   lambda n, d: [(n, b"this is not an assignment\n" if n == env_rel else d, tarfile.REGTYPE)])
+    node = _target(tmp_path)
+    before = tree_state(node)
+    r = run_cli("--root", str(node), "unbundle", str(bad))
+    assert r.code == 2, (r.code, r.err)
+    assert f"{bad}: {env_rel}:1" in r.err and "internal error" not in r.err, r.err
+    assert tree_state(node) == before

@@ -268,13 +268,11 @@ def test_gpu_check_skipped_then_require_gpu_fails(gate_image, state, tmp_path):
     assert receipts.read(tmp_path, data["identity"]["digest"], gatespec.digest(spec))["result"] == "failed"
 
 
-def test_zero_checks_is_a_failure(gate_image, state, tmp_path):
+def test_zero_checks_is_a_malformed_spec(gate_image, state, tmp_path):
+    # issue 22: `checks: []` is refused when the spec is read (exit 2), not run as a gate that fails
     spec = _write(tmp_path, "gate.yaml", "checks: []\n")
     r = run_cli("gate", gate_image, "--spec", str(spec), "--json")
-    assert r.code == 4
-    data = json.loads(r.out)
-    assert data["result"] == "failed" and "zero checks" in data["reason"]
-    assert receipts.read(tmp_path, data["identity"]["digest"], gatespec.digest(spec))["result"] == "failed"
+    assert r.code == 2 and "gate.yaml:1: checks: expected at least one check" in r.err, r.err
 
 
 def test_malformed_spec_is_exit_2_with_file_and_line(gate_image, state, tmp_path):

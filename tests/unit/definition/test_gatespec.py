@@ -127,9 +127,10 @@ def test_all_problems_at_once_and_yaml_errors_have_lines():
     assert probs[0].startswith("gate.yaml:3:")
 
 
-def test_zero_checks_parse_but_missing_checks_key_is_an_error():
-    assert gatespec.parse("checks: []\n", "g").checks == ()
-    assert gatespec.parse("checks:\n", "g").checks == ()
+def test_zero_checks_and_a_missing_checks_key_are_errors():
+    # issue 22: `checks: []` (or `checks:` with nothing) was accepted; a gate of no checks proves nothing
+    assert "checks: expected at least one check" in _problems("checks: []\n")[0]
+    assert "checks: expected at least one check" in _problems("checks:\n")[0]
     assert "missing `checks:`" in _problems("python: python3\n")[0]
 
 

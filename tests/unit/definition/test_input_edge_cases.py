@@ -172,3 +172,48 @@ def test_yaml_limits_apply_to_the_gate_spec_too(project):
     gate.write_text("checks:\n  - &c {id: a, run: 'true'}\n  - *c\n")
     res = run_cli("--root", str(project), "validate", "tiny")
     assert res.code == 2 and f"{IMG}/gate.yaml:2" in res.err and "anchors and aliases" in res.err
+
+
+# ------------------------------------------------------------------------------------------------ issue 22
+# accepted although wrong: each is now a problem naming its file, line and key
+
+
+def _copy_tiny(project, new: str):
+    import shutil
+
+    shutil.copytree(project / "docker-images" / "tiny", project / "docker-images" / new)
+    return project / "docker-images" / new
+
+
+def test_empty_gate_checks_are_a_problem(project):
+    d = _copy_tiny(project, "gated")
+    (d / "gate.yaml").write_text("checks: []\n")
+    with open(d / "image.yaml", "a") as f:
+        f.write("gate: gate.yaml\n")
+    r = run_cli("--root", str(project), "validate", "gated")
+    assert r.code == 2 and "docker-images/gated/gate.yaml:1: checks: expected at least one check" in r.err, r.err
+
+
+@pytest.mark.parametrize("key", ["IMAGEBUILD_BUILD_ID", "IMAGEBUILD_IMAGE", "IMAGEBUILD_X", "STAGE_APP",
+                                 "STAGE_NOPE", "PARENT", "TARGETPLATFORM", "BUILDARCH"])
+def test_reserved_names_in_versions_env(project, key):
+    env = project / "docker-images" / "tiny" / "versions.env"
+    n = len(env.read_text().splitlines()) + 1
+    with open(env, "a") as f:
+        f.write(f"{key}=x\n")
+    r = run_cli("--root", str(project), "validate", "tiny")
+    assert r.code == 2, r.err
+    assert f"docker-images/tiny/versions.env:{n}: {key}: {key} is provided by imagebuild" in r.err, r.err
+    assert r.err.count(f"versions.env:{n}:") == 1  # said once, also where a Dockerfile declares it
+
+
+@pytest.mark.parametrize("folder", ["Tiny", "t\u00efny", "ti\nny", "x" * 120])
+def test_misnamed_definition_folders_are_listed_invalid(project, folder):
+    _copy_tiny(project, folder)
+    r = run_cli("--root", str(project), "list", "--json")
+    rows = {row["name"]: row for row in __import__("json").loads(r.out)["images"]}
+    assert r.code == 0 and rows[folder]["valid"] is False, r.out
+    r = run_cli("--root", str(project), "list")
+    assert "INVALID      the folder name is no image name" in r.out
+    r = run_cli("--root", str(project), "validate")
+    assert r.code == 2 and "its name is no image name" in r.err and "Traceback" not in r.err, r.err
