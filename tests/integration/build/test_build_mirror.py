@@ -130,7 +130,8 @@ def test_a_dependency_pin_change_rebuilds_the_stage_and_the_image_matches_its_lo
     env = root / "docker-images" / IMAGE / "versions.env"
     text = env.read_text()
     old = next(ln for ln in text.splitlines() if ln.startswith("MATHDEP_REF="))
-    env.write_text(text.replace(old, f"MATHDEP_REF={new}"))
+    # a pin past what the tree declares: an override, which must say why (docs/prefetch.md)
+    env.write_text(text.replace(old, f"MATHDEP_REF={new}  # override: testing that a moved dependency pin rebuilds"))
     r = run_cli("--root", str(root), "prefetch", IMAGE, "--cache", str(UPSTREAMS["cache"]))
     assert r.code == 0, r.err
     res = run_cli("--root", str(root), "build", IMAGE, "--json")
