@@ -21,8 +21,10 @@ EDITS = [
             '  set(CUDA_SUPPORTED_ARCHS "7.5;8.0;8.6;8.7;8.9;9.0;10.0;11.0;12.0;12.1")\n'
         ),
         marker="imagebuild-patch: preserve-sm12x-target",
-        # a CUDA 13 list that already carries 12.1 (no other branch of the file has this exact list)
-        upstream=['"7.5;8.0;8.6;8.7;8.9;9.0;10.0;11.0;12.0;12.1"'],
+        # a CUDA 13 list that already carries 12.1 (no other branch of the file has these exact lists):
+        # 12.1 alone, or with the 10.3 Blackwell subarchitecture too (a later allow-list)
+        upstream=['"7.5;8.0;8.6;8.7;8.9;9.0;10.0;11.0;12.0;12.1"',
+                  '"7.5;8.0;8.6;8.7;8.9;9.0;10.0;10.3;11.0;12.0;12.1"'],
         reason="12.1 added to the CUDA >= 13 CUDA_SUPPORTED_ARCHS",
     ),
 ]

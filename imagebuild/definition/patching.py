@@ -13,6 +13,7 @@ This file is shipped unchanged into the build context of every stage that declar
             marker="imagebuild-patch: greeting-world",     # present => already applied
             upstream=['return "hello, world"'],            # present => upstream has it: not needed
             applies_if=['def greet('],                     # none present => the code is not there
+            alternatives=[(anchor2, replacement2)],          # other shapes, tried when anchor is absent
             reason="say hello to the world",
         ),
     ]
@@ -79,10 +80,17 @@ class Edit:
     upstream: list = field(default_factory=list)
     reason: str = ""
     applies_if: list = field(default_factory=list)  # strings of the code this edit repairs (see the module doc)
+    # other shapes of the same code: (anchor, replacement) pairs, tried in order when ``anchor`` is absent
+    alternatives: list = field(default_factory=list)
 
     def check(self, patch: str) -> None:
         if not self.anchor:
             raise PatchError(f"{patch}: edit of {self.file}: empty anchor")
+        for alt in self.alternatives:
+            if (not isinstance(alt, (tuple, list)) or len(alt) != 2 or not all(isinstance(x, str) and x for x in alt)
+                    or self.marker not in alt[1] or self.marker in alt[0]):
+                raise PatchError(f"{patch}: edit of {self.file}: each alternative is (anchor, replacement), the "
+                                 f"replacement holding the marker {self.marker!r} and the anchor not")
         if not self.marker or self.marker not in self.replacement:
             raise PatchError(f"{patch}: edit of {self.file}: the replacement must contain the marker "
                              f"{self.marker!r} (that is how a second run knows it was applied)")
@@ -162,20 +170,29 @@ def plan_edit(patch: str, edit: Edit, text: str) -> tuple[EditOutcome, str]:
             return EditOutcome(edit.file, NOT_NEEDED,
                                f"upstream already has the change (found {_short(eq)})"), text
     count = text.count(edit.anchor)
+    anchor, replacement = edit.anchor, edit.replacement
+    if count == 0:  # another shape of the same code this edit knows
+        for alt_anchor, alt_replacement in edit.alternatives:
+            if text.count(alt_anchor) == 1:
+                count, anchor, replacement = 1, alt_anchor, alt_replacement
+                break
     if count != 1:
         found = "not found" + _near(edit.anchor, text, edit.file) if count == 0 else \
             f"found {count} times (must be exactly once)"
+        if count == 0 and edit.alternatives:
+            found += f" (nor any of its {len(edit.alternatives)} other shape(s))"
         raise PatchError(f"patch {patch}: file {edit.file}: anchor {_short(edit.anchor)} {found}; "
                          f"no marker {edit.marker!r} and no recognised upstream equivalent either "
                          "-- upstream moved: update the patch's anchor (imagebuild patch IMAGE --src DIR --check)")
-    new = text.replace(edit.anchor, edit.replacement, 1)
+    new = text.replace(anchor, replacement, 1)
     if edit.file.endswith(".py"):
         try:
             ast.parse(new, filename=edit.file)
         except SyntaxError as exc:
             raise PatchError(f"patch {patch}: file {edit.file}: the patched file does not parse "
                              f"(line {exc.lineno}: {exc.msg}); anchor {_short(edit.anchor)}") from None
-    return EditOutcome(edit.file, APPLIED, edit.reason or "anchor replaced"), new
+    shape = "" if anchor == edit.anchor else " (another shape of the code)"
+    return EditOutcome(edit.file, APPLIED, (edit.reason or "anchor replaced") + shape), new
 
 
 def _not_applicable(edit: Edit, text: str | None) -> str | None:

@@ -184,3 +184,78 @@ def test_a_required_patch_never_skips(tmp_path):
         (src / e.file).unlink(missing_ok=True)
     res = patching.apply_edits(p.name, edits, src, required=required)
     assert res.outcome == patching.FAILED and "required (REQUIRED = True)" in res.message, res.message
+
+
+KV_B12X_SHAPE = '''\
+# Shape fixture: the B12X fork's KV sizing (a final snapshot after profiling; FACTS.md).
+class Worker:
+    def determine_available_memory(self, profile_result) -> int:
+        final_profile_snapshot = MemorySnapshot(device=self.device)
+        late_persistent_memory = max(
+            profile_result.after_profile.free_memory - final_profile_snapshot.free_memory, 0
+        )
+        free_gpu_memory = final_profile_snapshot.free_memory
+        return free_gpu_memory - late_persistent_memory
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate GPU KV cache with the specified kv_cache_config."""
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+'''
+
+
+def _kv(tmp_path, text):
+    (p,) = [p for p in PATCHES if p.name == "patch_vllm_spark_kv_cache_cleanup.py"]
+    f = tmp_path / "vllm" / "v1" / "worker" / "gpu_worker.py"
+    f.parent.mkdir(parents=True)
+    f.write_text(text)
+    return p, f
+
+
+def test_kv_cleanup_knows_the_b12x_forks_shape(tmp_path):
+    p, f = _kv(tmp_path, KV_B12X_SHAPE)
+    res = patching.apply_edits(p.name, edits_of(p), tmp_path)
+    assert res.outcome == patching.APPLIED, res.message
+    assert "another shape of the code" in res.edits[0].message
+    text = f.read_text()
+    ast.parse(text)
+    # the leftovers are dropped before the final snapshot is taken, the fork's accounting untouched
+    assert text.index("torch.cuda.empty_cache()") < text.index("final_profile_snapshot = MemorySnapshot(")
+    assert "late_persistent_memory = max(" in text and "profile_result.after_profile.measure()" not in text
+    assert patching.apply_edits(p.name, edits_of(p), tmp_path).outcome == patching.ALREADY
+
+
+def test_kv_cleanup_skips_a_tree_that_cleans_up_natively_and_fails_an_unknown_shape(tmp_path):
+    native = KV_B12X_SHAPE.replace("        final_profile_snapshot = MemorySnapshot(device=self.device)\n",
+                                   "        torch.cuda.empty_cache()\n        profile_result.after_profile.measure()\n"
+                                   "        final_profile_snapshot = MemorySnapshot(device=self.device)\n")
+    p, f = _kv(tmp_path / "native", native)
+    res = patching.apply_edits(p.name, edits_of(p), tmp_path / "native")
+    assert res.edits[0].outcome == patching.NOT_NEEDED, res.message
+    unknown = KV_B12X_SHAPE.replace("final_profile_snapshot = MemorySnapshot(device=self.device)",
+                                    "snapshot = take_snapshot()").replace("final_profile_snapshot", "snapshot")
+    p, f = _kv(tmp_path / "unknown", unknown)
+    before = f.read_text()
+    res = patching.apply_edits(p.name, edits_of(p), tmp_path / "unknown")
+    assert res.outcome == patching.FAILED and "nor any of its 1 other shape(s)" in res.message, res.message
+    assert f.read_text() == before
+
+
+def test_kv_cleanup_keeps_a_transient_peak_headroom_counted(tmp_path):
+    p, f = _kv(tmp_path, (SHAPES / "patch_vllm_spark_kv_cache_cleanup" / "vllm" / "v1" / "worker"
+                          / "gpu_worker.py.in").read_text())
+    assert patching.apply_edits(p.name, edits_of(p), tmp_path).outcome == patching.APPLIED
+    assert '+ getattr(profile_result, "transient_peak_headroom", 0)' in f.read_text()
+
+
+@pytest.mark.parametrize("cuda13_list", ["7.5;8.0;8.6;8.7;8.9;9.0;10.0;11.0;12.0;12.1",
+                                         "7.5;8.0;8.6;8.7;8.9;9.0;10.0;10.3;11.0;12.0;12.1"])
+def test_preserve_sm12x_is_not_needed_on_a_tree_that_keeps_12_1(tmp_path, cuda13_list):
+    """A tree whose CUDA 13 allow-list already has 12.1 (alone, or with the 10.3 subarchitecture)."""
+    (p,) = [p for p in PATCHES if p.name == "patch_vllm_preserve_sm12x_target.py"]
+    src = shape_tree(p, tmp_path / "src")
+    cm = src / "CMakeLists.txt"
+    cm.write_text(cm.read_text().replace('"7.5;8.0;8.6;8.7;8.9;9.0;10.0;11.0;12.0"', f'"{cuda13_list}"'))
+    before = tree_state(src)
+    res = patching.apply_edits(p.name, edits_of(p), src, required=True)
+    assert res.outcome == patching.NOT_NEEDED, res.message
+    assert tree_state(src) == before
