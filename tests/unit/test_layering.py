@@ -210,3 +210,19 @@ def test_the_check_finds_each_kind_of_break(tmp_path, files, expected):
 
 def test_a_clean_tree_passes(tmp_path):
     assert violations(_tree(tmp_path, {"core/a.py": "", "plan/a.py": "from imagebuild.core import a\n"})) == []
+
+
+def test_declared_dependencies_are_imported():
+    """A declared dependency nothing imports is a defect (docs/design.md, "Dependencies")."""
+    import re
+    import tomllib
+
+    root = PACKAGE.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    names = {re.split(r"[<>=!\[; ]", d, maxsplit=1)[0].lower() for d in data["project"]["dependencies"]}
+    module_of = {"pyyaml": "yaml", "pytest-testinfra": "testinfra", "zstandard": "zstandard", "uv": "uv"}
+    text = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    for name in sorted(names):
+        mod = module_of.get(name, name.replace("-", "_"))
+        used = re.search(rf"^\s*(import|from) {mod}\b|lazy\.module\(\"{mod}\b|\"-m\", \"{mod}\"", text, re.M)
+        assert used, f"{name} is declared in pyproject.toml but no module of imagebuild imports {mod}"
