@@ -37,6 +37,7 @@ import os
 import secrets
 import shutil
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -261,21 +262,25 @@ def _fix_mtimes(top: Path, epoch: int) -> None:
 
 
 def make_context(root: Path, stage: plan_mod.PlannedStage, dest: Path, epoch: int) -> None:
-    """A folder holding exactly the stage's declared inputs (and the patch primitive)."""
+    """The stage's context folder, extracted from the very stream the plan hashed into the stage's key
+    (plan/context_stream.py): the stream is written again from the inputs, its digest must equal the
+    plan's (an input changed since planning is refused), and only then is it extracted."""
+    from imagebuild.plan import context_stream
+
     dest.mkdir(parents=True, exist_ok=True)
-    for inp in stage.inputs:
-        if inp.kind == "primitive":
-            continue  # copied from the installed package below
-        src = root / inp.path
-        target = dest / inp.context_path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
-        else:
-            shutil.copy2(src, target)
-    if any(i.kind == "primitive" for i in stage.inputs):
-        (dest / PRIMITIVE_NAME).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(patching.__file__, dest / PRIMITIVE_NAME)
+    ents = context_stream.entries(plan_mod.context_inputs(root, stage.inputs))
+    stream = dest.parent / (dest.name + ".tar")
+    with open(stream, "wb") as f:
+        got = context_stream.write(ents, epoch, f)
+    try:
+        if stage.context_digest and got != stage.context_digest:
+            raise OperationFailed(f"stage {stage.name!r}: its inputs changed since the plan was made (context "
+                                  f"{got[:19]}, the plan's {stage.context_digest[:19]})",
+                                  hint="run the build again: the plan is made anew from the files as they are")
+        with tarfile.open(stream) as tf:
+            tf.extractall(dest, filter="tar")
+    finally:
+        stream.unlink(missing_ok=True)
     _fix_mtimes(dest, epoch)
 
 

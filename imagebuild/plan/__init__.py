@@ -9,4 +9,4 @@ that names them, and the build id. No side effects: it runs no build, writes no 
 - ``provenance``: where the definition came from (its digest and git revision).
 """
 
-__all__ = ["package_inputs", "planner", "provenance", "source_mounts"]
+__all__ = ["context_stream", "package_inputs", "planner", "provenance", "source_mounts"]

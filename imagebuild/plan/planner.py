@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from imagebuild.core import lock as lock_mod
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
 from imagebuild.definition import reader as d
-from imagebuild.plan import package_inputs, provenance, source_mounts
+from imagebuild.plan import context_stream, package_inputs, provenance, source_mounts
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 2
-KEY_VERSION = 3  # 3: file times clamped by layerclamp.py (before: BuildKit rewrite-timestamp)
+KEY_VERSION = 4  # 4: the context is hashed as the stream BuildKit gets (context_stream.py); 3: layerclamp
 BUILD_ID_VERSION = 2
 DEFAULT_SOURCE_DATE_EPOCH = 315532800  # 1980-01-01T00:00:00Z: zip (wheels) cannot hold older times
 PARENT_CONTEXT = "imagebuild-parent"  # the named build context holding a stage's parent stage
@@ -100,6 +100,7 @@ class PlannedStage:
     stage_contexts: dict = field(default_factory=dict)  # named context -> earlier stage it holds
     src_mounts: dict | None = None  # what imagebuild-src gives it (source_mounts.py); None: no sources
     patch_check: tuple[dict, ...] = ()  # each patch checked by prefetch on the composed tree (the lock's)
+    context_digest: str = ""  # sha256 of the context stream (context_stream.py): what the build sends
 
     def build_args(self) -> dict[str, str]:
         """The --build-arg values to pass (BuildKit fills its own platform args)."""
@@ -125,7 +126,21 @@ class PlannedStage:
             "packages": self.packages,
             "mounts": self.src_mounts,
             "patch_check": list(self.patch_check),
+            "context_sha256": self.context_digest,
         }
+
+
+def primitive_path():
+    """The patch primitive's file (imagebuild/definition/patching.py), found without importing it."""
+    from pathlib import Path
+
+    return Path(__file__).parents[1] / "definition" / "patching.py"
+
+
+def context_inputs(root, inputs) -> list:
+    """(path on disk, context path, display) of a stage's planned inputs: what context_stream reads,
+    in the plan and in the build alike."""
+    return [(primitive_path() if i.kind == "primitive" else root / i.path, i.context_path, i.path) for i in inputs]
 
 
 def _patch_check(lock: dict | None, st) -> tuple[dict, ...]:
@@ -341,6 +356,9 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             args.append(PlannedArg(a.name, value, a.origin))
             key_args[a.name] = key_value
 
+        # the context's entries first: a FIFO or device among the inputs is refused by name before
+        # anything reads it (a read would hang)
+        context_stream.entries([(i.path, i.context_path, d.display_path(defn.root, i.path)) for i in st.inputs])
         inputs = tuple(PlannedInput(d.display_path(defn.root, i.path), i.context_path,
                                     sha256_tree(i.path), i.kind) for i in st.inputs)
         if any(i.kind == "patch" for i in st.inputs):
@@ -351,6 +369,8 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
         src_mounts = sm.as_dict() if sm is not None else None
         epoch = max([parent_epoch, *(m.source_date_epoch for m in mounts if m.source_date_epoch)],
                     default=DEFAULT_SOURCE_DATE_EPOCH)
+        # the context exactly as the build sends it (its mtimes are the stage's epoch)
+        context = context_stream.digest(context_inputs(defn.root, inputs), epoch)
         df_sha = sha256_bytes(st.dockerfile_bytes)
         key_doc = {
             "imagebuild-stage-key": KEY_VERSION,
@@ -358,7 +378,7 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             "parent": parent_identity,
             "dockerfile": df_sha,
             "args": key_args,
-            "inputs": {i.context_path: i.sha256 for i in inputs},
+            "context": context,  # the stream's bytes: names, types, modes, link targets, contents
             "sources": {m.name: m.key_value(defn) for m in mounts},
             "network": st.network,
             "source_date_epoch": epoch,
@@ -376,7 +396,7 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
             args=tuple(args), inputs=inputs, sources=tuple(st.sources), uses_stages=uses,
             network=st.network, key=key, image=stage_image(defn.name, st.name, key), packages=pkgs,
             mounts=mounts, source_date_epoch=epoch, stage_contexts=stage_contexts, src_mounts=src_mounts,
-            patch_check=_patch_check(lock, st))
+            patch_check=_patch_check(lock, st), context_digest=context)
         if exists is not None:
             ps = _with_exists(ps, exists(ps.key))
         planned[st.name] = ps

@@ -24,7 +24,9 @@ USES = {
     # the real definitions' gate specs have PEP 440 specifiers (packaging, which imports typing)
     "repo": {"packaging", "typing"},
     # the plan's provenance asks git (three processes at once: provenance.py)
-    "plan": {"imagebuild.core.run", "subprocess", "threading"},
+    "plan": {"imagebuild.core.run", "subprocess", "threading",
+             # the stage key hashes each context as the tar stream the build sends (context_stream.py)
+             "shutil"},
 }
 NEVER_FOR = {  # and not even these where the command has no use for them
     "--version": {"yaml", "imagebuild.definition.reader", "hashlib", "json", "pathlib"},

@@ -184,9 +184,11 @@ def test_an_input_changes_its_stage_and_the_stages_built_on_it_only(prop, what, 
     assert changed == DESCENDANTS[receiver], what
 
 
-def test_the_patch_primitive_is_an_input_of_patching_stages(prop, monkeypatch):
+def test_the_patch_primitive_is_an_input_of_patching_stages(prop, monkeypatch, tmp_path):
     before = keys(prop)
-    monkeypatch.setattr(plan, "_primitive_sha256", lambda: "0" * 64)
+    changed_primitive = tmp_path / "patching.py"  # the primitive with one more line, as an upgrade may
+    changed_primitive.write_text(plan.primitive_path().read_text() + "# changed\n")
+    monkeypatch.setattr(plan, "primitive_path", lambda: changed_primitive)
     after = keys(prop)
     assert {s for s in STAGES if before[s] != after[s]} == DESCENDANTS["patched"]
 

@@ -139,9 +139,11 @@ def test_bad_flag_exits_2():
     assert res.code == 2
 
 
-def test_patch_primitive_change_reaches_patching_stages_only(project, monkeypatch):
+def test_patch_primitive_change_reaches_patching_stages_only(project, monkeypatch, tmp_path):
     before = keys(project)
-    monkeypatch.setattr(plan, "_primitive_sha256", lambda: "0" * 64)
+    changed_primitive = tmp_path / "patching.py"  # the primitive with one more line, as an upgrade may
+    changed_primitive.write_text(plan.primitive_path().read_text() + "# changed\n")
+    monkeypatch.setattr(plan, "primitive_path", lambda: changed_primitive)
     assert changed(before, keys(project)) == ["app", "runner"]
 
 
