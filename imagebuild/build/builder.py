@@ -994,6 +994,9 @@ def eugr_build_metadata(b: Build) -> bytes:
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).encode()
 
 
+FINAL_MANIFEST_LABEL = f"{LABEL_PREFIX}.final-stage-manifest"
+
+
 def release_ref(image: str, build_id: str) -> str:
     return f"imagebuild/{image}:release-{build_id}"
 
@@ -1005,9 +1008,19 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
     ref = release_ref(b.defn.name, b.plan.build_id)
     final_run = b.stages[-1]
     rebuild = b.opts.no_cache and final_run.action == "build"
+    # the release records the final stage's manifest it was made from; one made from another (a
+    # poisoned stage store, another store, an older build) is never reused by its tag name alone
+    final_manifest = b.manifest(final.name)
+    labels[FINAL_MANIFEST_LABEL] = final_manifest
     have = engine_mod.existing_tags(ref.split(":", 1)[0])
     if ref in have and not rebuild:
-        progress.info("release: %s exists", ref)
+        made_from = ((_inspect(ref).get("Config") or {}).get("Labels") or {}).get(FINAL_MANIFEST_LABEL)
+        if made_from != final_manifest:
+            log.warning("warning: release: %s was made from another final stage (%s, this build's is %s): "
+                        "made again", ref, (made_from or "not recorded")[:19], final_manifest[:19])
+            rebuild = True
+    if ref in have and not rebuild:
+        progress.info("release: %s exists (made from the final stage %s)", ref, final_manifest[:19])
         built = False
     else:
         files = {"build.json": (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()}
