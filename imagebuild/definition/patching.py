@@ -394,6 +394,7 @@ def main(argv: list | None = None) -> int:
     a.add_argument("--record", help="merge the outcomes into this JSON file")
     a.add_argument("--check", action="store_true", help="write nothing; say what would happen")
     a.add_argument("--json", action="store_true", help="print the outcomes as JSON on stdout")
+    a.add_argument("--keep-going", action="store_true", help="apply every patch, not stopping at a failure")
     a.add_argument("patches", nargs="+", help="patch files or folders holding patch_*.py")
     args = ap.parse_args(argv)
     src = Path(args.src)
@@ -405,7 +406,7 @@ def main(argv: list | None = None) -> int:
     except PatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    results = apply_all(patches, src, write=not args.check)
+    results = apply_all(patches, src, write=not args.check, keep_going=True if args.keep_going else None)
     if args.record and not args.check:
         record(Path(args.record), str(args.src), results)
     for r in results:
