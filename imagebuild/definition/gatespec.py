@@ -118,6 +118,9 @@ def load(path: Path, *, display: str | None = None) -> GateSpec:
     """Parse and validate the spec at ``path``; raise ``DefinitionError`` listing every problem."""
     path = Path(path)
     shown = display or str(path)
+    if path.exists() and not path.is_file():  # a FIFO would hang the read
+        raise DefinitionError([Problem(shown, f"is {'a folder' if path.is_dir() else 'not a regular file'}, "
+                                       "expected a gate spec file")])
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

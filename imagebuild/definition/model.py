@@ -307,6 +307,9 @@ def unknown_keys(node: yamlread.Node, allowed: tuple[str, ...], file: str, where
 
 def read_text(path: Path, display: str, c: Collector) -> str | None:
     """The file as UTF-8 text, or None with the problem (the line and column of a bad byte) collected."""
+    if path.exists() and not path.is_file():  # a FIFO would hang the read; a folder is no file
+        c.err(display, f"is {'a folder' if path.is_dir() else 'not a regular file'}, expected a file")
+        return None
     try:
         return textfile.decode(path.read_bytes())
     except textfile.TextError as exc:

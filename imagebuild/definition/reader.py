@@ -178,6 +178,8 @@ def _load_env(path: Path, display: str, c: Collector) -> envfile.EnvFile | None:
     if path.is_symlink() and not _inside(path, display, c):
         return None
     if not path.is_file():
+        if path.exists():  # a FIFO would hang the read; a folder is no file
+            return read_text(path, display, c) and None
         c.err(display, "missing", hint="every image folder holds a versions.env with its pins")
         return None
     text = read_text(path, display, c)
@@ -192,6 +194,8 @@ def _load_env(path: Path, display: str, c: Collector) -> envfile.EnvFile | None:
 def _load_yaml(path: Path, display: str, c: Collector) -> yamlread.Node | None:
     if path.is_symlink() and not _inside(path, display, c):
         return None
+    if not path.is_file() and path.exists():  # a FIFO would hang the read; a folder is no file
+        return read_text(path, display, c) and None
     if not path.is_file():
         c.err(display, "missing", hint="every image folder holds an image.yaml listing its stages "
               "(see docs/image-definition.md)")

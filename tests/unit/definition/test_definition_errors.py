@@ -104,7 +104,7 @@ def test_malformed_definition(project, case):
         target.chmod(0o644)
         target.unlink()
         target.mkdir()
-        needle = "is a folder" if not _id.endswith("versions") else "missing"
+        needle = "is a folder"  # a folder where a file belongs is named as such, not "missing"
     before = tree_state(project)
     res = run_cli("--root", str(project), "plan", "tiny", "--no-engine")
     assert res.code == 2, res

@@ -217,3 +217,31 @@ def test_misnamed_definition_folders_are_listed_invalid(project, folder):
     assert "INVALID      the folder name is no image name" in r.out
     r = run_cli("--root", str(project), "validate")
     assert r.code == 2 and "its name is no image name" in r.err and "Traceback" not in r.err, r.err
+
+
+def test_fifos_and_folders_where_a_file_belongs_are_named_not_read(tmp_path):
+    """A FIFO hung `gate --spec` and definition reads; a folder was reported as missing."""
+    import os
+
+    from imagebuild.core.errors import DefinitionError
+    from imagebuild.definition import gatespec
+    from imagebuild.definition import reader as definition
+
+    fifo = tmp_path / "gate.yaml"
+    os.mkfifo(fifo)
+    try:
+        gatespec.load(fifo)
+        raise AssertionError("no error")
+    except DefinitionError as exc:
+        assert "is not a regular file, expected a gate spec file" in exc.render()
+    d = tmp_path / "docker-images" / "x"
+    d.mkdir(parents=True)
+    os.mkfifo(d / "versions.env")
+    (d / "image.yaml").mkdir()
+    try:
+        definition.load(tmp_path, "x")
+        raise AssertionError("no error")
+    except DefinitionError as exc:
+        text = exc.render()
+        assert "versions.env: is not a regular file, expected a file" in text
+        assert "image.yaml: is a folder, expected a file" in text
