@@ -81,9 +81,15 @@ def _typed(value, kind):
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
+RECORD_MAX_BYTES = 16 << 20  # a build writes well under 1 MiB; a larger record.json is not one of ours
+
+
 def _read(d: Path) -> dict:
+    path = d / "record.json"
     try:
-        data = json.loads((d / "record.json").read_text(encoding="utf-8"))
+        if path.stat().st_size > RECORD_MAX_BYTES:  # never read whole (a 300 MB one took 615 MB in log)
+            return {}
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -122,6 +122,9 @@ def load(path: Path, *, display: str | None = None) -> GateSpec:
         raise DefinitionError([Problem(shown, f"is {'a folder' if path.is_dir() else 'not a regular file'}, "
                                        "expected a gate spec file")])
     try:
+        if path.stat().st_size > yamlread.MAX_BYTES:  # refused before it is read whole
+            raise DefinitionError([Problem(shown, f"is {path.stat().st_size} bytes: larger than {yamlread.MAX_BYTES} "
+                                           "bytes (1 MiB), the limit for a gate spec")])
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise DefinitionError([Problem(shown, "gate spec not found",

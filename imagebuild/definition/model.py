@@ -305,12 +305,22 @@ def unknown_keys(node: yamlread.Node, allowed: tuple[str, ...], file: str, where
                   hint=f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(allowed)}")
 
 
+# no definition text is read past this (a YAML file has its own 1 MiB limit, yamlread.MAX_BYTES); it
+# leaves room for versions.env's own limit on build args (1 MiB in all), which then names the keys
+DEFINITION_MAX_BYTES = 8 << 20
+
+
 def read_text(path: Path, display: str, c: Collector) -> str | None:
     """The file as UTF-8 text, or None with the problem (the line and column of a bad byte) collected."""
     if path.exists() and not path.is_file():  # a FIFO would hang the read; a folder is no file
         c.err(display, f"is {'a folder' if path.is_dir() else 'not a regular file'}, expected a file")
         return None
     try:
+        size = path.stat().st_size
+        if size > DEFINITION_MAX_BYTES:  # refused before it is read (a 200 MB versions.env took 429 MB)
+            c.err(display, f"is {size} bytes: larger than {DEFINITION_MAX_BYTES} bytes (8 MiB), the limit for "
+                  "a definition file")
+            return None
         return textfile.decode(path.read_bytes())
     except textfile.TextError as exc:
         c.err(display, exc.message, line=exc.line)

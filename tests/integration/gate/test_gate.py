@@ -373,8 +373,11 @@ def test_ctrl_c_removes_the_container(gate_image, state, tmp_path):
     before: set = set()
     spec = _write(tmp_path, "gate.yaml", "checks:\n  - {id: slow, kind: command, run: 'sleep 60'}\n")
     env = dict(os.environ, IMAGEBUILD_STATE_DIR=str(state))
+    # SIGINT restored in the child: a suite started from a non-interactive shell's background job
+    # inherits it as ignored, and the signal would never reach the gate (issue 22)
     proc = subprocess.Popen([sys.executable, "-m", "imagebuild", "gate", gate_image, "--spec", str(spec)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (set(_gate_containers(proc.pid)) - before):

@@ -245,3 +245,47 @@ def test_fifos_and_folders_where_a_file_belongs_are_named_not_read(tmp_path):
         text = exc.render()
         assert "versions.env: is not a regular file, expected a file" in text
         assert "image.yaml: is a folder, expected a file" in text
+
+
+def test_oversized_definition_files_are_refused_before_they_are_read(tmp_path):
+    """A 200 MB versions.env was accepted (429 MB RAM) and a 200 MB image.yaml read whole before it
+    was refused: the size is checked first (sparse files here: nothing is written)."""
+    import resource
+
+    from imagebuild.core.errors import DefinitionError
+    from imagebuild.definition import gatespec
+    from imagebuild.definition import reader as definition
+
+    d = tmp_path / "docker-images" / "x"
+    d.mkdir(parents=True)
+    for name in ("versions.env", "image.yaml"):
+        with open(d / name, "wb") as f:
+            f.truncate(200 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        definition.load(tmp_path, "x")
+        raise AssertionError("no error")
+    except DefinitionError as exc:
+        text = exc.render()
+    assert "versions.env: is 209715200 bytes: larger than 8388608 bytes (8 MiB)" in text
+    assert "image.yaml: is 209715200 bytes" in text
+    big = tmp_path / "gate.yaml"
+    with open(big, "wb") as f:
+        f.truncate(200 << 20)
+    try:
+        gatespec.load(big)
+        raise AssertionError("no error")
+    except DefinitionError as exc:
+        assert "the limit for a gate spec" in exc.render()
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 100 * 1024, grown_kib  # nothing close to 200 MB was read
+
+
+def test_an_oversized_run_record_is_not_read_whole(tmp_path):
+    from imagebuild.core import runs
+
+    d = tmp_path / "run"
+    d.mkdir()
+    with open(d / "record.json", "wb") as f:
+        f.truncate(300 << 20)
+    assert runs._read(d) == {}
