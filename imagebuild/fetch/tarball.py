@@ -215,40 +215,59 @@ def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
     for _k, _n, e in items:  # each reader is fed its blobs in the order the archive takes them
         if e is not None:
             by_repo.setdefault(id(e.repo), []).append(e.sha)
+    for e in entries:
+        if id(e.repo) not in readers:
+            readers[id(e.repo)] = _BlobReader(e.repo, by_repo[id(e.repo)])
+
+    def members():
+        for _key, name, e in items:
+            if e is None:
+                yield name, tarfile.DIRTYPE, 0o755, "", b""
+                continue
+            rd = readers[id(e.repo)]
+            size = rd.header(e.sha)
+            data = rd.proc.stdout.read(size)
+            rd.finish_blob()
+            if len(data) != size:
+                raise OperationFailed(f"short read of object {e.sha} from {rd.mirror.path.name}")
+            if e.mode == "120000":
+                yield name, tarfile.SYMTYPE, 0o777, data.decode("utf-8", "surrogateescape"), b""
+            else:
+                yield name, tarfile.REGTYPE, 0o755 if e.mode == "100755" else 0o644, "", data
+
+    def close_readers():  # before the archive is committed: a reader's failure fails the pack
+        for rd in readers.values():
+            rd.close()
+
+    try:
+        return _write_archive(dest, mtime, members(), before_commit=close_readers)
+    except BaseException:
+        for rd in readers.values():
+            if rd.proc.poll() is None:
+                rd.proc.kill()
+                rd.proc.wait()
+        raise
+
+
+def _write_archive(dest: Path, mtime: int, members, *, before_commit=None) -> str:
+    """Write ``members`` ((name, tar type, mode, link target, bytes), in archive order) to ``dest``
+    atomically, in the one layout both packers share: GNU headers, owner 0 without names, ``mtime``,
+    the deterministic gzip members, zeros up to a full record; return the archive's SHA-256."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        for e in entries:
-            if id(e.repo) not in readers:
-                readers[id(e.repo)] = _BlobReader(e.repo, by_repo[id(e.repo)])
         with open(tmp, "wb") as raw:
             hf = _HashingFile(raw)
             sink = _GzipSink(hf)
             written = 0
-            for _key, name, e in items:
+            for name, kind, mode, linkname, data in members:
                 ti = tarfile.TarInfo("./" + name)
                 ti.mtime = mtime
                 ti.uid = ti.gid = 0
                 ti.uname = ti.gname = ""
-                data = b""
-                if e is None:
-                    ti.type = tarfile.DIRTYPE
-                    ti.mode = 0o755
-                else:
-                    rd = readers[id(e.repo)]
-                    size = rd.header(e.sha)
-                    data = rd.proc.stdout.read(size)
-                    rd.finish_blob()
-                    if len(data) != size:
-                        raise OperationFailed(f"short read of object {e.sha} from {rd.mirror.path.name}")
-                    if e.mode == "120000":
-                        ti.type = tarfile.SYMTYPE
-                        ti.mode = 0o777
-                        ti.linkname = data.decode("utf-8", "surrogateescape")
-                        data = b""
-                    else:
-                        ti.mode = 0o755 if e.mode == "100755" else 0o644
-                        ti.size = size
+                ti.type, ti.mode, ti.linkname = kind, mode, linkname
+                if kind == tarfile.REGTYPE:
+                    ti.size = len(data)
                 header = ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
                 sink.write(header)
                 written += len(header)
@@ -264,16 +283,12 @@ def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
             sink.close()
             raw.flush()
             os.fsync(raw.fileno())
-        for rd in readers.values():
-            rd.close()
+        if before_commit is not None:
+            before_commit()
         os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
         return hf.h.hexdigest()
     except BaseException:
-        for rd in readers.values():
-            if rd.proc.poll() is None:
-                rd.proc.kill()
-                rd.proc.wait()
         try:
             tmp.unlink()
         except FileNotFoundError:
@@ -298,49 +313,14 @@ def pack_dir(root: Path, dest: Path, mtime: int) -> str:
                 raise OperationFailed(f"{p}: not a file, folder or symlink; cannot pack it")
             items.append((tuple(rel.encode("utf-8", "surrogateescape").split(b"/")), rel, p))
     items.sort(key=lambda t: t[0])
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as raw:
-            hf = _HashingFile(raw)
-            sink = _GzipSink(hf)
-            written = 0
-            for _key, name, p in items:
-                ti = tarfile.TarInfo("./" + name)
-                ti.mtime = mtime
-                ti.uid = ti.gid = 0
-                ti.uname = ti.gname = ""
-                data = b""
-                if p.is_symlink():
-                    ti.type = tarfile.SYMTYPE
-                    ti.mode = 0o777
-                    ti.linkname = os.readlink(p)
-                elif p.is_dir():
-                    ti.type = tarfile.DIRTYPE
-                    ti.mode = 0o755
-                else:
-                    data = p.read_bytes()
-                    ti.mode = 0o755 if os.stat(p).st_mode & 0o100 else 0o644
-                    ti.size = len(data)
-                header = ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
-                sink.write(header)
-                written += len(header)
-                if data:
-                    sink.write(data)
-                    sink.write(b"\0" * (-len(data) % tarfile.BLOCKSIZE))
-                    written += len(data) + (-len(data) % tarfile.BLOCKSIZE)
-            end = 2 * tarfile.BLOCKSIZE
-            end += -(written + end) % tarfile.RECORDSIZE
-            sink.write(b"\0" * end)
-            sink.close()
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-        return hf.h.hexdigest()
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
+
+    def members():
+        for _key, name, p in items:
+            if p.is_symlink():
+                yield name, tarfile.SYMTYPE, 0o777, os.readlink(p), b""
+            elif p.is_dir():
+                yield name, tarfile.DIRTYPE, 0o755, "", b""
+            else:
+                yield name, tarfile.REGTYPE, 0o755 if os.stat(p).st_mode & 0o100 else 0o644, "", p.read_bytes()
+
+    return _write_archive(dest, mtime, members())
