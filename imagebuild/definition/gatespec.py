@@ -391,9 +391,7 @@ def _p_file(p, m, label):
     out: dict = {}
     path = m.get("path")
     if path is not None:
-        if not isinstance(path.value, str) or not path.value.startswith("/"):
-            p.err(path.line, f"{label}.path", f"expected an absolute path in the image, got {path.plain()!r}")
-        out["path"] = path.value
+        out["path"] = _image_path(p, path, label)
     out["exists"] = True
     if "exists" in m:
         if not isinstance(m["exists"].value, bool):
@@ -469,13 +467,30 @@ def _p_expression(p, m, label):
     return out
 
 
+def _image_path(p, node, label) -> object:
+    """``path:``: an absolute path in the image (the value as given, the problem collected)."""
+    if not isinstance(node.value, str) or not node.value.startswith("/"):
+        p.err(node.line, f"{label}.path", f"expected an absolute path in the image, got {node.plain()!r}")
+    return node.value
+
+
+def _scan_keys(p, m, label, out: dict) -> None:
+    """``glob:`` and ``min_files:`` of a check that scans the files under a path (elf, cuda-targets)."""
+    if "glob" in m:
+        out["glob"] = _str_list(p, m["glob"], f"{label}.glob")
+    if "min_files" in m:
+        v = m["min_files"].value
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            p.err(m["min_files"].line, f"{label}.min_files", f"expected a number >= 1, got {v!r}",
+                  hint="a check that finds no file would pass on an empty folder")
+        out["min_files"] = v
+
+
 def _p_elf(p, m, label):
     out: dict = {"glob": ["*.so", "*.so.*"], "min_files": 1}
     path = m.get("path")
     if path is not None:
-        if not isinstance(path.value, str) or not path.value.startswith("/"):
-            p.err(path.line, f"{label}.path", f"expected an absolute path in the image, got {path.plain()!r}")
-        out["path"] = path.value
+        out["path"] = _image_path(p, path, label)
     mach = m.get("machine")
     if mach is not None:
         v = mach.value
@@ -487,14 +502,7 @@ def _p_elf(p, m, label):
             p.err(mach.line, f"{label}.machine", f"unknown ELF machine {v!r}",
                   hint="aarch64 (183), x86_64 (62), or the e_machine number")
         out["machine_name"] = str(v)
-    if "glob" in m:
-        out["glob"] = _str_list(p, m["glob"], f"{label}.glob")
-    if "min_files" in m:
-        v = m["min_files"].value
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            p.err(m["min_files"].line, f"{label}.min_files", f"expected a number >= 1, got {v!r}",
-                  hint="a check that finds no file would pass on an empty folder")
-        out["min_files"] = v
+    _scan_keys(p, m, label, out)
     return out
 
 
@@ -521,9 +529,7 @@ def _p_cuda_targets(p, m, label):
               "a `cuda-targets` check needs exactly one of `path` (a folder or file in the image) "
               "and `module` (an installed package, e.g. vllm)")
     if path is not None:
-        if not isinstance(path.value, str) or not path.value.startswith("/"):
-            p.err(path.line, f"{label}.path", f"expected an absolute path in the image, got {path.plain()!r}")
-        out["path"] = path.value
+        out["path"] = _image_path(p, path, label)
     if mod is not None:
         if not isinstance(mod.value, str) or not MODULE_RE.match(mod.value):
             p.err(mod.line, f"{label}.module", f"expected a module name, got {mod.plain()!r}")
@@ -553,14 +559,7 @@ def _p_cuda_targets(p, m, label):
         out["require"] = req
     if "kernels" in m:
         out["kernels"] = _regexes(p, m["kernels"], f"{label}.kernels") or []
-    if "glob" in m:
-        out["glob"] = _str_list(p, m["glob"], f"{label}.glob")
-    if "min_files" in m:
-        v = m["min_files"].value
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            p.err(m["min_files"].line, f"{label}.min_files", f"expected a number >= 1, got {v!r}",
-                  hint="a check that finds no file would pass on an empty folder")
-        out["min_files"] = v
+    _scan_keys(p, m, label, out)
     if "cuobjdump" in m:
         v = m["cuobjdump"].value
         if not isinstance(v, str) or not v.strip():
