@@ -61,6 +61,19 @@ SRC_SUMS = "SHA256SUMS"  # beside the source tarballs (prefetch.SUMS_FILE)
 _CHUNK = 4 << 20
 
 
+def _copy_hashed(src, write, size: int, h, short: Exception) -> None:
+    """Copy exactly ``size`` bytes of ``src`` to ``write`` in chunks, hashing them into ``h``;
+    ``short`` is raised when ``src`` ends first."""
+    left = size
+    while left:
+        chunk = src.read(min(_CHUNK, left))
+        if not chunk:
+            raise short
+        h.update(chunk)
+        write(chunk)
+        left -= len(chunk)
+
+
 @dataclass(frozen=True)
 class Item:
     path: str  # project-relative, posix
@@ -161,14 +174,7 @@ class _TarWriter:
         ti = tarfile.TarInfo(name)
         ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
         self._write(ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
-        left = size
-        while left:
-            chunk = src.read(min(_CHUNK, left))
-            if not chunk:
-                raise OperationFailed(f"{name}: changed while it was being bundled")
-            h.update(chunk)
-            self._write(chunk)
-            left -= len(chunk)
+        _copy_hashed(src, self._write, size, h, OperationFailed(f"{name}: changed while it was being bundled"))
         self._write(b"\0" * (-size % tarfile.BLOCKSIZE))
 
     def close(self) -> None:
@@ -542,17 +548,10 @@ def _extract(file: Path, tf: tarfile.TarFile, heads: dict[str, tarfile.TarInfo],
         dest = stage / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
-        left = f["size"]
         try:
             src = tf.extractfile(m)
             with open(dest, "xb") as w:
-                while left:
-                    chunk = src.read(min(_CHUNK, left))
-                    if not chunk:
-                        raise _Bad(f"member {rel!r} is cut short")
-                    h.update(chunk)
-                    w.write(chunk)
-                    left -= len(chunk)
+                _copy_hashed(src, w.write, f["size"], h, _Bad(f"member {rel!r} is cut short"))
         except (tarfile.TarError, EOFError, OSError, _Bad) as exc:
             raise _unreadable(file, exc) from None
         out[rel] = h.hexdigest()
