@@ -61,7 +61,7 @@ from imagebuild.core.errors import (
     UsageError,
 )
 from imagebuild.core.fsutil import atomic_write_json, sha256_bytes, sha256_file, usable_dir
-from imagebuild.definition import patching
+from imagebuild.definition import patchcheck, patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod
 from imagebuild.plan import source_mounts
@@ -1151,50 +1151,13 @@ def patch(ctx: context_mod.Context | Path, image: str, src: Path, *, check: bool
         raise DefinitionError([Problem(defn.rel(defn.dir / defn_mod.IMAGE_FILE),
                                        "no stage declares patches" + (f" ({stage})" if stage else ""),
                                        key="patches")], image=image)
-    results = _check_in_scratch(paths, Path(src)) if check else patching.apply_all(paths, Path(src), write=True)
+    results = patchcheck.check(paths, Path(src)) if check else patching.apply_all(paths, Path(src), write=True)
     doc = {"schema": patching.RECORD_SCHEMA, "version": patching.RECORD_VERSION, "image": image,
            "check": check, "patches": [r.as_dict() for r in results]}
     failed = [r for r in results if r.outcome == patching.FAILED]
     if failed:
         raise PatchFailed(doc, failed[0].message)
     return doc
-
-
-def _check_in_scratch(paths: list, src: Path) -> list:
-    """``patch --check``: the patches run in another process on a scratch copy of ``src`` (never
-    imported here: a patch module's import-time code runs only there), applied twice; a patch the
-    second run still changes is not idempotent and fails. Outcomes as a check reports them."""
-    with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
-        scratch = Path(tmp) / "src"
-        shutil.copytree(src, scratch, symlinks=True, ignore=shutil.ignore_patterns(".git"))
-        runs = []
-        for i in (1, 2):
-            record = Path(tmp) / f"run{i}.json"
-            run_mod.run([sys.executable, patching.__file__, "apply", "--src", str(scratch), "--keep-going",
-                         "--record", str(record), *map(str, paths)], check=False, timeout=600,
-                        cwd=scratch)  # what a patch does at import, relative to where it runs, stays there
-            try:
-                runs.append(json.loads(record.read_text())["patches"])
-            except (OSError, ValueError, KeyError):
-                raise OperationFailed("the patch check in a scratch copy recorded nothing",
-                                      hint="run it with --debug to see the patch run") from None
-    out = []
-    for p in map(Path, paths):
-        first, second = runs[0].get(p.name), runs[1].get(p.name)
-        if first is None:
-            out.append(patching.PatchOutcome(p.name, patching.FAILED, [], "the patch did not run"))
-            continue
-        outcome, message = first["outcome"], first.get("message") or ""
-        if outcome == patching.APPLIED:
-            outcome = patching.WOULD_APPLY
-            if second is not None and second["outcome"] not in (patching.ALREADY, patching.NOT_NEEDED):
-                outcome = patching.FAILED
-                message = (f"patch {p.name}: not idempotent: applied once, a second run gave "
-                           f"{second['outcome']!r} ({(second.get('message') or '').splitlines()[0][:160]})")
-        edits = [patching.EditOutcome(e["file"], patching.WOULD_APPLY if e["outcome"] == patching.APPLIED
-                                      else e["outcome"], e.get("message") or "") for e in first.get("edits") or []]
-        out.append(patching.PatchOutcome(p.name, outcome, edits, message, first.get("sha256")))
-    return out
 
 
 class PatchFailed(OperationFailed):

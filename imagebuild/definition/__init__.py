@@ -11,4 +11,4 @@ pins, in place (``envfile``, for prefetch). Entry points:
 - ``patching``: the anchor-patch primitive every ``patch_*.py`` imports (shipped into the build).
 """
 
-__all__ = ["dockerfile", "envfile", "gatespec", "patching", "pkgspec", "reader", "source_options"]
+__all__ = ["dockerfile", "envfile", "gatespec", "patchcheck", "patching", "pkgspec", "reader", "source_options"]

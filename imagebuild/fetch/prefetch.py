@@ -357,14 +357,15 @@ def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
     """Check each patching stage's patches against the composed tree of its first source, as the
     build will apply them, without writing anything: {source: {stage: [outcome, ...]}}.
 
-    Only the files the patches name are read out of the packed tarball (the bytes the build gets).
+    The packed tarball (the bytes the build gets) is extracted into a scratch folder, where the
+    patches run in another process, twice (definition/patchcheck.py: nothing of a patch runs here).
     The outcomes go into the lock, so that `imagebuild plan` shows, offline, which patches apply,
     which are not needed and which do not apply to this tree (with the reason); a patch that would
     fail is said now, not an hour into the build."""
     import tarfile
     import tempfile
 
-    from imagebuild.definition import patching
+    from imagebuild.definition import patchcheck, patching
 
     out: dict = {}
     for st in defn.stages:
@@ -372,17 +373,10 @@ def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
         if not paths or not st.sources or st.sources[0] not in sources:
             continue
         name = st.sources[0]
-        try:
-            files = sorted({e.file for p in paths for e in patching.load_patch(p)[0] if getattr(e, "file", None)})
-        except patching.PatchError as exc:
-            files = []
-            log.warning("  warning: %s", exc)
         with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
             with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
-                wanted = {"./" + f for f in files}
-                members = [m for m in tf.getmembers() if m.name in wanted and m.isfile()]
-                tf.extractall(tmp, members=members, filter="data")
-            results = patching.apply_all(paths, Path(tmp), write=False)
+                tf.extractall(tmp, filter="data")
+            results = patchcheck.check(paths, Path(tmp), copy=False)
         entries = [{"patch": r.patch, "outcome": r.outcome, "message": r.message, "sha256": r.sha256}
                    for r in results]
         out.setdefault(name, {})[st.name] = entries

@@ -210,10 +210,7 @@ PRIMITIVE_DISPLAY = "<imagebuild>/patching.py"
 
 
 def _primitive_sha256() -> str:
-    from pathlib import Path
-
-    # the file imagebuild/definition/patching.py, found without importing it (start-up time)
-    return sha256_tree(Path(__file__).parents[1] / "definition" / "patching.py")
+    return sha256_tree(primitive_path())
 
 
 def stage_image(image: str, stage: str, key: str) -> str:
