@@ -229,22 +229,17 @@ def test_fifos_and_folders_where_a_file_belongs_are_named_not_read(tmp_path):
 
     fifo = tmp_path / "gate.yaml"
     os.mkfifo(fifo)
-    try:
+    with pytest.raises(DefinitionError) as ei:
         gatespec.load(fifo)
-        raise AssertionError("no error")
-    except DefinitionError as exc:
-        assert "is not a regular file, expected a gate spec file" in exc.render()
+    assert "is not a regular file, expected a gate spec file" in ei.value.render()
     d = tmp_path / "docker-images" / "x"
     d.mkdir(parents=True)
     os.mkfifo(d / "versions.env")
     (d / "image.yaml").mkdir()
-    try:
+    with pytest.raises(DefinitionError) as ei:
         definition.load(tmp_path, "x")
-        raise AssertionError("no error")
-    except DefinitionError as exc:
-        text = exc.render()
-        assert "versions.env: is not a regular file, expected a file" in text
-        assert "image.yaml: is a folder, expected a file" in text
+    assert "versions.env: is not a regular file, expected a file" in ei.value.render()
+    assert "image.yaml: is a folder, expected a file" in ei.value.render()
 
 
 def test_oversized_definition_files_are_refused_before_they_are_read(tmp_path):
@@ -262,21 +257,17 @@ def test_oversized_definition_files_are_refused_before_they_are_read(tmp_path):
         with open(d / name, "wb") as f:
             f.truncate(200 << 20)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    try:
+    with pytest.raises(DefinitionError) as ei:
         definition.load(tmp_path, "x")
-        raise AssertionError("no error")
-    except DefinitionError as exc:
-        text = exc.render()
+    text = ei.value.render()
     assert "versions.env: is 209715200 bytes: larger than 8388608 bytes (8 MiB)" in text
     assert "image.yaml: is 209715200 bytes" in text
     big = tmp_path / "gate.yaml"
     with open(big, "wb") as f:
         f.truncate(200 << 20)
-    try:
+    with pytest.raises(DefinitionError) as ei:
         gatespec.load(big)
-        raise AssertionError("no error")
-    except DefinitionError as exc:
-        assert "the limit for a gate spec" in exc.render()
+    assert "the limit for a gate spec" in ei.value.render()
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 100 * 1024, grown_kib  # nothing close to 200 MB was read
 
