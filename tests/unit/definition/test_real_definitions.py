@@ -247,3 +247,56 @@ def test_dsv4_registry_check_tells_the_plugins_class_from_vllms_own():
     assert not run({"DeepseekV4ForCausalLM": builtin, "DeepseekV4VisionForCausalLM": plugin})
     imported = types.SimpleNamespace(model_cls=type("DeepseekV4VisionForCausalLM", (), {"__module__": "dsv4_vision.model"}))
     assert run({"DeepseekV4ForCausalLM": imported, "DeepseekV4VisionForCausalLM": plugin})
+
+
+def _real_vllm_registry(src):
+    """The model registry table (_VLLM_MODELS) of a real vLLM tree's registry.py, read with ast, and
+    shaped as vLLM's ModelRegistry builds it (lazy entries with module_name/class_name)."""
+    import ast
+    import types
+
+    table = {}  # _VLLM_MODELS merges per-family literal dicts (**_TEXT_GENERATION_MODELS, ...): read each
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            try:
+                d = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            table.update({k: v for k, v in d.items() if isinstance(k, str) and isinstance(v, tuple) and len(v) == 2})
+    return {arch: types.SimpleNamespace(module_name=mod if mod.startswith("vllm.") else f"vllm.model_executor.models.{mod}",
+                                        class_name=cls)
+            for arch, (mod, cls) in table.items()}
+
+
+def test_glm53_registry_check_requires_the_forks_native_glm5next_classes():
+    """The gate's model-architectures expression passes only when both served architectures map to
+    vLLM's own glm5next module; it fails on a missing architecture, on a plugin's class, and on the
+    real 28be48fa snapshot (which has no Glm5Next model, so serving would fall back and fail)."""
+    import types
+
+    from tests import realtrees
+
+    expr = gatespec.load(ROOT / "docker-images" / "glm53-jovian-r12" / "gate.yaml").check("model-architectures").params["expr"]
+
+    def run(models):
+        return bool(eval(expr, {"vllm": types.SimpleNamespace(ModelRegistry=types.SimpleNamespace(models=models))}))
+
+    def lazy(mod, cls):
+        return types.SimpleNamespace(module_name=mod, class_name=cls)
+
+    native = {"Glm5NextForConditionalGeneration": lazy("vllm.models.glm5next", "Glm5NextForConditionalGeneration"),
+              "Glm5NextMTPModel": lazy("vllm.models.glm5next.mtp", "Glm5NextMTP")}
+    assert run(native)
+    assert run({**native, "Glm5NextMTPModel": types.SimpleNamespace(
+        model_cls=type("Glm5NextMTP", (), {"__module__": "vllm.model_executor.models.glm5next_mtp"}))})
+    assert not run({"Glm5NextForConditionalGeneration": native["Glm5NextForConditionalGeneration"]})
+    assert not run({**native, "Glm5NextForConditionalGeneration": lazy("glm5_plugin.model", "Glm5NextForConditionalGeneration")})
+    assert not run({**native, "Glm5NextMTPModel": lazy("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP")})
+
+    import tarfile
+
+    with tarfile.open(realtrees.tarball(realtrees.VLLM)) as tf:
+        src = tf.extractfile(f"{realtrees.VLLM.name}/vllm/model_executor/models/registry.py").read().decode()
+    real = _real_vllm_registry(src)
+    assert "GlmMoeDsaForCausalLM" in real and "DeepseekV4ForCausalLM" in real  # the table was read
+    assert not run(real)
