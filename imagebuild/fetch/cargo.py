@@ -31,6 +31,7 @@ import os
 import re
 import tarfile
 import tempfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from imagebuild.fetch.gitcache import Mirror
 
 log = logging.getLogger("imagebuild")
 
-FORMAT = 1  # raise when the vendor tarball's layout changes: the lock records it
+FORMAT = 2  # raise when the vendor tarball's layout or the record changes (2: crates_rust_version)
 VENDOR_MTIME = 315532800  # 1980-01-01: the crates' bytes do not depend on the composed commit
 DIR_PLACEHOLDER = "@IMAGEBUILD_CARGO_VENDOR_DIR@"
 CONFIG_ENV = "IMAGEBUILD_CARGO_CONFIG"
@@ -103,6 +104,7 @@ class Vendored:
     crates: int
     config: str  # cargo's source-replacement config, the folder as DIR_PLACEHOLDER
     cargo: str  # `cargo --version`
+    rust_version: list | None = None  # [version, crate]: the highest rust-version a vendored crate declares
 
 
 def _crate_of(output: str) -> str | None:
@@ -210,8 +212,10 @@ def vendor(source: str, m: Mirror, commit: str, subdir: str | None, lockfiles: l
         config = stdout.decode("utf-8", "replace").replace(str(out), DIR_PLACEHOLDER).strip() + "\n"
         if crates and DIR_PLACEHOLDER not in config:
             raise OperationFailed(f"{source}: cargo vendor printed no source replacement for {out}: {config[:200]!r}")
+        needed = highest((manifest_rust_version((out / c / "Cargo.toml").read_text(encoding="utf-8", errors="replace")),
+                           c) for c in crates if (out / c / "Cargo.toml").is_file())
         digest = tarball.pack_dir(out, dest, VENDOR_MTIME)
-        return Vendored(digest, len(crates), config, version)
+        return Vendored(digest, len(crates), config, version, list(needed) if needed else None)
 
 
 def _cargo_version(cargo: str, env: dict, cwd: Path, source: str, lockfiles: list[LockFile]) -> str:
@@ -222,3 +226,38 @@ def _cargo_version(cargo: str, env: dict, cwd: Path, source: str, lockfiles: lis
             f"{source}: {', '.join(x.path for x in lockfiles)}: the tree has Rust crates to vendor, but cargo "
             f"cannot run ({exc.message.splitlines()[0]})",
             hint=f"install Rust's cargo (rustup), or point {CARGO_ENV} at it") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the Rust toolchain the crates need (``rust-version``, cargo's minimum supported Rust version)
+
+
+def manifest_rust_version(text: str) -> str | None:
+    """The ``rust-version`` a Cargo.toml declares (``[package]``, else ``[workspace.package]``), or
+    None (none declared, inherited from a workspace, or not TOML)."""
+    try:
+        doc = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return None
+    for table in (doc.get("package"), (doc.get("workspace") or {}).get("package")):
+        v = table.get("rust-version") if isinstance(table, dict) else None
+        if isinstance(v, str) and version_tuple(v):
+            return v
+    return None
+
+
+def version_tuple(v: str) -> tuple[int, ...] | None:
+    """``1.70`` / ``1.70.0`` / ``1.75.0+dfsg0ubuntu1-0ubuntu1`` (a Debian version of rustc: the upstream
+    part) as (1, 70, 0); None when it is no such version."""
+    m = re.match(r"^(?:\d+:)?(\d+)\.(\d+)(?:\.(\d+))?", v.strip())
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def highest(pairs) -> tuple[str, str] | None:
+    """The (version, who) pair with the highest version among ``pairs`` (None versions skipped)."""
+    best = None
+    for v, who in pairs:
+        t = version_tuple(v) if v else None
+        if t and (best is None or t > best[0]):
+            best = (t, v, who)
+    return (best[1], best[2]) if best else None

@@ -169,8 +169,11 @@ def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *
         with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
             ir = _prefetch_image(defn, cache, refresh, jobs)
             if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
-                _, prep = packages.prefetch_packages(ctx, defn.name, offline=offline)
+                pdefn, prep = packages.prefetch_packages(ctx, defn.name, offline=offline)
                 ir.packages = packages.summary(prep)
+                for w in check_rust_toolchain(pdefn, lock.read(defn.dir)):  # before the lock is written
+                    ir.notices.append(w)
+                    log.warning("warning: %s", w)
         if ir.lock is not None or packages.has_packages(defn):
             ir.lock = defn.rel(lock.lock_path(defn.dir))
             ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
@@ -434,7 +437,7 @@ def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dic
         got = sha256_file(dest)
         if got == prev.get("sha256"):
             log.info("  %s: %s unchanged (kept; %s crates)", p.name, defn.rel(dest), prev.get("crates"))
-            return prev
+            return _with_rust_version(prev, m, listing, p.opts.subdir, locks)
         msg = (f"{p.name}: {defn.rel(dest)} does not match the lock (sha256 {got}, the lock says "
                f"{prev.get('sha256')}): vendoring its crates again")
         rep.notices.append(msg)
@@ -442,9 +445,72 @@ def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dic
     log.info("  %s: vendoring the crates of %s into %s", p.name, ", ".join(x.path for x in locks), defn.rel(dest))
     v = cargo_mod.vendor(p.name, m, commit, p.opts.subdir, locks, dest)
     log.info("  %s: %d crates vendored (%s)", p.name, v.crates, v.cargo)
-    return {"format": cargo_mod.FORMAT, "vendor_id": vid, "tarball": shown, "sha256": v.tarball_sha256,
-            "lockfiles": [{"path": x.path, "blob": x.blob} for x in locks], "crates": v.crates,
-            "config": v.config, "cargo": v.cargo}
+    return _with_rust_version({"format": cargo_mod.FORMAT, "vendor_id": vid, "tarball": shown, "sha256": v.tarball_sha256,
+                               "lockfiles": [{"path": x.path, "blob": x.blob} for x in locks], "crates": v.crates,
+                               "config": v.config, "cargo": v.cargo, "crates_rust_version": v.rust_version},
+                              m, listing, p.opts.subdir, locks)
+
+
+def _with_rust_version(rec: dict, m: gitcache.Mirror, listing, subdir: str | None, locks) -> dict:
+    """``rec`` with ``rust_version``: [version, who], the highest ``rust-version`` among the tree's own
+    manifests (read from the commit every time: they are not in the vendor id) and the vendored
+    crates (recorded when they were vendored); None when nothing declares one."""
+    prefix = (subdir.rstrip("/") + "/") if subdir else ""
+    blobs = {path[len(prefix):]: sha for _, sha, path in listing if path.startswith(prefix)}
+    own = []
+    for x in locks:
+        manifest = str(Path(x.path).with_name("Cargo.toml"))
+        if manifest in blobs:
+            text = _local(lambda b=blobs[manifest]: m.out("cat-file", "blob", b))
+            own.append((cargo_mod.manifest_rust_version(text), manifest))
+    crates = rec.get("crates_rust_version")
+    found = cargo_mod.highest(own + ([tuple(crates)] if isinstance(crates, list) and len(crates) == 2 else []))
+    return {**rec, "rust_version": list(found) if found else None}
+
+
+RUSTC_PACKAGE = re.compile(r"^rustc(?:-\d+\.\d+)?$")  # Debian/Ubuntu: rustc, or a versioned rustc-1.NN
+
+
+def check_rust_toolchain(defn: d.Definition, data: dict | None) -> list[str]:
+    """Refuse a lock whose Rust crates cannot build: the ``rustc`` that an apt list of a stage building
+    a source with vendored crates installs (its own or a stage's below it) must be at least the highest
+    ``rust-version`` the tree or its crates declare (OperationFailed naming both). Returns warnings: a
+    stage whose apt lists install no rustc (its base image must carry one)."""
+    warnings: list[str] = []
+    if not data:
+        return warnings
+    srcs, apt = data.get("sources") or {}, data.get("apt") or {}
+    by_name = {st.name: st for st in defn.stages}
+    for st in defn.stages:
+        for name in st.sources:
+            rec = (srcs.get(name) or {}).get("cargo") if isinstance(srcs.get(name), dict) else None
+            if not isinstance(rec, dict):
+                continue
+            need = rec.get("rust_version")
+            rustc, chain, cur = None, [], st
+            while cur is not None:
+                chain.append(cur.name)
+                for f in (apt.get(cur.name) or {}).get("files") or ():
+                    if RUSTC_PACKAGE.match(str(f.get("name", ""))) and cargo_mod.version_tuple(str(f.get("version", ""))):
+                        if rustc is None or cargo_mod.version_tuple(f["version"]) > cargo_mod.version_tuple(rustc[1]):
+                            rustc = (f["name"], f["version"], cur)
+                cur = by_name.get(cur.parent.name) if cur.parent.kind == "stage" else None
+            lockfiles = ", ".join(x.get("path", "?") for x in rec.get("lockfiles") or ())
+            if rustc is None:  # the base image may carry one: say so, the stage stops by name without it
+                warnings.append(
+                    f"stage {st.name!r} builds the Rust crates of {name} ({lockfiles}), but no apt list of it or of "
+                    f"the stages below it installs rustc: its base image must have a Rust toolchain"
+                    + (f" of at least {need[0]} ({need[1]})" if isinstance(need, list) and len(need) == 2 else ""))
+                continue
+            if isinstance(need, list) and len(need) == 2 and cargo_mod.version_tuple(need[0]) \
+                    and cargo_mod.version_tuple(rustc[1]) < cargo_mod.version_tuple(need[0]):
+                lst = rustc[2].apt.display if rustc[2].apt else f"stage {rustc[2].name!r}"
+                raise OperationFailed(
+                    f"{lst}: {rustc[0]}={rustc[1]} is older than the Rust {need[0]} that {need[1]} of {name} "
+                    f"declares (rust-version; {lockfiles}): stage {st.name!r} could not build its crates",
+                    hint="pin a newer Rust toolchain in that apt list (`apt-cache search --names-only ^rustc` in the "
+                    "base lists the archive's versioned toolchains), or the fork's crates at an older rust-version")
+    return warnings
 
 
 def _build_id(defn: d.Definition) -> str:

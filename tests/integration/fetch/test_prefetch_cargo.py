@@ -234,6 +234,8 @@ def test_prefetch_vendors_the_crates_and_the_stage_builds_offline(repo, env, tmp
         assert {n.split("/")[1] for n in names if n.count("/") >= 1} == {"cfg-if-1.0.0", "itoa-1.0.1"}
         assert all(m.mtime == cargo_mod.VENDOR_MTIME and m.uid == 0 and m.uname == "" for m in tf.getmembers())
     assert cargo_mod.DIR_PLACEHOLDER in cg["config"] and "[source.crates-io]" in cg["config"]
+    # the Rust the crates need: Debian's itoa 1.0.1 declares rust-version 1.36 (cfg-if none, the tree none)
+    assert cg["crates_rust_version"] == ["1.36", "itoa-1.0.1"] and cg["rust_version"] == ["1.36", "itoa-1.0.1"]
     # the switch follows the tree: written back in versions.env
     assert env_value(root, "APP_REQUIRE_RUST") == "1"
     assert "APP_REQUIRE_RUST=1  # " not in (root / "docker-images" / IMAGE / "versions.env").read_text()
@@ -268,6 +270,16 @@ def test_unchanged_cargo_lock_is_not_vendored_again(repo, env, tmp_path, monkeyp
     again = read_lock(root)["sources"]["APP"]
     assert again["commit"] == moved and again["cargo"] == first
     assert "unchanged (kept; 2 crates)" in r.err
+    # the tree's own rust-version is read from each commit (it is not in the vendor id): a manifest
+    # that asks for a newer Rust moves the record's rust_version, still without running cargo
+    newer = up.commit({"rust/Cargo.toml": CARGO_TOML.replace('edition = "2021"\n', 'edition = "2021"\nrust-version = "1.82"\n')},
+                      "ask for Rust 1.82")
+    (root / "docker-images" / IMAGE / "versions.env").write_text(text.replace(with_rust, newer))
+    r = prefetch(root, tmp_path / "cache")
+    assert r.code == 0, r.err
+    cg = read_lock(root)["sources"]["APP"]["cargo"]
+    assert cg["rust_version"] == ["1.82", "rust/Cargo.toml"] and cg["crates_rust_version"] == ["1.36", "itoa-1.0.1"]
+    assert cg["tarball"] == first["tarball"]
     # and the fast path checks the cargo tarball too: a damaged one is vendored again (with cargo)
     tb = root / first["tarball"]
     tb.write_bytes(b"damaged")

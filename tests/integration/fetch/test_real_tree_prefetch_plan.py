@@ -102,7 +102,7 @@ def _project(tmp: Path, served: dict) -> Path:
     y = (img / "image.yaml").read_text()
     y = y.replace("platform: linux/arm64", "platform: linux/amd64  # STAND-IN: no arm64 base here")
     y = re.sub(r"^python:\n(?:  .*\n)+\n", "", y, flags=re.M)  # STAND-IN: no package prefetch
-    y = y.replace("    apt: apt-packages.txt\n", "")
+    y = re.sub(r"^    apt: \S+.*\n", "", y, flags=re.M)
     y = re.sub(r"    requirements:\n(?:      .*\n)+", "", y)
     assert "requirements" not in y and "apt:" not in y and "python:" not in y
     (img / "image.yaml").write_text(y)

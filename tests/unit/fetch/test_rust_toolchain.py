@@ -1,0 +1,95 @@
+"""prefetch refuses a lock whose Rust crates the image could not build: the rustc an apt list installs
+below the stage that builds them must be at least the highest ``rust-version`` the tree or its
+vendored crates declare (fetch/prefetch.check_rust_toolchain, fetch/cargo.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from imagebuild.core.errors import OperationFailed
+from imagebuild.definition import reader as d
+from imagebuild.definition.model import Parent
+from imagebuild.fetch import cargo
+from imagebuild.fetch.prefetch import check_rust_toolchain
+
+
+def test_rust_version_of_a_manifest():
+    assert cargo.manifest_rust_version('[package]\nname = "a"\nrust-version = "1.80"\n') == "1.80"
+    assert cargo.manifest_rust_version('[workspace]\n[workspace.package]\nrust-version = "1.82.0"\n') == "1.82.0"
+    # inherited from the workspace (a table), absent, or not TOML: nothing declared here
+    assert cargo.manifest_rust_version('[package]\nrust-version.workspace = true\n') is None
+    assert cargo.manifest_rust_version('[package]\nname = "a"\n') is None
+    assert cargo.manifest_rust_version('[package\n') is None
+    assert cargo.version_tuple("1.75.0+dfsg0ubuntu1-0ubuntu1") == (1, 75, 0)
+    assert cargo.version_tuple("1.80") == (1, 80, 0) and cargo.version_tuple("noble") is None
+    assert cargo.highest([("1.70", "a"), (None, "b"), ("1.81", "c"), ("1.9", "d")]) == ("1.81", "c")
+    assert cargo.highest([(None, "x")]) is None
+
+
+def _definition(tmp_path, build_apt: str | None = None):
+    img = tmp_path / "docker-images" / "rusty"
+    img.mkdir(parents=True)
+    (img / "versions.env").write_text("BASE_IMAGE=imagebuild-test/busybox:1\nAPP_REPO=https://example.invalid/app.git\n"
+                                      "APP_REF=main\n")
+    build = "    apt: build-apt.txt\n" if build_apt is not None else ""
+    (img / "image.yaml").write_text(
+        "platform: linux/amd64\nstages:\n"
+        "  - name: tools\n    from: BASE_IMAGE\n    apt: apt.txt\n"
+        f"  - name: build\n    from: tools\n    sources: [APP]\n{build}"
+        "sources:\n  APP:\n    scan_fetchcontent: false\n")
+    (img / "apt.txt").write_text("git=1:2.43.0-1ubuntu7\n")
+    if build_apt is not None:
+        (img / "build-apt.txt").write_text(build_apt)
+    for st in ("tools", "build"):
+        (img / f"Dockerfile.{st}").write_text("ARG PARENT\nFROM ${PARENT}\nRUN true\n")
+    return d.load(tmp_path, "rusty")
+
+
+def _lock(need, tools=(), build=()):
+    files = lambda pkgs: [{"name": n, "version": v, "filename": f"{n}.deb"} for n, v in pkgs]  # noqa: E731
+    return {"sources": {"APP": {"cargo": {"lockfiles": [{"path": "rust/Cargo.lock"}], "rust_version": need}}},
+            "apt": {"tools": {"files": files(tools)}, **({"build": {"files": files(build)}} if build else {})}}
+
+
+def test_a_new_enough_rustc_below_the_stage_passes(tmp_path):
+    defn = _definition(tmp_path)
+    lock = _lock(["1.80", "itoa-1.0.15"], tools=[("git", "1:2.43"), ("rustc", "1.80.1+dfsg0ubuntu1-0ubuntu1")])
+    assert check_rust_toolchain(defn, lock) == []
+    # nothing declared: any rustc will do
+    assert check_rust_toolchain(defn, _lock(None, tools=[("rustc", "1.75.0+dfsg0ubuntu1-0ubuntu1")])) == []
+    # no crates at all: nothing to say
+    assert check_rust_toolchain(defn, {"sources": {"APP": {"cargo": None}}, "apt": {}}) == []
+
+
+def test_an_older_rustc_is_refused_naming_the_list_the_version_and_the_crate(tmp_path):
+    defn = _definition(tmp_path, build_apt="rustc=1.75.0+dfsg0ubuntu1-0ubuntu1\ncargo=1.75.0+dfsg0ubuntu1-0ubuntu1\n")
+    lock = _lock(["1.82", "rust/Cargo.toml"], build=[("rustc", "1.75.0+dfsg0ubuntu1-0ubuntu1"), ("cargo", "1.75.0")])
+    with pytest.raises(OperationFailed) as exc:
+        check_rust_toolchain(defn, lock)
+    msg = exc.value.message
+    assert "build-apt.txt" in msg and "rustc=1.75.0+dfsg0ubuntu1-0ubuntu1" in msg
+    assert "1.82" in msg and "rust/Cargo.toml" in msg and "'build'" in msg
+    # the newest rustc of the chain counts: a versioned toolchain in the stage's own list
+    lock = _lock(["1.82", "rust/Cargo.toml"], tools=[("rustc", "1.75.0")], build=[("rustc-1.83", "1.83.0+dfsg-0ubuntu1")])
+    assert check_rust_toolchain(defn, lock) == []
+
+
+def test_no_rustc_in_any_apt_list_is_a_warning_the_base_may_carry_one(tmp_path):
+    defn = _definition(tmp_path)
+    [w] = check_rust_toolchain(defn, _lock(["1.80", "itoa-1.0.15"], tools=[("git", "1:2.43")]))
+    assert "'build'" in w and "no apt list" in w and "1.80 (itoa-1.0.15)" in w
+
+
+def test_glm53_builds_its_rust_frontend_with_an_apt_rustc_in_the_wheel_stage_only():
+    """glm53's vllm-wheel stage installs rustc and cargo (bare names, pinned by prefetch); the runner
+    starts from the torch stage, so no compiler reaches the served image."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    defn = d.load(root, "glm53-jovian-r12")
+    wheel = defn.stage("vllm-wheel")
+    assert {a.name for a in wheel.apt.items} >= {"rustc", "cargo"}
+    assert defn.stage("runner").parent == Parent("stage", "torch")
+    assert all(a.name not in ("rustc", "cargo") for st in ("apt", "torch") for a in (defn.stage(st).apt.items
+                                                                                    if defn.stage(st).apt else ()))
+    assert "install.sh" in wheel.dockerfile_bytes.decode() and "cargo --version" in wheel.dockerfile_bytes.decode()
