@@ -170,7 +170,7 @@ def streak(results: list[str | None]) -> str:
         if r != last:
             break
         n += 1
-    return f"{n} {last} in a row (the latest gated nights)"
+    return f"{n} {last} in a row"
 
 
 # --------------------------------------------------------------------------------------------- the page
@@ -190,8 +190,8 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None) -> list[s
              for r in rows]
     gates = [(r.get("gate") or {}).get("result") for r in rows]
     L = [f'<section class="image" id="{esc(image)}">', f"<h2>{esc(image)}</h2>",
-         f'<p>{len(rows)} night(s), {esc(rows[0]["run_id"][:8])} to {esc(rows[-1]["run_id"][:8])}; gate: '
-         f'{esc(streak(gates))}.</p>']
+         f'<p>{len(rows)} night(s), {esc(rows[0]["run_id"][:8])} to {esc(rows[-1]["run_id"][:8])}; the gate\'s '
+         f'streak: {esc(streak(gates))} (of the nights gated).</p>']
     legend = "".join(f'<span><i style="background:{PALETTE[j % len(PALETTE)]}"></i>{esc(n)}</span>'
                      for j, n in enumerate(names))
     L += ["<figure><figcaption>Stage times per night (built stages; a cached stage takes no time)</figcaption>",
@@ -204,7 +204,7 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None) -> list[s
           stacked_bars("hit-rate", f"{image}: cache hit rate per night", labels, ["hit rate"],
                        rates, lambda v: f"{round(v * 100)}%"),
           "</figure>",
-          f"<figure><figcaption>Gate results ({esc(streak(gates))})</figcaption>", gate_strip(labels, gates),
+          f"<figure><figcaption>Gate results: {esc(streak(gates))}</figcaption>", gate_strip(labels, gates),
           "</figure>"]
     L += ["<h3>Nights</h3>", "<table><tr><th>night</th><th>status</th><th>time</th><th>size</th><th>hits</th>"
           "<th>gate</th><th>moved upstream</th><th>pull requests</th></tr>"]
