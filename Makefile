@@ -56,6 +56,9 @@ kernels: install
 
 lint: install
 	$(BIN)/ruff check imagebuild tests benchmarks scripts
+	# the workflows, GitHub's and the Gitea-family copy (actionlint's wheel exists for x86_64 Linux only)
+	if [ -x $(BIN)/actionlint ]; then $(BIN)/actionlint -config-file .github/actionlint.yaml \
+	  .github/workflows/*.yml .forgejo/workflows/*.yml; else echo "actionlint not installed here: workflows not linted"; fi
 
 bench: install testbed
 	$(BIN)/python benchmarks/run.py

@@ -85,6 +85,8 @@ ensure_tools() {
   have docker-registry || missing+=(docker-registry)
   have skopeo || missing+=(skopeo)
   have htpasswd || missing+=(apache2-utils)
+  # the nightly's HTML history page is loaded by headless Chromium (tests/integration/ops/test_history_page.py)
+  have chromium || missing+=(chromium)
   if [ ${#missing[@]} -gt 0 ]; then
     [ $check_only = 1 ] && { say "missing tools: ${missing[*]}"; return 1; }
     say "installing ${missing[*]}"

@@ -54,11 +54,18 @@ def register(sub, epilog: str) -> None:
         "report", help="print a nightly run report",
         description="Print a nightly report: the latest (default), or RUN (a run id or a unique prefix). With "
         "IMAGE, the latest report that covers IMAGE, and only its part. Reports live in .imagebuild/nightly/ "
-        "(or --report-dir).", epilog=epilog, formatter_class=fmt)
+        "(or --report-dir). --history [N] and --html read every night from the history "
+        "(<state>/nightly-history.jsonl, kept for good) and the kept reports.", epilog=epilog, formatter_class=fmt)
     sp.add_argument("args", nargs="*", metavar="[IMAGE] [latest|RUN]", help="an image, a run, or both")
     sp.add_argument("--report-dir", metavar="DIR", help="where the reports are (default .imagebuild/nightly)")
     sp.add_argument("--summary", action="store_true", help="only the summary lines")
-    sp.add_argument("--json", action="store_true", help="print the report's JSON")
+    sp.add_argument("--json", action="store_true", help="print the report's JSON (with --history: the history's)")
+    sp.add_argument("--history", nargs="?", const=str(30), default=None, metavar="N",
+                    help="a table of the last N nights (default 30), per image: each stage's time, image size, "
+                    "cache hit rate, gate result, what moved upstream (from <state>/nightly-history.jsonl)")
+    sp.add_argument("--html", action="store_true",
+                    help="print the history as one self-contained HTML page with charts (every night, or the "
+                    "last N with --history N); the nightly writes it beside each report")
     sp.set_defaults(func=cmd_report)
 
     sp = sub.add_parser(
@@ -99,6 +106,7 @@ def cmd_nightly(args) -> int:
                                keep_reports=args.keep_reports, keep_builds=args.keep_builds, gc=not args.no_gc,
                                notify=args.notify, progress=args.progress)
     doc, stored = nightly_mod.nightly(ctx, args.images, opts)
+    _actions(doc, stored, root, args.json)
     if args.json:
         common.print_json(doc)
     else:
@@ -112,6 +120,71 @@ def cmd_nightly(args) -> int:
     return doc["exit_code"]
 
 
+def _actions(doc: dict, stored, root, json_mode: bool) -> None:
+    """Under GitHub Actions or a Gitea-family runner: folds, annotations, $GITHUB_OUTPUT (cli/actions.py)."""
+    import os
+    import sys
+
+    from imagebuild.cli import actions
+
+    if not actions.under_actions():
+        return
+    out = sys.stderr if json_mode else sys.stdout
+    for line in actions.commands(doc, root):
+        print(line, file=out)
+    out.flush()
+    if os.environ.get("GITHUB_OUTPUT"):
+        actions.write_outputs(os.environ["GITHUB_OUTPUT"], doc, stored, root)
+
+
+def _history_nights(value: str | None, args) -> int | None:
+    """``--history [N]``: N nights (default 30); a word that is not a number is the IMAGE argument."""
+    from imagebuild.core.errors import UsageError
+    from imagebuild.ops import history as history_mod
+
+    if value is None:
+        return None
+    if value.isdigit() and 1 <= int(value) <= 1_000_000:
+        return int(value)
+    if value and not value.startswith("-") and not value.isdigit():
+        args.args.insert(0, value)
+        return history_mod.DEFAULT_NIGHTS
+    raise UsageError(f"--history {value}: expected a number of nights (1 or more)",
+                     hint="imagebuild report [IMAGE] --history 30")
+
+
+def cmd_history(args, ctx, rdir, image) -> int:
+    import sys
+
+    from imagebuild.core.errors import EXIT_OK, ImagebuildError
+    from imagebuild.ops import history as history_mod
+    from imagebuild.ops import htmlpage
+    from imagebuild.ops import report as report_mod
+
+    kept = []
+    for s in report_mod.stored(rdir):
+        try:
+            kept.append(s.load())
+        except ImagebuildError:  # a foreign file in the report folder: the history file still counts
+            continue
+    h = history_mod.load(history_mod.path(ctx), kept)
+    rows = history_mod.last_nights(h, args.nights, image)
+    if h.skipped:
+        print(f"warning: {h.skipped} unreadable line(s) in {history_mod.path(ctx)} skipped", file=sys.stderr)
+    if args.html:
+        tonight = kept[0] if kept else None
+        if tonight is not None and image is not None:
+            tonight = {**tonight, "images": [i for i in tonight.get("images") or [] if i.get("image") == image]}
+        sys.stdout.write(htmlpage.render(rows, tonight))
+    elif args.json:
+        common.print_json({"schema": history_mod.SCHEMA, "version": history_mod.VERSION,
+                           "file": str(history_mod.path(ctx)), "nights": len({r["run_id"] for r in rows}),
+                           "rows": rows})
+    else:
+        sys.stdout.write(history_mod.render_table(rows))
+    return EXIT_OK
+
+
 def cmd_report(args) -> int:
     import sys
     from pathlib import Path
@@ -123,6 +196,24 @@ def cmd_report(args) -> int:
     ctx = common.ctx(args)
     root = ctx.root
     rdir = Path(args.report_dir) if args.report_dir else report_mod.default_dir(ctx)
+    args.nights = _history_nights(args.history, args)
+    if args.html and args.nights is None:
+        args.nights = 0  # --html alone: every night in the history
+    if args.nights is not None:
+        if args.summary:
+            from imagebuild.core.errors import UsageError
+
+            raise UsageError("--summary is for one report; --history and --html show the nights")
+        image = None
+        if args.args:
+            if len(args.args) > 1 or not (root / defn_mod.IMAGES_DIR / args.args[0]).is_dir():
+                from imagebuild.core.errors import UsageError
+
+                raise UsageError(f"with --history or --html: expected at most one IMAGE, got {' '.join(args.args)}",
+                                 hint=f"images: {', '.join(defn_mod.list_images(root)) or 'none'}")
+            image = args.args[0]
+            defn_mod.check_image_name(image)
+        return cmd_history(args, ctx, rdir, image)
     if len(args.args) > 2:
         from imagebuild.core.errors import UsageError
 

@@ -170,10 +170,36 @@ def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir:
     doc["seconds"] = round(time.monotonic() - t0, 3)
     stored = report_mod.write(report_dir, doc, keep=opts.keep_reports)
     log.debug("report written: %s (and .json)", stored.md_path)
+    _history(ctx, report_dir, stored)
     if interrupted:
         raise KeyboardInterrupt
     _notify(opts.notify if opts.notify is not None else os.environ.get(NOTIFY_ENV), stored, doc)
     return report_mod.redact(doc), stored
+
+
+def _history(ctx: context_mod.Context, report_dir: Path, stored: report_mod.Stored) -> None:
+    """Add tonight to the history (``<state>/nightly-history.jsonl``, never trimmed) and write the
+    history page beside the Markdown (``<run id>.html``). A failure here is a warning: the report
+    is written and the run's result stands."""
+    from imagebuild.ops import history as history_mod
+    from imagebuild.ops import htmlpage
+
+    try:
+        doc = stored.load()
+        history_mod.append(history_mod.path(ctx), doc)
+        kept = []
+        for s in report_mod.stored(report_dir):
+            try:
+                kept.append(s.load())
+            except ImagebuildError:
+                continue
+        h = history_mod.load(history_mod.path(ctx), kept)
+        page = htmlpage.render(h.rows, doc)
+        from imagebuild.core.fsutil import atomic_write_text
+
+        atomic_write_text(stored.json_path.with_suffix(".html"), page)
+    except (OSError, ImagebuildError) as exc:
+        log.warning("warning: the nightly history was not updated: %s", getattr(exc, "message", exc))
 
 
 # --------------------------------------------------------------------------------------------- refusal
@@ -198,7 +224,7 @@ def _blank(name: str) -> dict:
     return {"image": name, "status": "running", "exit_code": None, "reason": None, "seconds": None,
             "build_id": None, "identity": None, "run_id": None, "steps": {}, "upstream": None, "stages": [],
             "cache": {"hits": 0, "misses": 0}, "gate": None, "promotion": None, "sync": None, "tags": {},
-            "changes": None, "changes_note": None}
+            "changes": None, "changes_note": None, "failure": None, "size": None}
 
 
 def _refused_image(name: str, reason: str) -> dict:
@@ -221,7 +247,11 @@ def _one(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> None:
         res["status"] = STATUS_OF.get(exc.exit_code, "failed")
         res["exit_code"] = exc.exit_code
         res["reason"] = _one_line(exc)
-        log.error("%s: %s", name, exc.render())
+        if res["failure"] is None:
+            res["failure"] = _failure_of_error(exc, res)
+        elif res["failure"].get("reason"):
+            res["reason"] = res["failure"]["reason"]
+        log.error("%s: %s", name, report_mod.redact(exc.render()))  # a step's quoted output may hold a secret
     except Exception as exc:  # a bug must not stop the next image either; the traceback is behind --debug
         log.debug("%s: internal error", name, exc_info=True)
         _fail(res, EXIT_FAILED, f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
@@ -245,6 +275,62 @@ def _one_line(exc: ImagebuildError) -> str:
         text += ": " + "; ".join(p.render().replace("\n    hint:", " (hint:") + (")" if p.hint else "")
                                  for p in exc.problems)
     return text + (f" (hint: {exc.hint})" if exc.hint else "")
+
+
+def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: ImagebuildError) -> dict:
+    """Why the build failed, from the failed stage's own log: the RUN step's exit code (not docker
+    buildx's 1), its command and the last lines of its output (ops/buildlog.py), redacted."""
+    from imagebuild.core import runs as runs_mod
+    from imagebuild.ops import buildlog
+
+    stage = (rec or {}).get("failed_stage")
+    out = {"step": "build", "stage": stage, "exit_code": None, "command": None, "tool_exit_code": None,
+           "log": None, "tail": [], "problems": [], "reason": None}
+    log_path = None
+    if stage and rec and rec.get("run_id"):
+        for r in runs_mod.list_runs(ctx, name):
+            if r.run_id == rec["run_id"]:
+                log_path = r.dir / "logs" / f"{stage}.log"
+                break
+    info = buildlog.explain_file(log_path) if log_path is not None else None
+    if info is None:  # no log of its own (the release or publish step, an engine error): the message's lines
+        out["tail"] = _message_tail(exc)
+        out["reason"] = None
+        return out
+    out.update(exit_code=info["exit_code"], command=info["command"], tool_exit_code=info["tool_exit_code"],
+               log=ctx.show(log_path), tail=info["tail"])
+    what = (f"its step `{info['command']}` exited {info['exit_code']}" if info["exit_code"] is not None
+            else "no step of it reported an exit code" + (f" (docker buildx exited {info['tool_exit_code']})"
+                                                          if info["tool_exit_code"] is not None else ""))
+    out["reason"] = (f"stage {stage!r} of {name} failed: {what}; the last lines of its log are in the report "
+                     f"(full log: {out['log']}; :local and :candidate were not touched)")
+    return out
+
+
+def _message_tail(exc: ImagebuildError) -> list[str]:
+    """The lines after an error's first one (a step's quoted output), cleaned and redacted."""
+    from imagebuild.ops import buildlog
+
+    lines = exc.message.strip().splitlines()[1:]
+    return [buildlog.clean(ln[4:] if ln.startswith("  | ") else ln) for ln in lines][-buildlog.TAIL_LINES:]
+
+
+def _failure_of_error(exc: ImagebuildError, res: dict) -> dict:
+    """The ``failure`` part for an error the chain did not explain itself: which step, the error's
+    own lines (a prefetch's git output, say) and, for a definition error, each problem's place."""
+    step = next((k for k, v in res["steps"].items() if (v or {}).get("status") == "failed"), None)
+    if isinstance(exc, DefinitionError):
+        step = "definition"
+    return {"step": step, "stage": None, "exit_code": None, "command": None, "tool_exit_code": None,
+            "log": None, "tail": _message_tail(exc),
+            "problems": [p.as_dict() for p in exc.problems] if isinstance(exc, DefinitionError) else [],
+            "reason": None}
+
+
+def _exit_words(failure: dict | None) -> str:
+    if not failure or failure.get("exit_code") is None:
+        return ""
+    return f": exit code {failure['exit_code']}"
 
 
 def _fail(res: dict, code: int, reason: str) -> None:
@@ -271,6 +357,7 @@ def _chain(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> Non
     steps = res["steps"]
     if defn.sources or packages.has_packages(defn):
         t = time.monotonic()
+        pins_before = _pin_files(defn)
         try:
             rep = prefetch_mod.prefetch(ctx, [name], refresh=[] if opts.refresh else None)
         except ImagebuildError as exc:
@@ -279,9 +366,11 @@ def _chain(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> Non
                                "notices": []}
             raise
         ir = rep.images[0]
-        steps["prefetch"] = {"status": "updated" if ir.status == "ok" else ir.status,
+        status, what = _prefetch_outcome(defn, ir, pins_before)
+        steps["prefetch"] = {"status": status,
                              "seconds": round(time.monotonic() - t, 3),
-                             "detail": f"{rep.network_operations} network operation(s); build id {ir.build_id or '-'}",
+                             "detail": f"{what}; {rep.network_operations} network operation(s); build id "
+                                       f"{ir.build_id or '-'}",
                              "network_operations": rep.network_operations, "build_id": ir.build_id}
         res["upstream"] = _upstream(defn, ir, opts.refresh)
     else:
@@ -307,8 +396,10 @@ def _chain(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> Non
         rec = _record_since(ctx, name, since)
         _take_record(res, rec)
         failed_stage = (rec or {}).get("failed_stage")
+        res["failure"] = _build_failure(ctx, name, rec, exc)
         steps["build"] = {"status": "failed", "seconds": round(time.monotonic() - t, 3),
-                          "detail": f"stage {failed_stage} failed" if failed_stage else _one_line(exc),
+                          "detail": (f"stage {failed_stage} failed" + _exit_words(res["failure"]))
+                          if failed_stage else _one_line(exc),
                           "run_id": (rec or {}).get("run_id")}
         res["changes_note"] = "the build failed: there is no new image to compare"
         raise
@@ -331,7 +422,10 @@ def _chain(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> Non
                          + ("; GPU checks SKIPPED" if gate.get("gpu_checks_skipped") else "")}
     steps["promote"] = {"status": res["promotion"]["status"], "seconds": None,
                         "detail": res["promotion"]["reason"] or {
-                            "promoted": f"{name}:local moved; the old one is {name}:previous",
+                            "promoted": f"{name}:local moved; the old one is {name}:previous"
+                            if res["promotion"]["previous_id"] or before is not None
+                            else f"{name}:local set (first promotion: there was no :local before, so no "
+                                 f"{name}:previous)",
                             "unchanged": f"{name}:local already held this identity",
                         }.get(res["promotion"]["status"], "")}
 
@@ -349,6 +443,35 @@ def _chain(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> Non
         # 3. sync
         _sync(ctx, name, opts, res)
     res["tags"] = {t: _tag(name, t) for t in (promote_mod.LOCAL, promote_mod.PREVIOUS, promote_mod.CANDIDATE)}
+
+
+def _pin_files(defn) -> dict[str, bytes | None]:
+    """The bytes of the files prefetch may write (versions.env, lock.json), to tell afterwards what it did."""
+    from imagebuild.core import lock as lock_mod
+
+    out: dict[str, bytes | None] = {}
+    for key, p in (("env", defn.dir / "versions.env"), ("lock", lock_mod.lock_path(defn.dir))):
+        try:
+            out[key] = p.read_bytes()
+        except OSError:
+            out[key] = None
+    return out
+
+
+def _prefetch_outcome(defn, ir, before: dict[str, bytes | None]) -> tuple[str, str]:
+    """``pinned`` (the first lock was written), ``updated`` (versions.env or the lock changed) or
+    ``unchanged``, from the files themselves: a definition without git sources whose base image was
+    pinned reports ``unchanged`` from prefetch's git part, but it wrote the lock."""
+    after = _pin_files(defn)
+    pinned = [f"{p['key']}={p['to']}" for p in ir.pinned] + list((ir.packages or {}).get("pinned") or [])
+    words = []
+    if pinned:
+        words.append("pinned " + ", ".join(pinned))
+    if before["lock"] is None and after["lock"] is not None:
+        return "pinned", "; ".join([*words, "wrote the first lock"])
+    if before != after:
+        return "updated", "; ".join(words or ["the lock changed"])
+    return "unchanged", "; ".join(words or ["pins and lock as they were"])
 
 
 def _record_since(ctx: context_mod.Context, name: str, since: str) -> dict | None:
@@ -374,7 +497,7 @@ def _take_record(res: dict, rec: dict | None) -> None:
         if action == "build" and s.get("status") not in ("built", "failed"):
             cache = "not-reached"  # an earlier stage failed
         stages.append({"name": s.get("name"), "action": action, "cache": cache, "status": s.get("status"),
-                       "seconds": s.get("seconds"), "key": s.get("key")})
+                       "seconds": s.get("seconds"), "key": s.get("key"), "log": s.get("log")})
     res["stages"] = stages
     res["cache"] = {"hits": sum(1 for s in stages if s["cache"] == "hit"),
                     "misses": sum(1 for s in stages if s["cache"] == "miss")}
@@ -424,6 +547,7 @@ def _changes(ctx: context_mod.Context, name: str, res: dict, prev_inv: dict | No
     if new_inv.get("identity") != res["identity"]:
         res["changes_note"] = f"{new_ref} is not this run's image any more (another build moved it)"
         return
+    res["size"] = new_inv.get("size") if isinstance(new_inv.get("size"), int) else None
     if prev_inv is None:
         res["changes_note"] = res["changes_note"] or f"no previous {name}:local to compare with (first promotion)"
         return
@@ -451,11 +575,13 @@ def _upstream(defn, ir, refreshed: bool) -> dict:
     from imagebuild.core import lock as lock_mod
     from imagebuild.fetch import gitcache
 
+    lock = lock_mod.read(defn.dir) or {}
+    repos = {src: gitcache.redact(e.get("repo") or "") or None
+             for src, e in (lock.get("sources") or {}).items() if isinstance(e, dict)}
     moved = [{"source": m["source"], "what": f"PR {m['number']}" if "number" in m else str(m.get("ref")),
-              "from": m["from"], "to": m["to"]} for m in ir.moved]
+              "from": m["from"], "to": m["to"], "repo": repos.get(m["source"])} for m in ir.moved]
     out = {"checked": refreshed, "reason": None if refreshed else "run without --refresh: pins kept as they are",
            "moved": moved, "pull_requests": [], "notices": list(ir.notices)}
-    lock = lock_mod.read(defn.dir) or {}
     api = {(s["source"], s["number"]): s for s in ir.pr_states}
     by_repo: dict[str, list[tuple[str, int, str | None]]] = {}
     for src, entry in sorted((lock.get("sources") or {}).items()):
@@ -480,7 +606,8 @@ def _upstream(defn, ir, refreshed: bool) -> dict:
         for src, n, sha in prs:
             item = {"source": src, "number": n, "head": sha, "moved": any(m["source"] == src and m["what"] == f"PR {n}"
                                                                            for m in moved),
-                    "head_ref": None, "merge_ref": None, "state": None, "merged": None, "via": []}
+                    "head_ref": None, "merge_ref": None, "state": None, "merged": None, "via": [],
+                    "repo": repos.get(src)}
             if refs is not None and refreshed:
                 item["via"].append("git ls-remote")
                 item["head_ref"] = "present" if f"refs/pull/{n}/head" in refs else "gone"

@@ -106,7 +106,7 @@ def prune(report_dir: Path, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` reports; returns the removed run ids."""
     removed = []
     for s in stored(report_dir)[max(keep, 1):]:
-        for p in (s.json_path, s.md_path):
+        for p in (s.json_path, s.md_path, s.json_path.with_suffix(".html")):
             try:
                 p.unlink()
             except FileNotFoundError:
@@ -168,9 +168,8 @@ def summary_lines(doc: dict) -> list[str]:
                                                            for m in up["moved"]))
         st = im.get("stages") or []
         if st:
-            c = im.get("cache") or {}
-            lines.append(f"    stages: {c.get('hits', 0)} cached, {c.get('misses', 0)} built"
-                         f" ({', '.join(s['name'] for s in st if s['cache'] == 'miss') or 'none'})")
+            lines.append("    stages: " + stage_counts(st))
+        lines += ["    " + ln for ln in failure_lines(im.get("failure"))]
         g = im.get("gate")
         if g:
             s = g.get("summary") or {}
@@ -191,6 +190,85 @@ def summary_lines(doc: dict) -> list[str]:
     if d.get("gc"):
         lines.append(f"  gc (keep {d['gc']['keep']}): freed {human(d['gc']['freed_bytes'])}")
     return lines
+
+
+def stage_counts(stages: list[dict]) -> str:
+    """``2 cached, 1 built (app), 1 failed (tests), 1 not reached``: a failed stage is never counted as built."""
+    def names(pick) -> list[str]:
+        return [s["name"] for s in stages if pick(s)]
+
+    built = names(lambda s: s.get("status") == "built")
+    failed = names(lambda s: s.get("status") == "failed")
+    cached = names(lambda s: s.get("cache") == "hit")
+    reached = names(lambda s: s.get("cache") == "not-reached")
+    text = f"{len(cached)} cached, {len(built)} built ({', '.join(built) or 'none'})"
+    if failed:
+        text += f", {len(failed)} failed ({', '.join(failed)})"
+    if reached:
+        text += f", {len(reached)} not reached"
+    return text
+
+
+def failure_lines(f: dict | None) -> list[str]:
+    """What failed, the failing step's own exit code and the last lines of its log (for the summary)."""
+    if not f:
+        return []
+    out = []
+    if f.get("stage"):
+        head = f"failed stage {f['stage']}"
+        if f.get("exit_code") is not None:
+            head += f": exit code {f['exit_code']}" + (f" (`{f['command']}`)" if f.get("command") else "")
+        if f.get("tool_exit_code") is not None:
+            head += f"; docker buildx exited {f['tool_exit_code']}"
+        out.append(head + (f"; log {f['log']}" if f.get("log") else ""))
+    for p in f.get("problems") or []:
+        loc = p["file"] + (f":{p['line']}" if p.get("line") else "") + (f": {p['key']}" if p.get("key") else "")
+        out.append(f"problem: {loc}: {p['message']}")
+    if f.get("tail"):
+        out.append("last lines of its log:" if f.get("log") else "its output:")
+        out += ["  | " + ln for ln in f["tail"]]
+    return out
+
+
+def _fence(lines: list[str]) -> str:
+    longest = max((len(run) for ln in lines for run in _backtick_runs(ln)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def _backtick_runs(line: str) -> list[str]:
+    runs, cur = [], ""
+    for c in line:
+        if c == "`":
+            cur += c
+        elif cur:
+            runs.append(cur)
+            cur = ""
+    return runs + ([cur] if cur else [])
+
+
+def _failure_md(f: dict) -> list[str]:
+    L = ["### Failure", ""]
+    if f.get("stage"):
+        text = f"Stage `{f['stage']}`"
+        if f.get("exit_code") is not None:
+            text += (f": the step `{f['command']}`" if f.get("command") else ": its step") + \
+                f" exited with **exit code {f['exit_code']}**"
+        else:
+            text += ": no step reported an exit code"
+        if f.get("tool_exit_code") is not None:
+            text += f" (docker buildx itself exited {f['tool_exit_code']})"
+        L += [text + "." + (f" Full log: `{f['log']}`." if f.get("log") else ""), ""]
+    elif f.get("step"):
+        L += [f"The {f['step']} step failed.", ""]
+    for p in f.get("problems") or []:
+        loc = p["file"] + (f":{p['line']}" if p.get("line") else "")
+        L.append(f"- `{loc}`" + (f" `{p['key']}`" if p.get("key") else "") + f": {p['message']}")
+    if f.get("problems"):
+        L.append("")
+    if f.get("tail"):
+        fence = _fence(f["tail"])
+        L += ["Last lines of its log:" if f.get("log") else "Its output:", "", fence + "text", *f["tail"], fence, ""]
+    return L
 
 
 def render_markdown(doc: dict) -> str:
@@ -234,6 +312,8 @@ def _image_md(im: dict) -> list[str]:
     L = [f"## {im['image']}: {im['status']}", ""]
     if im.get("reason"):
         L += [f"**Why:** {im['reason']}", ""]
+    if im.get("failure"):
+        L += _failure_md(im["failure"])
     L.append(f"Build id {im.get('build_id') or '-'}; identity {im.get('identity') or '-'}; {_secs(im.get('seconds'))}.")
     L.append("")
     steps = im.get("steps") or {}

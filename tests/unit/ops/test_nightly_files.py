@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[3]
 WF = ROOT / ".github" / "workflows"
 
 
-def load(name: str) -> dict:
-    doc = yaml.safe_load((WF / name).read_text())
+FORGEJO = ROOT / ".forgejo" / "workflows"
+
+
+def load(name: str, folder: Path = WF) -> dict:
+    doc = yaml.safe_load((folder / name).read_text())
     assert isinstance(doc, dict)
     doc["on"] = doc.pop(True, doc.get("on"))  # YAML 1.1 reads the key `on` as true
     return doc
@@ -55,11 +58,31 @@ def test_nightly_workflow_triggers_concurrency_artifact_and_failure():
     assert "--report-dir" in nightly and "--refresh" in nightly
     step = next(s for s in job["steps"] if "imagebuild nightly" in s.get("run", ""))
     assert "continue-on-error" not in step and "|| true" not in nightly  # a failed night fails the job
-    up = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@"))
-    assert up["if"] == "always()" and up["with"]["path"]
+    ups = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
+    assert ups and all(u["if"].startswith("always()") and u["with"]["path"] for u in ups)
     assert any("GITHUB_STEP_SUMMARY" in r for r in runs)
     assert job["env"]["GITHUB_TOKEN"] == "${{ secrets.GITHUB_TOKEN }}"
     assert wf["permissions"] == {"contents": "read"}
+
+
+@pytest.mark.parametrize("folder", [WF, FORGEJO], ids=["github", "forgejo"])
+def test_nightly_workflow_reads_tonights_report_and_uploads_the_failed_logs(folder):
+    """One report folder per run, whose paths imagebuild hands over ($GITHUB_OUTPUT, cli/actions.py):
+    the summary shows tonight's report or says there is none (never the newest file of an old folder);
+    the failed stages' logs and the history page are uploaded."""
+    wf = load("nightly.yml", folder)
+    (job,) = wf["jobs"].values()
+    step = next(s for s in job["steps"] if "imagebuild nightly" in s.get("run", ""))
+    assert step["id"] == "nightly" and "$GITHUB_RUN_ID" in step["run"] and '--report-dir "$report_dir"' in step["run"]
+    assert "REPORT_DIR" not in job["env"]  # no folder shared between runs
+    text = (folder / "nightly.yml").read_text()
+    assert "ls -1" not in text and "tail -n 1" not in text  # nothing picks "the newest report"
+    summary = next(s for s in job["steps"] if "REPORT_MD" in s.get("run", ""))
+    assert summary["env"]["REPORT_MD"] == "${{ steps.nightly.outputs.report_md }}" and summary["if"] == "always()"
+    paths = {u["with"]["path"] for u in job["steps"] if str(u.get("uses", "")).startswith("actions/upload-artifact@")}
+    assert paths == {"${{ steps.nightly.outputs.report_dir }}", "${{ steps.nightly.outputs.failed_logs }}",
+                     "${{ steps.nightly.outputs.report_html }}"}
+    assert load("nightly.yml", WF)["on"] == wf["on"]  # the same nights on both forges
 
 
 def test_ci_workflow_runs_the_readme_test_command_on_push():
@@ -80,7 +103,8 @@ def test_workflows_pass_actionlint():
     if exe is None:
         pytest.skip("actionlint is not installed here (the test extras install it on x86_64 Linux only)")
     r = subprocess.run([exe, "-config-file", str(ROOT / ".github" / "actionlint.yaml"),
-                        *sorted(str(p) for p in WF.glob("*.yml"))], capture_output=True, text=True, cwd=ROOT)
+                        *sorted(str(p) for p in [*WF.glob("*.yml"), *FORGEJO.glob("*.yml")])],
+                       capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

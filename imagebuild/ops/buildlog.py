@@ -1,0 +1,87 @@
+"""What a failed stage's build log says, for the nightly report (docs/nightly.md, "When the
+nightly fails"): the failing step's own exit code (BuildKit's ``process "/bin/sh -c ..." did not
+complete successfully: exit code: N``; docker buildx itself only exits 1), its command, and the
+last lines of that step's output, stripped of colour and redacted.
+
+Read-only: it reads the log a build wrote (``<state>/builds/<image>/<run id>/logs/<stage>.log``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from imagebuild.fetch.gitcache import redact as redact_url
+from imagebuild.ops import report as report_mod
+
+TAIL_LINES = 20
+MAX_LINE = 400  # characters kept of one log line
+READ_BYTES = 4 << 20  # a stage log can be hundreds of MB: only its end is read
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+# the command is quoted with backslash escapes; in a JSON progress stream the quotes are escaped too
+_STEP_EXIT = re.compile(r'process \\?"((?:[^"\\]|\\.)*?)\\?" did not complete successfully: exit code: (\d+)')
+_TOOL_EXIT = re.compile(r"docker buildx build exit(?:ed)? (\d+)")
+_VERTEX = re.compile(r"^#(\d+) ")
+_ERROR_LINE = re.compile(r"^#(\d+) ERROR: ")
+
+
+def clean(line: str) -> str:
+    """One log line as a report shows it: no colour codes or control characters, no secret (the
+    report's redaction and any ``user:password@`` of a URL), at most MAX_LINE characters."""
+    text = _ANSI.sub("", line).replace("\r", "")
+    text = "".join(c if c.isprintable() or c == "\t" else "?" for c in text)
+    text = redact_url(report_mod.redact(text))
+    return text if len(text) <= MAX_LINE else text[:MAX_LINE - 3] + "..."
+
+
+def read_end(path: Path) -> str | None:
+    """The last READ_BYTES of ``path`` as text; None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(size - READ_BYTES, 0))
+            data = f.read()
+    except OSError:
+        return None
+    text = data.decode("utf-8", "replace")
+    if size > READ_BYTES:  # the first line is cut: drop it
+        text = text.split("\n", 1)[-1]
+    return text
+
+
+def explain(text: str, n: int = TAIL_LINES) -> dict:
+    """``{exit_code, command, tool_exit_code, tail}`` of a build log's text.
+
+    ``exit_code`` and ``command``: the failing RUN step's (the last BuildKit ``did not complete
+    successfully`` line), None when the log has none (the engine failed, a base image was missing).
+    ``tool_exit_code``: docker buildx's own (imagebuild writes it as the log's last line).
+    ``tail``: the failing step's last ``n`` lines (its header, output and error line), or the
+    log's last ``n`` lines when no step is named as failing."""
+    lines = [ln for ln in (_ANSI.sub("", x).rstrip() for x in text.splitlines())]
+    exit_code = command = tool = None
+    for m in _STEP_EXIT.finditer(text):
+        command = m.group(1).replace('\\"', '"').replace("\\\\", "\\")
+        exit_code = int(m.group(2))
+    for m in _TOOL_EXIT.finditer(text):
+        tool = int(m.group(1))
+    vertex = None
+    for ln in lines:
+        m = _ERROR_LINE.match(ln)
+        if m:
+            vertex = m.group(1)
+    if vertex is not None:
+        own = [ln for ln in lines if (m := _VERTEX.match(ln)) and m.group(1) == vertex]
+        tail = own[-n:]
+        if own and own[0] not in tail:  # keep the step's header (which RUN it was) first
+            tail = [own[0], *own[-(n - 1):]]
+    else:
+        tail = [ln for ln in lines if ln.strip()][-n:]
+    return {"exit_code": exit_code, "command": clean(command) if command is not None else None,
+            "tool_exit_code": tool, "tail": [clean(ln) for ln in tail]}
+
+
+def explain_file(path: Path, n: int = TAIL_LINES) -> dict | None:
+    text = read_end(path)
+    return None if text is None else explain(text, n)

@@ -1,0 +1,224 @@
+"""The nightly history: one compact line per image per night, kept for good (docs/nightly.md,
+"History").
+
+    <state>/nightly-history.jsonl      schema imagebuild.nightly-history, version 1, one JSON per line
+
+Each night's report (report.py) is kept only ``--keep-reports`` nights; its history lines stay:
+neither the reports' retention nor ``imagebuild gc`` removes this file. A line holds what the
+history table and the HTML page chart: each stage's time and cache result, the image size, the
+cache hit rate, the gate's result, what moved upstream, and the failing stage's exit code.
+
+The file is rewritten whole for each night (a temporary file and a rename, core/fsutil.py): a
+reader sees the lines before the night or after it, never half a line; a night's lines are added
+once (by run id). Lines that cannot be read (a foreign edit) are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imagebuild.core import context as context_mod
+from imagebuild.core.fsutil import atomic_write_bytes
+from imagebuild.ops.imagediff import human
+
+SCHEMA = "imagebuild.nightly-history"
+VERSION = 1
+FILE = "nightly-history.jsonl"
+DEFAULT_NIGHTS = 30
+
+
+def path(ctx: context_mod.Context | Path) -> Path:
+    return context_mod.of(ctx).state / FILE
+
+
+def hit_rate(hits: int, misses: int) -> float | None:
+    return round(hits / (hits + misses), 4) if hits + misses else None
+
+
+def rows_of(doc: dict) -> list[dict]:
+    """The history lines of one nightly report: one per image."""
+    out = []
+    for im in doc.get("images") or []:
+        c = im.get("cache") or {}
+        g = im.get("gate")
+        s = (g or {}).get("summary") or {}
+        up = im.get("upstream") or {}
+        f = im.get("failure")
+        out.append({
+            "schema": SCHEMA, "version": VERSION, "run_id": doc["run_id"], "started": doc.get("started"),
+            "image": im["image"], "status": im.get("status"), "exit_code": im.get("exit_code"),
+            "seconds": im.get("seconds"), "build_id": im.get("build_id"), "identity": im.get("identity"),
+            "size": im.get("size") if im.get("size") is not None else ((im.get("changes") or {}).get("to") or {}).get("size"),
+            "steps": {k: (v or {}).get("seconds") for k, v in (im.get("steps") or {}).items()},
+            "stages": [{"name": st.get("name"), "cache": st.get("cache"), "status": st.get("status"),
+                        "seconds": st.get("seconds")} for st in im.get("stages") or []],
+            "cache": {"hits": c.get("hits", 0), "misses": c.get("misses", 0),
+                      "rate": hit_rate(c.get("hits", 0), c.get("misses", 0))},
+            "gate": None if not g else {"result": g.get("result"), "ran": bool(g.get("ran")),
+                                        "passed": s.get("passed", 0), "failed": s.get("failed", 0),
+                                        "skipped": s.get("skipped", 0),
+                                        "gpu_checks_skipped": bool(g.get("gpu_checks_skipped"))},
+            "promotion": (im.get("promotion") or {}).get("status"),
+            "sync": (im.get("sync") or {}).get("status"),
+            "moved": [{k: m.get(k) for k in ("source", "what", "from", "to", "repo")} for m in up.get("moved") or []],
+            "pull_requests": [{k: p.get(k) for k in ("source", "number", "head", "state", "merged", "repo")}
+                              for p in up.get("pull_requests") or []],
+            "failure": None if not f else {"step": f.get("step"), "stage": f.get("stage"),
+                                           "exit_code": f.get("exit_code"), "command": f.get("command")},
+        })
+    return out
+
+
+@dataclass
+class History:
+    rows: list[dict] = field(default_factory=list)  # oldest first
+    skipped: int = 0  # lines that could not be read
+
+    def images(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for r in self.rows:
+            seen.setdefault(r["image"], None)
+        return list(seen)
+
+    def of(self, image: str, last: int | None = None) -> list[dict]:
+        rows = [r for r in self.rows if r["image"] == image]
+        return rows[-last:] if last else rows
+
+
+def read(file: Path) -> History:
+    h = History()
+    try:
+        data = Path(file).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return h
+    except OSError:
+        h.skipped += 1
+        return h
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            h.skipped += 1
+            continue
+        if isinstance(row, dict) and row.get("schema") == SCHEMA and isinstance(row.get("image"), str) \
+                and isinstance(row.get("run_id"), str):
+            h.rows.append(row)
+        else:
+            h.skipped += 1
+    h.rows.sort(key=lambda r: r["run_id"])
+    return h
+
+
+def append(file: Path, doc: dict) -> int:
+    """Add ``doc``'s lines (once per run id and image); returns how many were added."""
+    file = Path(file)
+    try:
+        old = file.read_bytes()
+    except FileNotFoundError:
+        old = b""
+    have = {(r["run_id"], r["image"]) for r in read(file).rows} if old else set()
+    new = [r for r in rows_of(doc) if (r["run_id"], r["image"]) not in have]
+    if not new:
+        return 0
+    if old and not old.endswith(b"\n"):
+        old += b"\n"
+    text = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in new)
+    atomic_write_bytes(file, old + text.encode("utf-8"))
+    return len(new)
+
+
+def load(file: Path, reports: list[dict] = ()) -> History:
+    """The history file, plus the nights of kept ``reports`` it lacks (reports written before it existed)."""
+    h = read(file)
+    have = {(r["run_id"], r["image"]) for r in h.rows}
+    for doc in reports:
+        h.rows += [r for r in rows_of(doc) if (r["run_id"], r["image"]) not in have]
+    h.rows.sort(key=lambda r: r["run_id"])
+    return h
+
+
+def last_nights(h: History, n: int | None, image: str | None = None) -> list[dict]:
+    """The rows of the last ``n`` nights (by run id), of ``image`` or of every image."""
+    rows = [r for r in h.rows if image is None or r["image"] == image]
+    if n:
+        runs = sorted({r["run_id"] for r in rows})[-n:]
+        rows = [r for r in rows if r["run_id"] in set(runs)]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+
+def secs(v) -> str:
+    if v is None:
+        return "-"
+    v = float(v)
+    if v < 60:
+        return f"{v:.1f}s"
+    if v < 3600:
+        return f"{int(v) // 60}m{int(v) % 60:02d}s"
+    return f"{int(v) // 3600}h{int(v) % 3600 // 60:02d}m"
+
+
+def stage_cell(st: dict | None) -> str:
+    if not st:
+        return ""
+    if st.get("status") == "failed":
+        return "FAILED"
+    if st.get("cache") == "hit":
+        return "hit"
+    if st.get("cache") == "not-reached":
+        return "-"
+    return secs(st.get("seconds"))
+
+
+def gate_cell(g: dict | None) -> str:
+    if not g:
+        return "-"
+    text = {"passed": "PASS", "failed": "FAIL"}.get(g.get("result"), str(g.get("result") or "?"))
+    return text + ("*" if g.get("gpu_checks_skipped") else "")
+
+
+def moved_cell(r: dict) -> str:
+    return ", ".join(f"{m['source']} {m['what']} {str(m['from'])[:7]}->{str(m['to'])[:7]}" for m in r.get("moved") or [])
+
+
+def stage_names(rows: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in rows:
+        for st in r.get("stages") or []:
+            seen.setdefault(st["name"], None)
+    return list(seen)
+
+
+def render_table(rows: list[dict]) -> str:
+    """One table per image, one line per night, oldest first."""
+    out = []
+    for image in dict.fromkeys(r["image"] for r in rows):
+        mine = [r for r in rows if r["image"] == image]
+        names = stage_names(mine)
+        head = ["NIGHT", "STATUS", "TIME", *names, "SIZE", "HITS", "GATE", "MOVED UPSTREAM"]
+        body = []
+        for r in mine:
+            by = {st["name"]: st for st in r.get("stages") or []}
+            rate = (r.get("cache") or {}).get("rate")
+            status = str(r.get("status"))
+            f = r.get("failure") or {}
+            if f.get("exit_code") is not None:
+                status += f" (exit {f['exit_code']})"
+            body.append([r["run_id"][:15].replace("T", " "), status, secs(r.get("seconds")),
+                         *[stage_cell(by.get(n)) for n in names], human(r.get("size")) if r.get("size") else "-",
+                         "-" if rate is None else f"{round(rate * 100)}%", gate_cell(r.get("gate")),
+                         moved_cell(r) or "-"])
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
+        out.append(f"{image}: {len(mine)} night(s)")
+        for line in [head, *body]:
+            out.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+        if any((r.get("gate") or {}).get("gpu_checks_skipped") for r in mine):
+            out.append("  * GPU checks skipped (they did not run)")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n" if out else "no nights in the history\n"
