@@ -559,7 +559,6 @@ class _PeerSync:
                 res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity}"
             return
         self._preflight_tools(st)
-        self._check_receipt_there()
         old_id = (st.target or {}).get("Id")
         self._check_serving(st, old_id)
         need = self._needed_layers(st)
@@ -568,6 +567,7 @@ class _PeerSync:
         res.layers_sent = len(need)
         res.details = {"layers_needed": [la.digest for la in need], "bytes_needed": sum(la.size for la in need),
                        "bytes_resumed": resumed, "store": st.store, "engine": st.server_version}
+        self._check_receipt_there()
         self._check_disk(st, need, to_send)
         plan = (f"{len(need)} of {len(img.layers)} layers missing on the {st.store}-store peer (Docker "
                 f"{st.server_version}): {human(to_send)} to send" + (f" ({human(resumed)} already there from an "
