@@ -269,9 +269,9 @@ prefetch environment:
                     help="fail, rather than skip, checks marked `requires: gpu` when this host has no GPU")
     sp.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report to FILE")
     sp.add_argument("--check-receipt", action="store_true",
-                    help="run nothing: say whether the image (with IMAGE: IMAGE:local unless --ref) has a passing "
-                    "receipt of the definition's current gate spec, here or carried by imagebuild sync "
-                    "(exit 0 passed, 4 not)")
+                    help="run nothing: say whether the image (with IMAGE: IMAGE:local unless --ref) has a trusted "
+                    "passing receipt of the definition's current gate spec, here or carried by imagebuild sync, "
+                    "signed by a key of the allowed-signers file when one is configured (exit 0 passed, 4 not)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
                     "version 1)")
     sp.set_defaults(func=cmd_gate)

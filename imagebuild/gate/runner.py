@@ -510,4 +510,7 @@ def render_table(receipt: receipts.Receipt, root: Path | None = None) -> str:
         lines.append("ad-hoc spec: this receipt never authorizes a promotion (only the definition's own gate "
                      "spec does)")
     lines.append(f"receipt {_shown(receipt.path)}")
+    sig = Path(str(receipt.path) + signing.SIG_SUFFIX)
+    if sig.is_file():
+        lines.append(f"signed  {_shown(sig)} (ssh-keygen -Y, namespace {signing.NAMESPACE})")
     return "\n".join(lines)
