@@ -120,12 +120,14 @@ def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str |
     definition's current gate spec (``spec_digest``) exists for exactly its identity; the old
     ``:local`` becomes ``:previous``. When ``:local`` already holds that identity nothing moves,
     so ``:previous`` keeps the real previous image."""
+    from imagebuild.definition import gatespec
     from imagebuild.gate import receipts
 
     candidate = candidate or ref(image, CANDIDATE)
     spec_path = current_spec(ctx, image)
-    spec_digest = spec_digest or current_spec_digest(ctx, image)
-    if spec_path is not None and spec_digest != current_spec_digest(ctx, image):
+    current = gatespec.digest(spec_path) if spec_path is not None else None
+    spec_digest = spec_digest or current
+    if spec_digest != current:
         spec_path = None  # a receipt of another spec than today's was asked for: its checks are unknown here
     if spec_digest is None:
         raise GateFailed(f"{image} has no gate spec: nothing can authorize a promotion of {candidate}",

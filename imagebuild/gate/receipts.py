@@ -115,10 +115,16 @@ def write(ctx, data: dict, *, key: Path | None = None) -> Receipt:
     path = receipt_path(ctx, data["identity"]["digest"], data["spec"]["sha256"])
     raw = encode(data)
     sig_path = Path(str(path) + signing.SIG_SUFFIX)
-    if key is not None:
-        atomic_write_bytes(sig_path, signing.sign(raw, key).encode("ascii"))
-    else:
+    try:
+        if key is not None:
+            atomic_write_bytes(sig_path, signing.sign(raw, key).encode("ascii"))
+        else:
+            sig_path.unlink(missing_ok=True)
+    except BaseException:
+        # the run's result is still written (a failure after a pass withdraws the pass), unsigned
         sig_path.unlink(missing_ok=True)
+        atomic_write_bytes(path, raw)
+        raise
     atomic_write_bytes(path, raw)
     return Receipt(data, path)
 

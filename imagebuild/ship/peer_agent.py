@@ -203,11 +203,16 @@ ib_receipt_ok() {  # $1 receipt file, $2 its signature file (either may be absen
   IB_RECEIPT_ERR="$IB_RECEIPT_ERR, and its signature does not verify (an unknown signer, or the receipt was changed after it was signed)"
   return 1
 }
-ib_receipt_check() {  # $1 receipt path under $CACHE (and $1.sig): would this peer accept it? (then removed)
+ib_receipt_check() {  # read only: would this peer accept the receipt in $IB_RECEIPT_B64 (signature: $IB_SIG_B64)?
   ib_sect receipt-check
+  ib_signers
+  if [ -z "$IB_SIGNERS" ]; then echo not-required; ib_sect end; return 0; fi
+  t=$(mktemp -d "${TMPDIR:-/tmp}/imagebuild-receipt.XXXXXX") || ib_fail io "cannot create a temporary folder"
+  [ -n "${IB_RECEIPT_B64:-}" ] && printf '%s\n' "$IB_RECEIPT_B64" | base64 -d > "$t/r"
+  [ -n "${IB_SIG_B64:-}" ] && printf '%s\n' "$IB_SIG_B64" | base64 -d > "$t/r.sig"
   ok=yes
-  ib_receipt_ok "$CACHE/$1" "$CACHE/$1.sig" || ok=no
-  rm -f "$CACHE/$1" "$CACHE/$1.sig"
+  ib_receipt_ok "$t/r" "$t/r.sig" || ok=no
+  rm -rf "$t"
   [ $ok = yes ] || ib_fail refused "$IB_RECEIPT_ERR"
   ib_sect end
 }
@@ -448,6 +453,17 @@ def heredoc_bytes(path: str, data: bytes) -> str:
     tag = "IBEOF_" + uuid.uuid4().hex
     b64 = base64.encodebytes(data).decode()
     return f"ib_put_b64 {shlex.quote(path)} <<'{tag}'\n{b64}{tag}\n"
+
+
+def shell_var(name: str, data: bytes | None) -> str:
+    """A step line that sets the shell variable ``name`` to ``data`` in base64 (empty for None): data a
+    read-only step needs, without writing a file."""
+    import base64
+
+    if not data:
+        return f"{name}=\n"
+    tag = "IBEOF_" + uuid.uuid4().hex
+    return f"{name}=$(cat <<'{tag}'\n{base64.encodebytes(data).decode()}{tag}\n)\n"
 
 
 def call(step: str, *args: str) -> str:

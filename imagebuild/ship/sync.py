@@ -705,9 +705,12 @@ class _PeerSync:
         receipt's signature (peer_agent ``ib_receipt_ok``); a refusal is exit 3."""
         if self.s.dry_run:
             return
-        base = f"tmp/{self.run_id}.check.receipt"
-        r = self.conn.agent("ib_lock\n", *self._receipt_lines(base),
-                            peer_agent.call("ib_receipt_check", base), timeout=120, what="checking the receipt")
+        s = self.s
+        raw = (s.receipt_raw if s.receipt_raw is not None else
+               json.dumps(s.receipt, indent=2, sort_keys=True).encode()) if s.receipt else None
+        r = self.conn.agent(peer_agent.shell_var("IB_RECEIPT_B64", raw),
+                            peer_agent.shell_var("IB_SIG_B64", s.receipt_sig.encode() if s.receipt_sig else None),
+                            peer_agent.call("ib_receipt_check"), timeout=120, what="checking the receipt")
         self._signer(r)
 
     def _carry_receipt_only(self) -> None:
