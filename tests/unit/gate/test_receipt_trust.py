@@ -246,3 +246,23 @@ def test_where_the_key_and_the_allowed_signers_come_from(tmp_path, monkeypatch):
         config.load(proj)
     assert "imagebuild.yaml:2: receipts.signing_keys: unknown key" in exc.value.render()
     assert "did you mean 'signing_key'?" in exc.value.render()
+
+
+def test_a_signing_failure_still_withdraws_an_earlier_pass(setup):
+    """The run's result is written (unsigned) even when signing fails, so a failure after a pass is never
+    hidden behind the old, signed pass."""
+    from imagebuild.core.errors import OperationFailed
+
+    root, spec, sd = setup
+    builder = _key(root / "builder")
+    a = identity.from_inspect(_inspect("a"))
+    receipts.write(root, _doc(a, sd, PASSING), key=builder)
+    path = receipts.receipt_path(root, a.digest, sd)
+    assert Path(str(path) + ".sig").is_file()
+    not_a_key = root / "not-a-key"
+    not_a_key.write_text("hello\n")
+    with pytest.raises(OperationFailed):
+        receipts.write(root, _doc(a, sd, FAILING), key=not_a_key)
+    assert json.loads(path.read_text())["result"] == "failed"
+    assert not Path(str(path) + ".sig").exists()
+    assert not _verdict(root, a, spec, sd).trusted
