@@ -16,7 +16,8 @@
 #                        reaches (an ssh -R tunnel on the peer's loopback) and not the host's loopback
 #
 # After `up`, `$IMAGEBUILD_SSH root@$ADDR docker info` talks to the peer's engine. The ssh session
-# also gets IMAGEBUILD_PEER_CACHE=DIR/cache (or DIR/disk/cache): the peer's sync cache, private to it.
+# also gets IMAGEBUILD_PEER_CACHE=DIR/cache (or DIR/disk/cache): the peer's sync cache, private to it,
+# and XDG_CONFIG_HOME=DIR/config (where a test puts the peer's imagebuild/allowed_signers).
 # Names and addresses (override with env): PEER_NS=ibpeer1 PEER_ADDR=10.77.0.2 HOST_ADDR=10.77.0.1
 # PEER_VETH=ibveth0 PEER_BRIDGE=ibpeerbr0 (PEER_BRIDGE_CIDR=172.29.0.1/24) -- only addresses of the
 # project's own test hosts. PEER_DOCKERD picks the engine binary (default: `dockerd` on PATH).
@@ -138,7 +139,7 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
-SetEnv DOCKER_HOST=unix://$DIR/docker.sock IMAGEBUILD_PEER_CACHE=$cache
+SetEnv DOCKER_HOST=unix://$DIR/docker.sock IMAGEBUILD_PEER_CACHE=$cache XDG_CONFIG_HOME=$DIR/config
 CFG
   if [ $nodocker = 1 ]; then
     sed -i "s|^SetEnv .*|& PATH=$(nodocker_path)|" "$DIR/sshd_config"

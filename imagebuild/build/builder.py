@@ -1081,7 +1081,7 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
     cand = promote_mod.ref(name, promote_mod.CANDIDATE)
     gated = False
     try:
-        if receipts.find_passing(b.ctx, release["identity"], spec_digest):
+        if receipts.find_passing(b.ctx, release["identity"], spec_digest, spec=b.defn.gate):
             log.info("gate: identity %s already passed this gate spec (%s): not gating again",
                      release["identity"], spec_digest[:19])
         else:

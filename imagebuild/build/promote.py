@@ -84,17 +84,28 @@ class Promotion:
                             "result": self.receipt.get("result")}}
 
 
-def current_spec_digest(ctx, image: str) -> str | None:
-    """The digest of the definition's gate spec now (None: no definition or no spec)."""
+def current_spec(ctx, image: str):
+    """The definition's gate spec file now (None: no definition or no spec)."""
     from imagebuild.core.context import of
-    from imagebuild.definition import gatespec
     from imagebuild.definition import reader as defn_mod
 
     root = of(ctx).root
     if not (root / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
         return None
-    dfn = defn_mod.load(root, image)
-    return gatespec.digest(dfn.gate) if dfn.gate is not None else None
+    return defn_mod.load(root, image).gate
+
+
+def current_spec_digest(ctx, image: str) -> str | None:
+    """The digest of the definition's gate spec now (None: no definition or no spec)."""
+    from imagebuild.definition import gatespec
+
+    path = current_spec(ctx, image)
+    return gatespec.digest(path) if path is not None else None
+
+
+def untrusted_note(verdict) -> str:
+    """`` (the receipt PATH is not trusted: WHY)`` for a receipt that is there but not believed."""
+    return f"; the receipt {verdict.path} is not trusted: {verdict.reason}" if verdict.untrusted else ""
 
 
 def _identity_or_none(reference: str) -> identity_mod.ImageIdentity | None:
@@ -109,18 +120,25 @@ def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str |
     definition's current gate spec (``spec_digest``) exists for exactly its identity; the old
     ``:local`` becomes ``:previous``. When ``:local`` already holds that identity nothing moves,
     so ``:previous`` keeps the real previous image."""
+    from imagebuild.definition import gatespec
     from imagebuild.gate import receipts
 
     candidate = candidate or ref(image, CANDIDATE)
-    spec_digest = spec_digest or current_spec_digest(ctx, image)
+    spec_path = current_spec(ctx, image)
+    current = gatespec.digest(spec_path) if spec_path is not None else None
+    spec_digest = spec_digest or current
+    if spec_digest != current:
+        spec_path = None  # a receipt of another spec than today's was asked for: its checks are unknown here
     if spec_digest is None:
         raise GateFailed(f"{image} has no gate spec: nothing can authorize a promotion of {candidate}",
                          hint="add a gate spec (docs/gate.md)")
+    # the identity is computed from the candidate itself: the receipt must re-hash to it
     ident = identity_mod.inspect(candidate)
-    receipt = receipts.find_passing(ctx, ident.digest, spec_digest)
+    verdict = receipts.check(ctx, ident.digest, spec_digest, spec=spec_path)
+    receipt = verdict.data
     if not receipt:
-        raise GateFailed(f"{candidate} ({ident.digest}) has no passing receipt of {image}'s current gate spec "
-                         f"({spec_digest[:19]}): :local stays where it is",
+        raise GateFailed(f"{candidate} ({ident.digest}) has no trusted passing receipt of {image}'s current gate "
+                         f"spec ({spec_digest[:19]}){untrusted_note(verdict)}: :local stays where it is",
                          hint=f"imagebuild gate {image} (the receipt is tied to this exact image identity and spec; "
                          "runs with another --spec are ad hoc and never count)")
     # the id from the very inspect the receipt was checked against: if :candidate moves meanwhile,
@@ -154,7 +172,8 @@ def rollback(image: str, ctx=None) -> dict:
     if ctx is not None:
         spec = current_spec_digest(ctx, image)
         prev = _identity_or_none(prev_id)
-        if spec is not None and prev is not None and not receipts.find_passing(ctx, prev.digest, spec):
+        if spec is not None and prev is not None and \
+                not receipts.find_passing(ctx, prev.digest, spec, spec=current_spec(ctx, image)):
             warning = (f"{image}:previous ({prev.digest}) has no passing receipt of the current gate spec "
                        f"({spec[:19]}): it passed an older gate or none; rolling back anyway "
                        f"(imagebuild gate {image} --ref {image}:local checks it)")

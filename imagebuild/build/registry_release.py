@@ -132,7 +132,7 @@ def rollback(reg: reg_mod.Registry, image: str, ctx=None) -> dict:
     ident = _identity_at(reg, reg.at(image, prev), f"reading {image}:previous")
     if ctx is not None:
         spec = promote_mod.current_spec_digest(ctx, image)
-        if spec is not None and not receipts.find_passing(ctx, ident, spec):
+        if spec is not None and not receipts.find_passing(ctx, ident, spec, spec=promote_mod.current_spec(ctx, image)):
             warning = (f"registry {reg}: {image}:previous ({ident}) has no passing receipt here of the current gate "
                        f"spec ({spec[:19]}); rolling back anyway")
             log.warning("warning: %s", warning)

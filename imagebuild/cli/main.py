@@ -269,9 +269,9 @@ prefetch environment:
                     help="fail, rather than skip, checks marked `requires: gpu` when this host has no GPU")
     sp.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report to FILE")
     sp.add_argument("--check-receipt", action="store_true",
-                    help="run nothing: say whether the image (with IMAGE: IMAGE:local unless --ref) has a passing "
-                    "receipt of the definition's current gate spec, here or carried by imagebuild sync "
-                    "(exit 0 passed, 4 not)")
+                    help="run nothing: say whether the image (with IMAGE: IMAGE:local unless --ref) has a trusted "
+                    "passing receipt of the definition's current gate spec, here or carried by imagebuild sync, "
+                    "signed by a key of the allowed-signers file when one is configured (exit 0 passed, 4 not)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
                     "version 1)")
     sp.set_defaults(func=cmd_gate)
@@ -762,7 +762,7 @@ def _check_receipt(args) -> int:
     from imagebuild.core import identity as identity_mod
     from imagebuild.core.errors import GateFailed
     from imagebuild.definition import gatespec
-    from imagebuild.gate import receipts
+    from imagebuild.gate import receipts, signing
 
     ctx = common.ctx_or_none(args)
     root = ctx.root if ctx is not None else None
@@ -778,32 +778,40 @@ def _check_receipt(args) -> int:
             raise UsageError("--ref only goes with an IMAGE (a definition name)")
         image, ref = None, args.target
         spec = gatespec.digest(Path(args.spec)) if args.spec else None
-    ident = identity_mod.inspect(ref)
-    found, where = None, None
+    ident = identity_mod.inspect(ref)  # the identity of the image here: a receipt must re-hash to it
+    spec_file = Path(args.spec) if args.spec else (promote_mod.current_spec(ctx, image) if is_defn else None)
+    allowed = signing.allowed_signers(ctx.config if ctx is not None else None)
+    verdicts = []
     if ctx is not None and spec:
-        data = receipts.find_passing(ctx, ident.digest, spec)
-        if data:
-            found, where = data, receipts.receipt_path(ctx, ident.digest, spec)
-    if found is None:
-        hit = receipts.find_passing_synced(ident.digest, spec)
-        if hit:
-            found, where = hit
+        verdicts.append(receipts.check(ctx, ident.digest, spec, spec=spec_file))
+    if not any(v.trusted for v in verdicts):
+        hit = receipts.check_synced(ident.digest, spec, spec=spec_file, allowed=allowed)
+        if hit is not None:
+            verdicts.append(hit)
+    good = next((v for v in verdicts if v.trusted), None)
+    found, where = (good.data, good.path) if good else (None, None)
     doc = {"schema": "imagebuild.receipt-check", "version": 1, "ref": ref, "identity": ident.digest, "spec": spec,
            "passed": found is not None, "receipt": str(where) if where else None,
            "synced": bool(where and receipts.synced_dir() in Path(where).parents),
            "gpu_checks_skipped": bool(found and found.get("gpu_checks_skipped")),
-           "host": (found or {}).get("host", {}).get("hostname")}
+           "host": (found or {}).get("host", {}).get("hostname"),
+           "signed": bool(good and good.signed), "signer": good.signer if good else None,
+           "allowed_signers": str(allowed) if allowed else None,
+           "untrusted": [{"receipt": str(v.path), "reason": v.reason} for v in verdicts if v.untrusted]}
     if args.json:
         common.print_json(doc)
     elif found:
         print(f"PASSED  {ref}  identity {ident.digest}")
         print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
               f"; gated on {doc['host'] or '?'}" + ("; GPU checks skipped" if doc["gpu_checks_skipped"] else ""))
+        if good.signer:
+            print(f"        signed by {good.signer} (verified against {allowed})")
     if found is None:
         what = f"of {image}'s current gate spec ({spec[:19]})" if image else \
             (f"of spec {spec[:19]}" if spec else "of any definition's gate spec")
-        raise GateFailed(f"{ref} ({ident.digest}) has no passing receipt {what}, here or carried by sync",
-                         hint=f"imagebuild gate {image or ref}" + ("" if image else " --spec FILE"))
+        why = "".join(f"; the receipt {v.path} is not trusted: {v.reason}" for v in verdicts if v.untrusted)
+        raise GateFailed(f"{ref} ({ident.digest}) has no trusted passing receipt {what}, here or carried by sync"
+                         + why, hint=f"imagebuild gate {image or ref}" + ("" if image else " --spec FILE"))
     return EXIT_OK
 
 

@@ -4,6 +4,9 @@
     peer_lists:            # named lists: `imagebuild sync @rack2`
       rack2: [dgx5, dgx6]
     registry: 10.0.0.5:5000/imagebuild   # shared stage cache and release tags (docs/fleet.md)
+    receipts:              # signed gate receipts (docs/gate.md#signed-receipts)
+      signing_key: ~/.ssh/id_ed25519           # the key `gate` signs with
+      allowed_signers: ~/.config/imagebuild/allowed_signers   # set: only receipts they signed count
 
 Unknown keys are errors with file, line and a suggestion, like every definition file.
 """
@@ -20,7 +23,8 @@ from imagebuild.core.fsutil import inside
 from imagebuild.core.remote import is_destination
 
 CONFIG_FILE = "imagebuild.yaml"
-KEYS = ("peers", "peer_lists", "registry")
+KEYS = ("peers", "peer_lists", "registry", "receipts")
+RECEIPT_KEYS = ("signing_key", "allowed_signers")
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class ProjectConfig:
     path: Path | None = None
     peer_lists: dict[str, tuple[str, ...]] | None = None
     registry: str | None = None  # HOST[:PORT][/PREFIX] (registry.py)
+    # receipts: {signing_key, allowed_signers}: paths as written (``~`` expanded), relative to the project
+    receipts: dict[str, Path] | None = None
 
 
 def load(root: Path | None) -> ProjectConfig:
@@ -96,6 +102,33 @@ def load(root: Path | None) -> ProjectConfig:
                 registry = str(registry_mod.parse(rn.value, what="registry"))
             except UsageError as exc:
                 problems.append(Problem(shown, exc.message, line=rn.line, key="registry", hint=exc.hint))
+    receipts = _receipts(node.value.get("receipts"), shown, Path(root), problems)
     if problems:
         raise DefinitionError(problems)
-    return ProjectConfig(tuple(peers), path, lists, registry)
+    return ProjectConfig(tuple(peers), path, lists, registry, receipts)
+
+
+def _receipts(rn, shown: str, root: Path, problems: list) -> dict[str, Path] | None:
+    """``receipts: {signing_key: PATH, allowed_signers: PATH}`` (gate/signing.py); None when absent."""
+    if rn is None:
+        return None
+    if not isinstance(rn.value, dict):
+        problems.append(Problem(shown, "expected a mapping (receipts: {signing_key: ~/.ssh/id_ed25519, "
+                                "allowed_signers: PATH})", line=rn.line, key="receipts"))
+        return None
+    out: dict[str, Path] = {}
+    for key, line in (rn.key_lines or {}).items():
+        if key not in RECEIPT_KEYS:
+            close = difflib.get_close_matches(key, RECEIPT_KEYS, n=1)
+            problems.append(Problem(shown, f"unknown key {excerpt(key)}", line=line, key=f"receipts.{key}",
+                                    hint=f"did you mean {close[0]!r}?" if close else
+                                    f"allowed: {', '.join(RECEIPT_KEYS)}"))
+    for key in RECEIPT_KEYS:
+        if key not in rn.value:
+            continue
+        vn = rn.value[key]
+        if not isinstance(vn.value, str) or not vn.value.strip():
+            problems.append(Problem(shown, "expected a file path", line=vn.line, key=f"receipts.{key}"))
+            continue
+        out[key] = root / Path(vn.value).expanduser()  # an absolute path stays as it is
+    return out

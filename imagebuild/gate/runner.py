@@ -41,7 +41,7 @@ from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, sha256
 from imagebuild.definition import gatespec
 from imagebuild.definition import reader as defn_mod
 from imagebuild.gate import checks as gatechecks
-from imagebuild.gate import receipts
+from imagebuild.gate import receipts, signing
 
 log = logging.getLogger("imagebuild")
 
@@ -359,6 +359,7 @@ def _container_log(name: str) -> str:
 def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = None) -> receipts.Receipt:
     """Run the gate for ``target``; write the log and the receipt; return the receipt (pass or fail)."""
     spec = gatespec.load(target.spec_path, display=target.spec_display)  # exit 2 before touching docker
+    key = signing.signing_key(context_mod.of(target.root).config)  # a bad key setting too
     started, t0 = _now(), time.monotonic()
     data = _inspect(target.ref)
     ident = identity_mod.from_inspect(data)
@@ -444,7 +445,9 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
             + "".join(t if t.endswith("\n") else t + "\n" for t in plugin.transcript)
             + f"# container log ({name})\n" + container_log)
     atomic_write_text(log_file, text)
-    return receipts.write(target.root, doc)
+    if key is not None:
+        log.info("signing the receipt with %s (ssh-keygen -Y sign, namespace %s)", key, signing.NAMESPACE)
+    return receipts.write(target.root, doc, key=key)
 
 
 def _timeout(plugin: GatePlugin, name: str) -> None:
@@ -507,4 +510,7 @@ def render_table(receipt: receipts.Receipt, root: Path | None = None) -> str:
         lines.append("ad-hoc spec: this receipt never authorizes a promotion (only the definition's own gate "
                      "spec does)")
     lines.append(f"receipt {_shown(receipt.path)}")
+    sig = Path(str(receipt.path) + signing.SIG_SUFFIX)
+    if sig.is_file():
+        lines.append(f"signed  {_shown(sig)} (ssh-keygen -Y, namespace {signing.NAMESPACE})")
     return "\n".join(lines)

@@ -347,6 +347,7 @@ class PeerState:
     records: list[dict] = field(default_factory=list)
     pending: list[dict] = field(default_factory=list)
     has_receipt: bool = False
+    has_signature: bool = False  # the receipt's .json.sig is there too
     quick: bool = False  # only the target was inspected (it is the image already)
 
     @property
@@ -424,6 +425,7 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
             if path.strip():
                 st.tools[name] = path.strip()
     st.has_receipt = "present" in res.section("receipt")
+    st.has_signature = "signed" in res.lines("receipt")
     if "quick" in res.sections:  # the target already is the image: only what the no-op needs was asked
         st.quick = True
         st.target = _first_inspect(res.section("target"))

@@ -11,6 +11,10 @@ Rules the steps keep:
 - everything is written under ``$CACHE`` (``$IMAGEBUILD_PEER_CACHE``, default
   ``${XDG_CACHE_HOME:-$HOME/.cache}/imagebuild/peer``) and moved into place with ``mv`` (atomic);
 - ``probe`` and ``gc_list`` only read; the steps that write take ``$CACHE/lock`` (flock) first;
+- a receipt is accepted (``ib_receipt_ok``: before the transfer, again before the tag moves, and when
+  only the receipt is carried) only if it verifies against the peer's own allowed-signers file
+  (``$IMAGEBUILD_ALLOWED_SIGNERS``, else ``${XDG_CONFIG_HOME:-$HOME/.config}/imagebuild/allowed_signers``)
+  when it has one; the sender cannot name that file;
 - SIGHUP and SIGPIPE are ignored: when the sender dies (kill -9, a dropped link) the step that runs
   finishes (a ``docker load`` is never cut half-way by the sender), output is simply lost;
 - the engine is asked with ``--pull never`` only: a peer engine never reaches for a registry;
@@ -111,6 +115,7 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   [ -d "$CACHE" ] && [ -w "$CACHE" ] && echo "cache-writable yes"
   ib_sect receipt
   [ "$4" != - ] && [ -f "$CACHE/receipts/$3/$4.json" ] && echo present
+  [ "$4" != - ] && [ -f "$CACHE/receipts/$3/$4.json.sig" ] && echo signed
   if ib_have docker; then
     tid=$(docker image inspect --format '{{.Id}}' "$1" </dev/null 2>/dev/null)
     case ",${5:-}," in
@@ -163,6 +168,68 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   ib_cat_json "$CACHE/records"
   ib_sect pending
   ib_cat_json "$CACHE/pending"
+  ib_sect end
+}
+
+ib_signers() {  # IB_SIGNERS: the allowed-signers file receipts must verify against here; empty: not required
+  IB_SIGNERS=${IMAGEBUILD_ALLOWED_SIGNERS:-}
+  if [ "$IB_SIGNERS" = none ]; then IB_SIGNERS=; return 0; fi
+  if [ -n "$IB_SIGNERS" ]; then
+    [ -f "$IB_SIGNERS" ] || ib_fail refused "IMAGEBUILD_ALLOWED_SIGNERS on the peer names $IB_SIGNERS, which is not a file: no receipt can be verified"
+    return 0
+  fi
+  IB_SIGNERS=${XDG_CONFIG_HOME:-$HOME/.config}/imagebuild/allowed_signers
+  [ -f "$IB_SIGNERS" ] || IB_SIGNERS=
+  return 0
+}
+ib_receipt_ok() {  # $1 receipt file, $2 its signature file (either may be absent). With an allowed-signers
+                   # file here the signature must verify (namespace imagebuild-receipt): prints "signer P",
+                   # or "not-required"; else IB_RECEIPT_ERR says why and it returns 1
+  ib_signers
+  if [ -z "$IB_SIGNERS" ]; then echo not-required; return 0; fi
+  IB_RECEIPT_ERR="receipt refused: this peer requires receipts signed by a key of $IB_SIGNERS"
+  [ -f "$1" ] || { IB_RECEIPT_ERR="$IB_RECEIPT_ERR, and this image comes without a gate receipt"; return 1; }
+  [ -f "$2" ] || { IB_RECEIPT_ERR="$IB_RECEIPT_ERR, and the receipt is not signed"; return 1; }
+  ib_have ssh-keygen || { IB_RECEIPT_ERR="$IB_RECEIPT_ERR, and ssh-keygen is not on the peer's PATH"; return 1; }
+  ssh-keygen -Y find-principals -s "$2" -f "$IB_SIGNERS" </dev/null 2>/dev/null | {
+    while read -r p; do
+      [ -n "$p" ] || continue
+      if ssh-keygen -Y verify -f "$IB_SIGNERS" -I "$p" -n imagebuild-receipt -s "$2" < "$1" >/dev/null 2>&1; then
+        echo "signer $p"; exit 0
+      fi
+    done
+    exit 1
+  } && return 0
+  IB_RECEIPT_ERR="$IB_RECEIPT_ERR, and its signature does not verify (an unknown signer, or the receipt was changed after it was signed)"
+  return 1
+}
+ib_receipt_check() {  # read only: would this peer accept the receipt in $IB_RECEIPT_B64 (signature: $IB_SIG_B64)?
+  ib_sect receipt-check
+  ib_signers
+  if [ -z "$IB_SIGNERS" ]; then echo not-required; ib_sect end; return 0; fi
+  t=$(mktemp -d "${TMPDIR:-/tmp}/imagebuild-receipt.XXXXXX") || ib_fail io "cannot create a temporary folder"
+  [ -n "${IB_RECEIPT_B64:-}" ] && printf '%s\n' "$IB_RECEIPT_B64" | base64 -d > "$t/r"
+  [ -n "${IB_SIG_B64:-}" ] && printf '%s\n' "$IB_SIG_B64" | base64 -d > "$t/r.sig"
+  ok=yes
+  ib_receipt_ok "$t/r" "$t/r.sig" || ok=no
+  rm -rf "$t"
+  [ $ok = yes ] || ib_fail refused "$IB_RECEIPT_ERR"
+  ib_sect end
+}
+ib_receipt_store() {  # $1 receipt path under $CACHE (and $1.sig), $2 identity hex, $3 spec hex: into receipts/
+  [ -f "$CACHE/$1" ] || return 0
+  mkdir -p "$CACHE/receipts/$2" || ib_fail io "cannot create $CACHE/receipts/$2"
+  if [ -f "$CACHE/$1.sig" ]; then
+    mv -f "$CACHE/$1.sig" "$CACHE/receipts/$2/$3.json.sig"
+  else
+    rm -f "$CACHE/receipts/$2/$3.json.sig"
+  fi
+  mv -f "$CACHE/$1" "$CACHE/receipts/$2/$3.json"
+}
+ib_receipt_carry() {  # $1 receipt path under $CACHE, $2 identity hex, $3 spec hex: the image is there already
+  ib_sect receipt-check
+  ib_receipt_ok "$CACHE/$1" "$CACHE/$1.sig" || { rm -f "$CACHE/$1" "$CACHE/$1.sig"; ib_fail refused "$IB_RECEIPT_ERR"; }
+  ib_receipt_store "$1" "$2" "$3"
   ib_sect end
 }
 
@@ -250,6 +317,10 @@ ib_promote() {  # $1 run id, $2 verified image id, $3 target ref, $4 previous re
                 # $6 force 0/1, $7 identity hex, $8 spec hex or -. Receipt and record were put to tmp/$1.*
   ib_have docker || ib_fail nodocker "docker: command not found on the peer"
   id=$(docker image inspect --format '{{.Id}}' "$2" </dev/null 2>/dev/null) || ib_fail missing "the verified image $2 is no longer on the peer"
+  # the receipt this tag moves on, checked again under the lock, just before the tag moves
+  ib_sect receipt-check
+  ib_receipt_ok "$CACHE/tmp/$1.receipt" "$CACHE/tmp/$1.receipt.sig" || {
+    rm -f "$CACHE/tmp/$1.receipt" "$CACHE/tmp/$1.receipt.sig"; [ "$5" != - ] && ib_untag "$5"; ib_fail refused "$IB_RECEIPT_ERR"; }
   old=$(docker image inspect --format '{{.Id}}' "$3" </dev/null 2>/dev/null) || old=""
   moved=no
   if [ "$old" != "$id" ]; then
@@ -266,9 +337,7 @@ ib_promote() {  # $1 run id, $2 verified image id, $3 target ref, $4 previous re
     moved=yes
   fi
   [ "$5" != - ] && ib_untag "$5"
-  if [ -f "$CACHE/tmp/$1.receipt" ] && [ "$8" != - ]; then
-    mkdir -p "$CACHE/receipts/$7" && mv -f "$CACHE/tmp/$1.receipt" "$CACHE/receipts/$7/$8.json"
-  fi
+  [ "$8" != - ] && ib_receipt_store "tmp/$1.receipt" "$7" "$8"
   [ -f "$CACHE/tmp/$1.record" ] && mv -f "$CACHE/tmp/$1.record" "$CACHE/records/$7.json"
   # earlier runs of this very image that were interrupted are done now too
   for o in "$CACHE"/pending/*.json; do
@@ -308,7 +377,7 @@ ib_gc_list() {  # read only: what the peer cache holds
   ib_sect attempts
   ib_cat_json "$CACHE/attempts"
   ib_sect receipts
-  [ -d "$CACHE/receipts" ] && for f in "$CACHE"/receipts/*/*.json; do [ -f "$f" ] && stat -c '%s %Y %n' "$f"; done
+  [ -d "$CACHE/receipts" ] && for f in "$CACHE"/receipts/*/*.json "$CACHE"/receipts/*/*.json.sig; do [ -f "$f" ] && stat -c '%s %Y %n' "$f"; done
   if ib_have docker && docker version >/dev/null 2>&1 </dev/null; then
     ib_sect images
     ib_images 2>&1
@@ -384,6 +453,17 @@ def heredoc_bytes(path: str, data: bytes) -> str:
     tag = "IBEOF_" + uuid.uuid4().hex
     b64 = base64.encodebytes(data).decode()
     return f"ib_put_b64 {shlex.quote(path)} <<'{tag}'\n{b64}{tag}\n"
+
+
+def shell_var(name: str, data: bytes | None) -> str:
+    """A step line that sets the shell variable ``name`` to ``data`` in base64 (empty for None): data a
+    read-only step needs, without writing a file."""
+    import base64
+
+    if not data:
+        return f"{name}=\n"
+    tag = "IBEOF_" + uuid.uuid4().hex
+    return f"{name}=$(cat <<'{tag}'\n{base64.encodebytes(data).decode()}{tag}\n)\n"
 
 
 def call(step: str, *args: str) -> str:

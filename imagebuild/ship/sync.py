@@ -328,6 +328,8 @@ class _Shared:
         self.pauses = {p.strip() for p in os.environ.get("IMAGEBUILD_SYNC_PAUSE", "").split(",") if p.strip()}
         self.worker = _PeerSync  # per peer; the delivery's worker with --via registry
         self.delivery = None  # registry_sync.Delivery with --via registry (sync's delivery=)
+        self.receipt_raw: bytes | None = None  # the receipt file's bytes and its signature (.json.sig)
+        self.receipt_sig: str | None = None
 
     def verify_files(self, layers) -> None:
         """Every blob file we send is first checked against its digest (once per file)."""
@@ -371,13 +373,16 @@ def sync(ctx: context_mod.Context | Path | None, peers: list[str], *, image: str
         for sess in sessions.values():
             sess.close()
         raise
-    ident = img.identity.digest
+    ident = img.identity.digest  # computed from the image here: the receipt must re-hash to it
+    spec_path = promote_mod.current_spec(ctx, image) if (image and ctx is not None) else None
     spec = promote_mod.current_spec_digest(ctx, image) if (image and ctx is not None) else None
-    receipt = receipts_mod.find_passing(ctx, ident, spec) if spec else None
+    verdict = receipts_mod.check(ctx, ident, spec, spec=spec_path) if spec else None
+    receipt = verdict.data if verdict else None
     rinfo = None
     if receipt:
         rinfo = {"spec": spec, "authority": receipt.get("authority"), "result": receipt.get("result"),
-                 "gpu_checks_skipped": bool(receipt.get("gpu_checks_skipped"))}
+                 "gpu_checks_skipped": bool(receipt.get("gpu_checks_skipped")), "signed": verdict.signed,
+                 "signer": verdict.signer}
     if receipt is None:
         if spec is None and image is None:
             why = (f"{ref} is not an image of this project (no docker-images/{_repo(ref)}/): no gate spec can "
@@ -385,7 +390,8 @@ def sync(ctx: context_mod.Context | Path | None, peers: list[str], *, image: str
         elif spec is None:
             why = f"{image} has no gate spec: nothing can authorize syncing {ref}"
         else:
-            why = (f"{ref} ({ident}) has no passing receipt of {image}'s current gate spec ({spec[:19]})")
+            why = (f"{ref} ({ident}) has no passing receipt of {image}'s current gate spec ({spec[:19]})"
+                   + promote_mod.untrusted_note(verdict))
         if not force:
             for sess in sessions.values():
                 sess.close()
@@ -398,6 +404,8 @@ def sync(ctx: context_mod.Context | Path | None, peers: list[str], *, image: str
     log.info("sync %s (identity %s, %d layers, %s; blobs read from %s) to %s", ref, ident, len(img.layers),
              human(img.compressed_size()), where, ", ".join(peers))
     shared = _Shared(ctx, image, ref, img, receipt, spec, force, dry_run)
+    if receipt:  # the file's exact bytes travel (its signature is over them), with the signature
+        shared.receipt_raw, shared.receipt_sig = verdict.raw, verdict.signature
     shared.sessions = sessions
     via = "ssh"
     if delivery is not None:
@@ -544,7 +552,7 @@ class _PeerSync:
         res.layers_total = len(img.layers)
         if self._unchanged(st):
             res.identity = s.identity
-            if s.receipt and not st.has_receipt and not s.dry_run:
+            if s.receipt and (not st.has_receipt or (s.receipt_sig and not st.has_signature)) and not s.dry_run:
                 self._carry_receipt_only()
                 res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity} (receipt carried)"
             else:
@@ -559,6 +567,7 @@ class _PeerSync:
         res.layers_sent = len(need)
         res.details = {"layers_needed": [la.digest for la in need], "bytes_needed": sum(la.size for la in need),
                        "bytes_resumed": resumed, "store": st.store, "engine": st.server_version}
+        self._check_receipt_there()
         self._check_disk(st, need, to_send)
         plan = (f"{len(need)} of {len(img.layers)} layers missing on the {st.store}-store peer (Docker "
                 f"{st.server_version}): {human(to_send)} to send" + (f" ({human(resumed)} already there from an "
@@ -671,11 +680,46 @@ class _PeerSync:
                     hint=f"free disk on {self.host} (imagebuild gc --peer {self.host}; docker image prune), or lower "
                     "IMAGEBUILD_PEER_MIN_FREE_GB")
 
+    def _receipt_lines(self, base: str) -> list[str]:
+        """The receipt's exact bytes and its signature to ``$CACHE/BASE`` and ``BASE.sig`` (none: removed)."""
+        s = self.s
+        if not s.receipt:
+            return [f"rm -f \"$CACHE\"/{base} \"$CACHE\"/{base}.sig\n"]
+        raw = s.receipt_raw if s.receipt_raw is not None else json.dumps(s.receipt, indent=2, sort_keys=True).encode()
+        lines = [peer_agent.heredoc_bytes(base, raw)]
+        lines.append(peer_agent.heredoc(f"{base}.sig", s.receipt_sig) if s.receipt_sig
+                     else f"rm -f \"$CACHE\"/{base}.sig\n")
+        return lines
+
+    def _signer(self, r: peer_mod.AgentResult) -> None:
+        for ln in r.lines("receipt-check"):
+            if ln.startswith("signer "):
+                self.res.details["receipt_signer"] = ln.split(" ", 1)[1].strip()
+                self.say("the receipt's signature verifies on the peer: signed by %s",
+                         self.res.details["receipt_signer"])
+            elif ln.strip() == "not-required":
+                self.res.details["receipt_signer"] = None
+
+    def _check_receipt_there(self) -> None:
+        """Before any byte moves: the peer's own allowed-signers file (if it has one) must accept the
+        receipt's signature (peer_agent ``ib_receipt_ok``); a refusal is exit 3."""
+        if self.s.dry_run:
+            return
+        s = self.s
+        raw = (s.receipt_raw if s.receipt_raw is not None else
+               json.dumps(s.receipt, indent=2, sort_keys=True).encode()) if s.receipt else None
+        r = self.conn.agent(peer_agent.shell_var("IB_RECEIPT_B64", raw),
+                            peer_agent.shell_var("IB_SIG_B64", s.receipt_sig.encode() if s.receipt_sig else None),
+                            peer_agent.call("ib_receipt_check"), timeout=120, what="checking the receipt")
+        self._signer(r)
+
     def _carry_receipt_only(self) -> None:
         s = self.s
-        self.conn.agent("ib_lock\n", peer_agent.heredoc(f"receipts/{_hexof(s.identity)}/{_hexof(s.spec)}.json",
-                                                       json.dumps(s.receipt, indent=2, sort_keys=True)),
-                        timeout=120, what="writing the receipt")
+        base = f"tmp/{self.run_id}.receipt"
+        r = self.conn.agent("ib_lock\n", *self._receipt_lines(base),
+                            peer_agent.call("ib_receipt_carry", base, _hexof(s.identity), _hexof(s.spec)),
+                            timeout=120, what="writing the receipt")
+        self._signer(r)
 
     def _prepare(self, need) -> None:
         s = self.s
@@ -837,10 +881,8 @@ class _PeerSync:
                                                             for la in s.img.layers],
                   "synced": _now(), "from": socket.gethostname(), "spec": s.spec, "run": self.run_id,
                   "receipt": bool(s.receipt)}
-        lines = ["ib_lock\n", peer_agent.heredoc(f"tmp/{self.run_id}.record", json.dumps(record))]
-        if s.receipt:
-            lines.append(peer_agent.heredoc(f"tmp/{self.run_id}.receipt", json.dumps(s.receipt, indent=2,
-                                                                                     sort_keys=True)))
+        lines = ["ib_lock\n", peer_agent.heredoc(f"tmp/{self.run_id}.record", json.dumps(record)),
+                 *self._receipt_lines(f"tmp/{self.run_id}.receipt")]
         lines.append(peer_agent.call("ib_promote", self.run_id, image_id, s.ref, s.previous or "-", s.staging,
                                      "1" if s.force else "0", _hexof(s.identity), _hexof(s.spec) if s.spec else "-"))
         r = self.conn.agent(*lines, timeout=600, what="promotion")

@@ -186,46 +186,59 @@ def test_example_definition_spec_is_valid():
 S1, S2 = "sha256:" + "a" * 64, "sha256:" + "b" * 64
 
 
-def _receipt(digest: str, result="passed", gpu_skipped=False, outcome="passed", spec=S1,
+def _ident(n: str) -> dict:
+    """An identity document (identity.py) and the digest it re-hashes to."""
+    doc = {"imagebuild-identity": 1, "os": "linux", "architecture": "amd64", "variant": None,
+           "layers": ["sha256:" + n * 64], "config": {}}
+    return {"digest": receipts.rehash(doc), **doc}
+
+
+def _receipt(ident: dict, result="passed", gpu_skipped=False, outcome="passed", spec=S1,
              authority="definition") -> dict:
+    checks = [{"id": "a", "kind": "import", "severity": "error", "requires_gpu": gpu_skipped,
+               "outcome": "skipped" if gpu_skipped else outcome}]
+    summary = {o: sum(1 for c in checks if c["outcome"] == o) for o in receipts.OUTCOMES}
     return {"schema": receipts.SCHEMA, "version": receipts.VERSION, "result": result, "authority": authority,
-            "identity": {"digest": digest}, "spec": {"file": "gate.yaml", "sha256": spec},
-            "gpu_checks_skipped": gpu_skipped,
-            "checks": [{"id": "a", "kind": "import", "severity": "error", "outcome": outcome}]}
+            "reason": None if result == "passed" else "1 check(s) failed: a",
+            "identity": ident, "spec": {"file": "gate.yaml", "sha256": spec},
+            "gpu_checks_skipped": gpu_skipped, "summary": {**summary, "total": 1}, "checks": checks}
 
 
 def test_find_passing_only_for_exactly_that_identity_and_spec(tmp_path, monkeypatch):
     monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "s"))
-    d1, d2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    monkeypatch.setenv("IMAGEBUILD_ALLOWED_SIGNERS", "none")
+    i1, i2 = _ident("1"), _ident("2")
+    d1, d2 = i1["digest"], i2["digest"]
     assert receipts.find_passing(tmp_path, d1, S1) is None
-    r = receipts.write(tmp_path, _receipt(d1))
-    assert r.path == tmp_path / "s" / "receipts" / ("1" * 64) / ("a" * 64 + ".json")
+    r = receipts.write(tmp_path, _receipt(i1))
+    assert r.path == tmp_path / "s" / "receipts" / d1[7:] / ("a" * 64 + ".json")
     assert receipts.find_passing(tmp_path, d1, S1)["identity"]["digest"] == d1
     assert receipts.find_passing(tmp_path, d1, S2) is None  # another spec: another gate
     assert receipts.find_passing(tmp_path, d2, S1) is None
-    receipts.write(tmp_path, _receipt(d2, gpu_skipped=True))
+    receipts.write(tmp_path, _receipt(i2, gpu_skipped=True))
     assert receipts.find_passing(tmp_path, d2, S1) is not None
     assert receipts.find_passing(tmp_path, d2, S1, require_gpu=True) is None
-    receipts.write(tmp_path, _receipt(d1, result="failed", outcome="failed"))
+    receipts.write(tmp_path, _receipt(i1, result="failed", outcome="failed"))
     assert receipts.find_passing(tmp_path, d1, S1) is None  # the latest run counts
     # an inconsistent (hand-edited) file is not trusted; a copy under another identity neither
-    receipts.write(tmp_path, _receipt(d1, result="passed", outcome="failed"))
+    receipts.write(tmp_path, _receipt(i1, result="passed", outcome="failed"))
     assert receipts.find_passing(tmp_path, d1, S1) is None
     (tmp_path / "s" / "receipts" / ("3" * 64)).mkdir()
     (tmp_path / "s" / "receipts" / ("3" * 64) / ("a" * 64 + ".json")).write_text(
-        (tmp_path / "s" / "receipts" / ("2" * 64) / ("a" * 64 + ".json")).read_text())
+        (tmp_path / "s" / "receipts" / d2[7:] / ("a" * 64 + ".json")).read_text())
     assert receipts.find_passing(tmp_path, "sha256:" + "3" * 64, S1) is None
     assert receipts.find_passing(tmp_path, "sha256:nothex", S1) is None
 
 
 def test_ad_hoc_receipts_never_authorize(tmp_path, monkeypatch):
     monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "s"))
-    d1 = "sha256:" + "1" * 64
-    receipts.write(tmp_path, _receipt(d1, authority="ad-hoc"))
+    i1 = _ident("1")
+    d1 = i1["digest"]
+    receipts.write(tmp_path, _receipt(i1, authority="ad-hoc"))
     assert receipts.read(tmp_path, d1, S1)["result"] == "passed"
     assert receipts.find_passing(tmp_path, d1, S1) is None
     with pytest.raises(ValueError):
-        receipts.write(tmp_path, _receipt(d1, authority="someone"))
+        receipts.write(tmp_path, _receipt(i1, authority="someone"))
 
 
 def test_validate_reports_gate_spec_problems(project):
