@@ -48,6 +48,7 @@ environment:
   IMAGEBUILD_ROOT   project root (folder holding docker-images/); default: nearest one above the
                     current folder
   NO_COLOR          no colour in output
+  all the variables read, with what each does: imagebuild config --env
 
 docs: docs/cli.md, docs/image-definition.md
 """
@@ -429,6 +430,19 @@ sync environment:
                     "shared registry instead (default: registry: in imagebuild.yaml); the engine is not touched")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
+
+    sp = sub.add_parser("config", help="show the effective settings (root, state, stage store, caches, locks, "
+                        "peers, registry) and where each came from",
+                        description="Print the settings a command would use here: the project root, the state "
+                        "folder, the stage store, the caches, the lock folder, the peers and the registry, each "
+                        "with its origin (flag, environment, imagebuild.yaml, default) and the flag, variable or "
+                        "key it came from; then those of imagebuild's environment variables that are set (--env: "
+                        "every one, set or not, with what it does). Secrets are never shown. Reads only. "
+                        "Outside a project, the root and state are shown as none.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--env", action="store_true", help="list every environment variable read by imagebuild")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.config, version 1)")
+    sp.set_defaults(func=cmd_config)
 
     if only and only not in NIGHTLY_COMMANDS:  # their names only (for argparse's choices): no import
         for name in NIGHTLY_COMMANDS:
@@ -1114,6 +1128,50 @@ def _rollback_registry(args, ctx) -> int:
         print(f"{reg.repo(args.image)}:local    -> {doc['local_digest']}  (identity {doc['local_identity']})")
         if doc["previous_digest"]:
             print(f"{reg.repo(args.image)}:previous -> {doc['previous_digest']}")
+    return EXIT_OK
+
+
+def cmd_config(args) -> int:
+    from imagebuild.ops import settings
+
+    env_root = os.environ.get("IMAGEBUILD_ROOT")
+    origin = "environment" if env_root and args.root == env_root else "flag" if args.root else "default"
+    try:
+        root = common.root(args)
+    except UsageError:
+        if args.root:  # an explicit root that is no project is an error, as for every command
+            raise
+        root, origin = None, "default"
+    from imagebuild.core import config as config_mod
+
+    cfg = config_mod.load(root)
+    rows = settings.effective(root, origin, cfg)
+    env = settings.environment()
+    if args.json:
+        common.print_json({"schema": "imagebuild.config", "version": 1, "settings": [r.as_dict() for r in rows],
+                           "environment": env if args.env else [e for e in env if e["set"]]})
+        return EXIT_OK
+
+    def shown(v) -> str:
+        if v is None:
+            return "none"
+        if isinstance(v, list):
+            return ", ".join(v) or "none"
+        if isinstance(v, dict):
+            return "; ".join(f"@{k}: {', '.join(h)}" for k, h in v.items()) or "none"
+        return str(v)
+
+    w = max(len(r.name) for r in rows)
+    vw = min(60, max(len(shown(r.value)) for r in rows))
+    for r in rows:
+        print(f"{r.name:<{w}}  {shown(r.value):<{vw}}  {r.origin}" + (f" ({r.via})" if r.via else ""))
+    listed = env if args.env else [e for e in env if e["set"]]
+    print(f"\nenvironment: {sum(e['set'] for e in env)} of the {len(env)} variables imagebuild reads are set"
+          + ("" if args.env else " (imagebuild config --env lists them all; docs/cli.md, 'Environment variables')"))
+    if listed:
+        nw = max(len(e["name"]) for e in listed)
+        for e in listed:
+            print(f"  {e['name']:<{nw}}  " + (f"= {e['value']}" if e["set"] else f"   {e['what']}"))
     return EXIT_OK
 
 

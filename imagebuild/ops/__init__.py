@@ -4,7 +4,8 @@ Takes the steps below as they are and runs them for people: gives the nightly ru
 build, gate, promote, sync, gc) with its JSON and Markdown report, what changed between two images,
 the disk each image holds and the retention that frees it, and the host checks.
 - ``nightly``: ``imagebuild nightly``; ``report``: the run report; ``imagediff``: ``imagebuild diff``;
-- ``gc``: ``imagebuild df`` and ``imagebuild gc``; ``doctor``: ``imagebuild doctor``.
+- ``gc``: ``imagebuild df`` and ``imagebuild gc``; ``doctor``: ``imagebuild doctor``;
+- ``settings``: ``imagebuild config`` (effective settings and the environment variables).
 """
 
-__all__ = ["doctor", "gc", "imagediff", "nightly", "report"]
+__all__ = ["doctor", "gc", "imagediff", "nightly", "report", "settings"]
