@@ -173,9 +173,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                     help="do not ask the Docker engine which stage images exist")
     sp.set_defaults(func=cmd_plan)
 
-    sp = sub.add_parser("validate", help="check image definitions and report every problem",
-                        description="Check one or all image definitions and report every problem found "
-                        "(file, line or key, what was expected, a hint). Exit 2 if any is invalid.",
+    sp = sub.add_parser("validate", help="check image definitions and imagebuild.yaml and report every problem",
+                        description="Check one or all image definitions, and the project's imagebuild.yaml, and "
+                        "report every problem found (file, line or key, what was expected, a hint). Exit 2 if any "
+                        "is invalid. JSON Schemas of image.yaml, gate.yaml and imagebuild.yaml for editors: "
+                        "docs/schemas/.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("images", metavar="IMAGE", nargs="*", help="image names (default: all)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.validate, version 1)")
@@ -582,15 +584,33 @@ def cmd_validate(args) -> int:
                         "unpinned": []})
         if not args.json:
             print(exc.render(), file=sys.stderr)
+    settings = _validate_settings(root, args.json)
     if args.json:
-        common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
+        common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results, "settings": settings})
     else:
+        if settings["present"] and settings["valid"]:
+            print(f"{settings['file']}: ok")
         for r in results:
             if r["valid"]:
                 print(f"{r['image']}: ok" + (f" ({len(r['unpinned'])} unpinned)" if r["unpinned"] else ""))
                 for u in r["unpinned"]:
                     print(f"  unpinned: {u}")
-    return EXIT_OK if all(r["valid"] for r in results) else EXIT_BAD_INPUT
+    return EXIT_OK if all(r["valid"] for r in results) and settings["valid"] else EXIT_BAD_INPUT
+
+
+def _validate_settings(root, quiet: bool) -> dict:
+    """validate's check of the project's imagebuild.yaml (core/config.py): its problems on stderr."""
+    from imagebuild.core import config as config_mod
+
+    doc = {"file": config_mod.CONFIG_FILE, "present": (root / config_mod.CONFIG_FILE).exists(), "valid": True,
+           "problems": []}
+    try:
+        config_mod.load(root)
+    except DefinitionError as exc:
+        doc.update(valid=False, problems=[p.as_dict() for p in exc.problems])
+        if not quiet:
+            print(exc.render(), file=sys.stderr)
+    return doc
 
 
 # ------------------------------------------------------------------------------------------------ plan
