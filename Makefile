@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install testbed test unit lint bench demo smoke kernels clean
+.PHONY: install install-tool testbed test unit lint bench demo smoke kernels man completion clean
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,18 @@ bench: install testbed
 demo: install testbed
 	$(BIN)/imagebuild list
 	bash scripts/demo.sh
+
+# The man page (build/man/imagebuild.1) and the bash and zsh completions (build/completion/), generated
+# from the parser by scripts/man_completion.py with the 'man' extra (shtab, argparse-manpage; installed
+# into .venv here, never a dependency of the tool). Try them: man -l build/man/imagebuild.1;
+# source build/completion/imagebuild.bash
+man: install
+	$(BIN)/pip install -q $$($(BIN)/python scripts/man_completion.py requirements)
+	$(BIN)/python scripts/man_completion.py man
+
+completion: install
+	$(BIN)/pip install -q $$($(BIN)/python scripts/man_completion.py requirements)
+	$(BIN)/python scripts/man_completion.py completion
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -50,8 +50,104 @@ environment:
   NO_COLOR          no colour in output
   all the variables read, with what each does: imagebuild config --env
 
-docs: docs/cli.md, docs/image-definition.md
+With no command: this help, exit 2. Each command's options and examples: imagebuild help COMMAND
+(or COMMAND --help).
+
+docs: man imagebuild (make man); the Markdown pages cli.md, image-definition.md, build.md, gate.md ...
+in the source tree's docs/ and, installed with pip or pipx, in <prefix>/share/doc/imagebuild/
 """
+
+# The commands in the top-level help, by step (a command no group names is listed under "other")
+GROUPS = (
+    ("define and inspect", ("list", "validate", "plan", "config")),
+    ("fetch", ("prefetch", "bundle", "unbundle")),
+    ("build and check", ("build", "gate", "patch", "log")),
+    ("ship", ("sync", "rollback")),
+    ("operate", ("nightly", "report", "diff", "df", "gc", "doctor")),
+    ("help", ("help",)),
+)
+
+# Two or three examples per command: the end of its --help (the exit codes and the environment are in
+# the top-level help only)
+EXAMPLES = {
+    "list": ("imagebuild list", "imagebuild list --json"),
+    "validate": ("imagebuild validate", "imagebuild validate glm53-jovian-r12 --json"),
+    "plan": ("imagebuild plan example", "imagebuild plan example --no-engine --json"),
+    "config": ("imagebuild config", "imagebuild config --env", "IMAGEBUILD_STAGES=/srv/stages imagebuild config --json"),
+    "prefetch": ("imagebuild prefetch example", "imagebuild prefetch example --refresh VLLM --dry-run",
+                 "imagebuild prefetch --offline"),
+    "bundle": ("imagebuild bundle example -o example.bundle.tar",
+               "imagebuild bundle example -o /media/usb/example.tar --json"),
+    "unbundle": ("imagebuild unbundle example.bundle.tar", "imagebuild unbundle example.bundle.tar --json"),
+    "build": ("imagebuild build example", "imagebuild build example --dry-run",
+              "imagebuild build example --until wheel --no-gate"),
+    "gate": ("imagebuild gate example", "imagebuild gate example --check-receipt",
+             "imagebuild gate some/image:tag --spec gate.yaml --junit gate.xml"),
+    "patch": ("imagebuild patch glm53-jovian-r12 --src ~/src/vllm --check",
+              "imagebuild patch glm53-jovian-r12 --src ~/src/vllm --stage vllm-wheel"),
+    "log": ("imagebuild log", "imagebuild log example latest", "imagebuild log example latest --stage base"),
+    "sync": ("imagebuild sync dgx4", "imagebuild sync --image example --dry-run dgx4 dgx5",
+             "imagebuild sync @rack2 --via registry"),
+    "rollback": ("imagebuild rollback example", "imagebuild rollback example --dry-run",
+                 "imagebuild rollback example --registry"),
+    "nightly": ("imagebuild nightly example", "imagebuild nightly --refresh --peer dgx4 example",
+                "imagebuild nightly --no-peers --no-gc example"),
+    "report": ("imagebuild report", "imagebuild report example --summary", "imagebuild report latest --json"),
+    "diff": ("imagebuild diff example:previous example:local", "imagebuild diff example:previous example:local --json"),
+    "df": ("imagebuild df", "imagebuild df example --json"),
+    "gc": ("imagebuild gc --dry-run", "imagebuild gc example --keep 1", "imagebuild gc --peer dgx4 --dry-run"),
+    "doctor": ("imagebuild doctor", "imagebuild doctor --peer dgx4 --json"),
+    "help": ("imagebuild help", "imagebuild help build"),
+}
+SHORT_EPILOG = "exit codes, environment variables, docs: imagebuild --help"
+
+
+def _command_epilog(name: str, epilog: str | None) -> str | None:
+    """A command's epilog: its examples, then what it adds to EPILOG, then a pointer to the top-level
+    help (which alone carries EPILOG)."""
+    if epilog is None or not epilog.startswith(EPILOG):
+        return epilog
+    examples = EXAMPLES.get(name, ())
+    parts = ["examples:\n" + "\n".join(f"  {e}" for e in examples)] if examples else []
+    extra = epilog[len(EPILOG):].strip("\n")
+    return "\n\n".join([*parts, *([extra] if extra else []), SHORT_EPILOG]) + "\n"
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs: each line that does not start with a space is wrapped to the terminal's
+    width; indented lines (examples, tables) are kept as written."""
+
+    def _fill_text(self, text, width, indent):
+        import textwrap
+
+        return "".join(line + "\n" if not line or line[0] == " " else
+                       textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent) + "\n"
+                       for line in text.splitlines())
+
+
+class _TopFormatter(_Formatter):
+    """The top-level help: the commands grouped by step (GROUPS), each with its one-line help."""
+
+    def _format_action(self, action):
+        if not isinstance(action, argparse._SubParsersAction):
+            return super()._format_action(action)
+        import textwrap
+
+        helps = {a.dest: a.help or "" for a in action._get_subactions()}
+        grouped = [(title, [n for n in names if n in helps]) for title, names in GROUPS]
+        rest = [n for n in helps if not any(n in names for _, names in GROUPS)]
+        if rest:
+            grouped.append(("other", rest))
+        w = max(len(n) for n in helps) + 2
+        out = []
+        for title, names in grouped:
+            if not names:
+                continue
+            out.append(f"  {title}:\n")
+            for n in names:
+                lines = textwrap.wrap(helps[n], max(30, self._width - w - 6)) or [""]
+                out.append(f"    {n:<{w}}{lines[0]}\n" + "".join(f"    {'':<{w}}{ln}\n" for ln in lines[1:]))
+        return "".join(out)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,6 +206,10 @@ class _SubParsers(argparse._SubParsersAction):
                 return super().add_parser(name, **kw)
             finally:
                 self._parser_class = real
+        if "epilog" in kw:
+            kw["epilog"] = _command_epilog(name, kw["epilog"])
+        if kw.get("formatter_class") is argparse.RawDescriptionHelpFormatter:
+            kw["formatter_class"] = _Formatter
         sp = super().add_parser(name, **kw)
         _global_options(sp, after_command=True)
         return sp
@@ -146,11 +246,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="imagebuild",
         description="Reproducible, offline, staged builds of vLLM serving images for DGX Spark (GB10) "
         "clusters: definitions -> plan -> prefetch -> build -> gate -> promotion to IMAGE:local.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=_TopFormatter)
     p.add_argument("--version", action="version", version=f"imagebuild {__version__}")
     _global_options(p)
     p.register("action", "parsers", _SubParsers)
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, title="commands")
     sub.required = True
     sub.only = only
 
@@ -168,7 +268,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "When a Docker engine answers, also says which stage images already exist.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
-    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.plan, version 1)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.plan, version 2)")
     sp.add_argument("--no-engine", action="store_true",
                     help="do not ask the Docker engine which stage images exist")
     sp.set_defaults(func=cmd_plan)
@@ -276,7 +376,7 @@ prefetch environment:
                     "receipt of the definition's current gate spec, here or carried by imagebuild sync "
                     "(exit 0 passed, 4 not)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
-                    "version 1)")
+                    "version 2)")
     sp.set_defaults(func=cmd_gate)
 
     sp = sub.add_parser("build", help="build an image's stages offline, cached by key, up to :candidate (and "
@@ -319,7 +419,7 @@ prefetch environment:
                     "BuildKit, release, tags, gate) goes there; its node's memory, cores and disk are used "
                     "(docs/fleet.md)")
     sp.add_argument("--json", action="store_true", help="print the build record (schema imagebuild.build, "
-                    "version 1; with --dry-run: imagebuild.build-plan)")
+                    "version 2; with --dry-run: schema imagebuild.build-plan, version 2)")
     sp.set_defaults(func=cmd_build)
 
     sp = sub.add_parser("sync", help="put the gated image on peer nodes: only the layers they lack, verified",
@@ -445,6 +545,14 @@ sync environment:
     sp.add_argument("--env", action="store_true", help="list every environment variable read by imagebuild")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.config, version 1)")
     sp.set_defaults(func=cmd_config)
+
+    sp = sub.add_parser("help", help="show the top-level help, or one command's help",
+                        description="Print the help of COMMAND (the same as imagebuild COMMAND --help), or "
+                        "without COMMAND the top-level help: the commands by step, the exit codes, the "
+                        "environment, where the docs are.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("topic", metavar="COMMAND", nargs="?", help="a command")
+    sp.set_defaults(func=cmd_help)
 
     if only and only not in NIGHTLY_COMMANDS:  # their names only (for argparse's choices): no import
         for name in NIGHTLY_COMMANDS:
@@ -1195,11 +1303,36 @@ def cmd_config(args) -> int:
     return EXIT_OK
 
 
+def cmd_help(args) -> int:
+    if not args.topic:
+        build_parser().print_help()
+        return EXIT_OK
+    parser = build_parser(only=args.topic)
+    commands = _command_parsers(parser)
+    if args.topic not in commands:
+        _unknown_command(parser, args.topic, commands)
+    commands[args.topic].print_help()
+    return EXIT_OK
+
+
+def _unknown_command(parser, word: str, commands) -> None:
+    """Exit 2: ``word`` is no command; the closest ones suggested."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(commands), n=3, cutoff=0.6)
+    parser.error(f"unknown command {word[:40]!r}" + (f": did you mean {' or '.join(close)}?" if close else "")
+                 + " (imagebuild help lists the commands)")
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """parse_args, with a suggestion for an unknown option and -v/-q refused together (exit 2)."""
+    """parse_args, with a suggestion for an unknown command or option and -v/-q refused together (exit 2)."""
+    word = _command_in(sys.argv[1:] if argv is None else argv)
+    commands = _command_parsers(parser)
+    if word and commands and word not in commands:
+        _unknown_command(parser, word, commands)
     args, extra = parser.parse_known_args(argv)
     sp = _command_parsers(parser).get(getattr(args, "command", None), parser)
     if extra:
@@ -1242,6 +1375,9 @@ def _signals_as_interrupt() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_command_in(argv))
+    if not _command_in(argv) and not any(a in ("-h", "--help", "--version") for a in argv):
+        parser.print_help()  # bare `imagebuild` (or only global options): the help, exit 2 (docs/cli.md)
+        return EXIT_BAD_INPUT
     args = _parse(parser, argv)
     _setup_logging(args)
     _signals_as_interrupt()
