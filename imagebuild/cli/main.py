@@ -25,6 +25,7 @@ from imagebuild.core.errors import (
     ImagebuildError,
     UsageError,
 )
+from imagebuild.core.units import human_bytes, short_digest
 
 defn_mod = lazy.module("imagebuild.definition.reader")
 doctor_mod = lazy.module("imagebuild.ops.doctor")
@@ -74,7 +75,7 @@ EXAMPLES = {
     "validate": ("imagebuild validate", "imagebuild validate glm53-jovian-r12 --json"),
     "plan": ("imagebuild plan example", "imagebuild plan example --no-engine --json"),
     "config": ("imagebuild config", "imagebuild config --env", "IMAGEBUILD_STAGES=/srv/stages imagebuild config --json"),
-    "prefetch": ("imagebuild prefetch example", "imagebuild prefetch example --refresh VLLM --dry-run",
+    "prefetch": ("imagebuild prefetch example", "imagebuild prefetch example --refresh-source VLLM --dry-run",
                  "imagebuild prefetch --offline"),
     "bundle": ("imagebuild bundle example -o example.bundle.tar",
                "imagebuild bundle example -o /media/usb/example.tar --json"),
@@ -196,6 +197,24 @@ def _global_options(p: argparse.ArgumentParser, *, after_command: bool = False) 
                    help="only warnings and errors on stderr (not with -v)")
 
 
+class _DeprecatedOption(argparse.Action):
+    """An old spelling that still works, with a warning on stderr naming the new one."""
+
+    def __init__(self, option_strings, dest, use: str = "", **kw):
+        self.use = use
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated here: use {self.use}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _deprecated(sp, *flags: str, dest: str, use: str, **kw) -> None:
+    """Add ``flags`` as a hidden, deprecated spelling of option ``dest`` (the same type and value)."""
+    sp.add_argument(*flags, dest=dest, action=_DeprecatedOption, use=use, default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS, **kw)
+
+
 class _SubParsers(argparse._SubParsersAction):
     only: str | None = None  # build_parser(only=...): the other commands get a stand-in
 
@@ -304,7 +323,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "deterministic tarballs into deps-src/IMAGE/src/ with a SHA256SUMS, and write the "
                         "lock's 'sources' section (the build id). A re-run when nothing changed runs no git "
                         "at all. On failure the previous lock and tarballs are left as they were. "
-                        "Put IMAGE names before --refresh (or write --refresh=NAME). Details: docs/prefetch.md.",
+                        "--refresh moves every source; --refresh-source NAME (repeatable, or NAME,NAME) only those. "
+                        "--dry-run resolves and says what it would write to versions.env and the lock, and writes "
+                        "neither. Details: docs/prefetch.md.",
                         epilog=EPILOG + """
 prefetch environment:
   IMAGEBUILD_CACHE         mirror cache folder (default $XDG_CACHE_HOME/imagebuild/git,
@@ -316,13 +337,19 @@ prefetch environment:
 """, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("images", nargs="*", metavar="IMAGE",
                     help="image definitions to prefetch (default: every image with git sources)")
-    sp.add_argument("--refresh", nargs="*", metavar="NAME", default=None,
-                    help="re-resolve pinned PR heads and followed branches (NAME_REF=<branch>@<sha>) of the named "
-                    "sources (default all) and report which moved")
+    sp.add_argument("--refresh", action="store_true",
+                    help="re-resolve pinned PR heads and followed branches (NAME_REF=<branch>@<sha>) of every source "
+                    "and report which moved")
+    sp.add_argument("--refresh-source", action="append", metavar="NAME", default=[],
+                    help="refresh only this git source (repeatable; NAME,NAME works; --refresh=NAME is the old "
+                    "spelling)")
+    sp.add_argument("--dry-run", action="store_true", help="resolve, and print the versions.env pins and lock "
+                    "sources it would write; write neither, fetch no tarball")
     sp.add_argument("--offline", action="store_true",
                     help="use the mirror cache only; fail naming the first missing object")
-    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+    sp.add_argument("--jobs", type=common.count(1, 256), default=4, metavar="N",
                     help="parallel git operations (default 4)")
+    _deprecated(sp, "-j", dest="jobs", type=common.count(1, 256), use="--jobs (-j is build's MAX_JOBS)")
     sp.add_argument("--cache", metavar="DIR", help="mirror cache folder (default: $IMAGEBUILD_CACHE, else "
                     "$XDG_CACHE_HOME/imagebuild/git)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
@@ -404,7 +431,7 @@ prefetch environment:
                     help="allow a target platform other than the host's (QEMU emulation; slow)")
     sp.add_argument("--dry-run", action="store_true", help="check everything and print what would run; build "
                     "nothing")
-    sp.add_argument("--jobs", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
+    sp.add_argument("--jobs", "-j", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
     sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
                     help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
@@ -445,8 +472,9 @@ sync environment:
                     "default: peers: in imagebuild.yaml")
     sp.add_argument("--image", metavar="IMAGE|REF", help="a definition name (its :local) or any image reference "
                     "(default: the project's only definition)")
-    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+    sp.add_argument("--jobs", type=common.count(1, 256), default=4, metavar="N",
                     help="peers synced in parallel (default 4)")
+    _deprecated(sp, "-j", dest="jobs", type=common.count(1, 256), use="--jobs (-j is build's MAX_JOBS)")
     sp.add_argument("--force", action="store_true", help="sync an image without a passing receipt, or move a tag a "
                     "running container uses (with a warning)")
     sp.add_argument("--dry-run", action="store_true", help="probe the peers and say what would be sent; change "
@@ -465,7 +493,7 @@ sync environment:
 
     sp = sub.add_parser("log", help="list build runs, or show one run's record and logs",
                         description="Without RUN: the recorded build runs (of IMAGE, or of every image), newest "
-                        "first, with their status and build id. With RUN (a run id, a unique prefix of one, or "
+                        "first, with their status, build id, start and duration. With RUN (a run id, a unique prefix of one, or "
                         "'latest'): that run's stages and log paths; with --stage, that stage's full log. Every "
                         "run keeps its own folder under .imagebuild/builds/IMAGE/RUN/ (record.json, logs/).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -473,6 +501,8 @@ sync environment:
     sp.add_argument("run", metavar="RUN", nargs="?", help="run id, a unique prefix of one, or 'latest'")
     sp.add_argument("--stage", metavar="STAGE", help="print this stage's log (needs IMAGE; 'release' for the release "
                     "step)")
+    sp.add_argument("-n", "--limit", type=common.count(1, 1_000_000), metavar="N", default=None,
+                    help="list only the newest N runs")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
     sp.set_defaults(func=cmd_log)
 
@@ -530,6 +560,7 @@ sync environment:
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
                     "shared registry instead (default: registry: in imagebuild.yaml); the engine is not touched")
+    sp.add_argument("--dry-run", action="store_true", help="say which tags would move where; move none")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
 
@@ -810,13 +841,24 @@ def _print_plan(plan: plan_mod.Plan) -> None:
 
 
 def cmd_prefetch(args) -> int:
+    import re
+
     from imagebuild.fetch import prefetch as prefetch_mod
 
     ctx = common.ctx(args)
+    if args.refresh:  # the old `--refresh NAME...`: a source name is upper case, an image name never is
+        old = [n for n in args.images if re.fullmatch(r"[A-Z][A-Z0-9_]*", n)]
+        if old:
+            print(f"warning: --refresh {' '.join(old)}: taken as --refresh-source {','.join(old)} (the old "
+                  "spelling, deprecated: --refresh takes no value now)", file=sys.stderr)
+            args.images = [n for n in args.images if n not in old]
+            args.refresh_source = [*args.refresh_source, *old]
     for name in args.images:
         defn_mod.check_image_name(name)
-    report = prefetch_mod.prefetch(ctx, args.images or None, refresh=args.refresh, offline=args.offline,
-                                   jobs=args.jobs, cache_dir=args.cache)
+    named = [n for v in args.refresh_source for n in v.split(",") if n]
+    refresh = named if named else ([] if args.refresh else None)
+    report = prefetch_mod.prefetch(ctx, args.images or None, refresh=refresh, offline=args.offline,
+                                   jobs=args.jobs, cache_dir=args.cache, dry_run=args.dry_run)
     if args.json:
         common.print_json(report.as_dict())
     else:
@@ -834,7 +876,7 @@ def cmd_bundle(args) -> int:
     if args.json:
         common.print_json(res.as_dict())
     else:
-        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB -> {res.file}")
+        print(f"{res.image}: {res.files} files, {human_bytes(res.bytes)} -> {res.file}")
     return EXIT_OK
 
 
@@ -845,7 +887,7 @@ def cmd_unbundle(args) -> int:
     if args.json:
         common.print_json(res.as_dict())
     else:
-        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB verified and in place; "
+        print(f"{res.image}: {res.files} files, {human_bytes(res.bytes)} verified and in place; "
               f"`imagebuild build {res.image}` needs no network now")
         for r in res.replaced:
             print(f"  replaced {r} (the bundle's pins)")
@@ -938,7 +980,7 @@ def _check_receipt(args) -> int:
     if args.json:
         common.print_json(doc)
     elif found:
-        print(f"PASSED  {ref}  identity {ident.digest}")
+        print(f"PASSED  {ref}  identity {short_digest(ident.digest)}")
         print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
               f"; gated on {doc['host'] or '?'}" + ("; GPU checks skipped" if doc["gpu_checks_skipped"] else ""))
     if found is None:
@@ -999,7 +1041,8 @@ def _cmd_build(args) -> int:
             print(f"{s['name']:<16} {s['status']:<8} {s['image']}" +
                   (f"  ({s['seconds']:.1f} s)" if s.get("seconds") is not None else ""))
         if rec.get("release"):
-            print(f"candidate        {', '.join(rec['release']['tags'])}  identity {rec['release']['identity']}")
+            print(f"candidate        {', '.join(rec['release']['tags'])}  identity "
+                  f"{short_digest(rec['release']['identity'])}")
         if rec.get("promotion"):
             p = rec["promotion"]
             print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else "") +
@@ -1024,18 +1067,22 @@ def cmd_log(args) -> int:
     if args.image:
         defn_mod.check_image_name(args.image)
     if args.run is None and args.stage is None:
-        runs = runs_mod.list_runs(ctx, args.image)
+        runs = runs_mod.list_runs(ctx, args.image)[:args.limit]
         if args.json:
             common.print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
             return EXIT_OK
         if not runs:
             print("no build runs recorded" + (f" for {args.image}" if args.image else ""))
             return EXIT_OK
+        iw = max(5, *(len(r.image) for r in runs))
+        rw = max(3, *(len(r.run_id) for r in runs))
+        print(f"{'IMAGE':<{iw}}  {'RUN':<{rw}}  {'STATUS':<12} {'BUILD':<16} {'STARTED':<20} {'TOOK':>8}  NOTE")
         for r in runs:
             s = r.summary()
-            print(f"{r.image:<20} {r.run_id:<24} {s['status']:<12} build {s['build_id'] or '-'}"
-                  + (f"  failed at {s['failed_stage']}" if s["failed_stage"] else "")
-                  + (f"  {s['promotion']}" if s["promotion"] else ""))
+            note = "; ".join(x for x in (f"failed at {s['failed_stage']}" if s["failed_stage"] else "",
+                                         s["promotion"] or "") if x)
+            print(f"{r.image:<{iw}}  {r.run_id:<{rw}}  {s['status']:<12} {s['build_id'] or '-':<16} "
+                  f"{(s['started'] or '-')[:19]:<20} {_took(s['started'], s['finished']):>8}  {note}".rstrip())
         return EXIT_OK
     if not args.image:
         raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
@@ -1060,17 +1107,32 @@ def cmd_log(args) -> int:
         log.warning("warning: %s: %s (shown as -)", ctx.show(run.dir / "record.json"), p)
     print(f"run       {run.run_id}  ({args.image}, {s['status']})")
     print(f"build id  {s['build_id'] or '-'}")
-    print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}")
+    print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}  took {_took(s['started'], s['finished'])}")
     for st in run.stages():
         took = f"{st['seconds']:.1f} s" if st["seconds"] is not None else ""
         print(f"  {st['name'] or '-':<16} {st['status'] or '-':<8} {took:>9}  {st['log'] or ''}")
     if s["identity"]:
-        print(f"identity  {s['identity']}")
+        print(f"identity  {short_digest(s['identity'])}")
     if s["promotion"]:
         print(f"promotion {s['promotion']}")
     for p in run.logs():
         print(f"log       {ctx.show(p)}")
     return EXIT_OK
+
+
+def _took(started: str | None, finished: str | None) -> str:
+    """A run's duration from its record's ISO times (``1h02m``, ``3m05s``, ``12s``), ``-`` when unknown."""
+    from datetime import datetime
+
+    try:
+        secs = (datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds()
+    except (TypeError, ValueError):
+        return "-"
+    if secs < 0:
+        return "-"
+    h, rest = divmod(int(round(secs)), 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
 
 
 def cmd_gc(args) -> int:
@@ -1210,13 +1272,17 @@ def cmd_rollback(args) -> int:
     _rollback_target(args.image, ctx)
     if args.registry is not None:
         return _rollback_registry(args, ctx)
-    doc = promote_mod.rollback(args.image, ctx)
+    doc = promote_mod.rollback(args.image, ctx, dry_run=args.dry_run)
     if args.json:
         common.print_json(doc)
     else:
-        print(f"{args.image}:local    -> {doc['local_id']}")
+        would = "would move " if args.dry_run else ""
+        print(f"{args.image}:local    {would}-> {short_digest(doc['local_id'])}"
+              + (f"  (from {short_digest(doc['previous_id'])})" if args.dry_run and doc["previous_id"] else ""))
         if doc["previous_id"]:
-            print(f"{args.image}:previous -> {doc['previous_id']}")
+            print(f"{args.image}:previous {would}-> {short_digest(doc['previous_id'])}")
+        if args.dry_run:
+            print("dry run: no tag moved")
     return EXIT_OK
 
 
@@ -1249,13 +1315,17 @@ def _rollback_registry(args, ctx) -> int:
         raise UsageError("rollback --registry: which registry? none given and imagebuild.yaml has no registry:",
                          hint="imagebuild rollback IMAGE --registry HOST:PORT/PREFIX")
     reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
-    doc = registry_release.rollback(reg, args.image, ctx)
+    doc = registry_release.rollback(reg, args.image, ctx, dry_run=args.dry_run)
     if args.json:
         common.print_json(doc)
     else:
-        print(f"{reg.repo(args.image)}:local    -> {doc['local_digest']}  (identity {doc['local_identity']})")
+        would = "would move " if args.dry_run else ""
+        print(f"{reg.repo(args.image)}:local    {would}-> {short_digest(doc['local_digest'])}  "
+              f"(identity {short_digest(doc['local_identity'])})")
         if doc["previous_digest"]:
-            print(f"{reg.repo(args.image)}:previous -> {doc['previous_digest']}")
+            print(f"{reg.repo(args.image)}:previous {would}-> {short_digest(doc['previous_digest'])}")
+        if args.dry_run:
+            print("dry run: no tag moved")
     return EXIT_OK
 
 
@@ -1329,10 +1399,13 @@ def _unknown_command(parser, word: str, commands) -> None:
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """parse_args, with a suggestion for an unknown command or option and -v/-q refused together (exit 2)."""
-    word = _command_in(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    word = _command_in(argv)
     commands = _command_parsers(parser)
     if word and commands and word not in commands:
         _unknown_command(parser, word, commands)
+    if word == "prefetch":  # the old spelling of one source's refresh (--refresh takes no value now)
+        argv = [("--refresh-source=" + a.split("=", 1)[1]) if a.startswith("--refresh=") else a for a in argv]
     args, extra = parser.parse_known_args(argv)
     sp = _command_parsers(parser).get(getattr(args, "command", None), parser)
     if extra:
