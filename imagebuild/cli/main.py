@@ -95,7 +95,7 @@ EXAMPLES = {
                 "imagebuild nightly --no-peers --no-gc example"),
     "report": ("imagebuild report", "imagebuild report example --summary", "imagebuild report latest --json"),
     "diff": ("imagebuild diff example:previous example:local", "imagebuild diff example:previous example:local --json"),
-    "df": ("imagebuild df", "imagebuild df example --json"),
+    "df": ("imagebuild df", "imagebuild df --all", "imagebuild df example --json"),
     "gc": ("imagebuild gc --dry-run", "imagebuild gc example --keep 1", "imagebuild gc --peer dgx4 --dry-run"),
     "doctor": ("imagebuild doctor", "imagebuild doctor --peer dgx4 --json"),
     "help": ("imagebuild help", "imagebuild help build"),
@@ -533,7 +533,9 @@ sync environment:
                         "(deps-src/IMAGE) and run records, with their sizes; then BuildKit's build cache and the git "
                         "mirror cache. Reads only.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of this project)")
+    sp.add_argument("--all", action="store_true", help="also the images of other checkouts that share the stage "
+                    "store (marked *)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.df, version 1)")
     sp.set_defaults(func=cmd_df)
 
@@ -1174,16 +1176,23 @@ def cmd_df(args) -> int:
 
     ctx = common.ctx(args)
     doc = gc_mod.disk_usage(ctx, args.image)
+    others = [r for r in doc["images"] if not r["this_project"]]
+    if not args.all and not args.image:  # the shared stage store also holds other checkouts' images
+        doc = {**doc, "images": [r for r in doc["images"] if r["this_project"]], "other_images": len(others)}
     if args.json:
         common.print_json(doc)
         return EXIT_OK
     h = gc_mod.human
     print(f"{'IMAGE':<24} {'ENGINE':>12} {'STAGES':>12} {'PREFETCHED':>12} {'RUNS':>10} {'TOTAL':>12}")
     for r in doc["images"]:
-        print(f"{r['image']:<24} {h(r['engine']['bytes']):>12} {h(r['stage_store']['bytes']):>12} "
+        mark = "" if r["this_project"] else "  (not this project's: another checkout's, in the shared stage store)"
+        print(f"{r['image'] + ('*' if mark else ''):<24} {h(r['engine']['bytes']):>12} {h(r['stage_store']['bytes']):>12} "
               f"{h(r['prefetched']['bytes']):>12} {h(r['runs']['bytes']):>10} {h(r['total_bytes']):>12}")
         print(f"{'':<24} {r['engine']['releases']} release(s), {r['engine']['tags']} tag(s); "
-              f"{r['stage_store']['stages']} stage(s) in {r['stage_store']['path']}; {r['runs']['count']} run(s)")
+              f"{r['stage_store']['stages']} stage(s) in {r['stage_store']['path']}; {r['runs']['count']} run(s)"
+              + mark)
+    if doc.get("other_images"):
+        print(f"+ {doc['other_images']} image(s) of other checkouts in the shared stage store (imagebuild df --all)")
     if doc["buildkit_cache"]:
         print(f"BuildKit build cache: {h(doc['buildkit_cache']['bytes'])} (docker builder prune frees it)")
     print(f"git mirror cache: {h(doc['git_mirrors']['bytes'])} in {doc['git_mirrors']['path']}")
