@@ -305,8 +305,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sp = sub.add_parser("doctor", help="check this host: engine, BuildKit, image store, disk, memory, tools, "
                         "peers",
                         description="Check that this host can build and ship images: Docker engine "
-                        "reachable, buildx and BuildKit versions, containerd image store, free disk and "
-                        "memory, git, rsync, ssh, and each peer reachable with its own engine. Says what to "
+                        "reachable, buildx and BuildKit versions and the selected builder, containerd image store, "
+                        "free disk and memory, git, rsync, ssh, skopeo, the NVIDIA container runtime (a warning "
+                        "when absent: the gate's GPU checks are then skipped), and each peer reachable with its own engine. Says what to "
                         "do about each problem. Exit 1 if any check fails (warnings do not fail).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--peer", action="append", default=[], metavar="HOST",
