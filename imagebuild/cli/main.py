@@ -36,6 +36,16 @@ traceback = lazy.module("traceback")
 log = lazy.logger()
 
 
+def _docs_dir() -> str:
+    """Where the Markdown docs are: the checkout's docs/ when running from one, else where pip or pipx
+    installed them (<prefix>/share/doc/imagebuild, pyproject.toml's data-files)."""
+    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.join(top, "docs")
+    if os.path.isfile(os.path.join(here, "cli.md")):
+        return here
+    return os.path.join(sys.prefix, "share", "doc", "imagebuild")
+
+
 EPILOG = f"""\
 exit codes:
   {EXIT_OK}    success
@@ -54,8 +64,8 @@ environment:
 With no command: this help, exit 2. Each command's options and examples: imagebuild help COMMAND
 (or COMMAND --help).
 
-docs: man imagebuild (make man); the Markdown pages cli.md, image-definition.md, build.md, gate.md ...
-in the source tree's docs/ and, installed with pip or pipx, in <prefix>/share/doc/imagebuild/
+docs: {_docs_dir()}/ (cli.md: every command; image-definition.md, build.md, gate.md, nightly.md, ...);
+the man page (make man before the install): man imagebuild
 """
 
 # The commands in the top-level help, by step (a command no group names is listed under "other")
