@@ -1,4 +1,6 @@
 # imagebuild: the commands a newcomer and CI run.
+#   make install-tool  imagebuild alone (no test extras) for a build node: a venv of its own, the command
+#                      in ~/.local/bin (what the systemd unit in contrib/ runs)
 #   make demo    install, set up the test bed, and run the nightly chain on the built-in example
 #   make test    install, set up the test bed (Docker engine + BuildKit + base images), run the suite
 #   make smoke   the smoke lane of glm53-jovian-r12 on the real upstream trees (about 6 minutes)
@@ -8,9 +10,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install testbed test unit lint bench demo smoke kernels clean
+.PHONY: install install-tool testbed test unit lint bench demo smoke kernels man completion clean
+
+# `make install` is the developers' install (editable, with the test extras); a production node takes
+# `make install-tool`: a plain, non-editable install of the package and its runtime dependencies only,
+# into TOOL_VENV, with the command linked into TOOL_BIN (as `pipx install .` does)
+TOOL_VENV ?= $(HOME)/.local/share/imagebuild/venv
+TOOL_BIN ?= $(HOME)/.local/bin
 
 install: $(VENV)/.installed
+
+install-tool:
+	$(PY) -m venv $(TOOL_VENV)
+	$(TOOL_VENV)/bin/pip install -q --upgrade pip
+	$(TOOL_VENV)/bin/pip install -q .
+	mkdir -p $(TOOL_BIN) && ln -sf $(TOOL_VENV)/bin/imagebuild $(TOOL_BIN)/imagebuild
+	@echo "installed: $(TOOL_BIN)/imagebuild ($$($(TOOL_BIN)/imagebuild --version)); docs in $(TOOL_VENV)/share/doc/imagebuild"
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -68,6 +83,18 @@ bench: install testbed
 demo: install testbed
 	$(BIN)/imagebuild list
 	bash scripts/demo.sh
+
+# The man page (build/man/imagebuild.1) and the bash and zsh completions (build/completion/), generated
+# from the parser by scripts/man_completion.py with the 'man' extra (shtab, argparse-manpage; installed
+# into .venv here, never a dependency of the tool). Try them: man -l build/man/imagebuild.1;
+# source build/completion/imagebuild.bash
+man: install
+	$(BIN)/pip install -q $$($(BIN)/python scripts/man_completion.py requirements)
+	$(BIN)/python scripts/man_completion.py man
+
+completion: install
+	$(BIN)/pip install -q $$($(BIN)/python scripts/man_completion.py requirements)
+	$(BIN)/python scripts/man_completion.py completion
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

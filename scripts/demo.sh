@@ -24,7 +24,7 @@ echo "demo: the built-in definition docker-images/example, copied to ${project#"
 # images) asks for 3 GiB here unless the caller set it
 export IMAGEBUILD_MIN_FREE_GB="${IMAGEBUILD_MIN_FREE_GB:-3}"
 
-peers=(--peers)
+peers=(--no-peers)
 peer_dir="$work/peer"
 # names and addresses of the demo's own peer (distinct from the tests' peer)
 export PEER_NS=ibdemo1 PEER_ADDR=10.77.9.2 HOST_ADDR=10.77.9.1 PEER_VETH=ibdemo0 PEER_BRIDGE=ibdemobr0 \
@@ -42,7 +42,7 @@ if [ -z "$why_no_peer" ]; then
     trap 'bash scripts/peer.sh down "$peer_dir" 2>/dev/null || true' EXIT
     eval "$(printf '%s\n' "$out" | grep -E '^(PEER_ADDR|IMAGEBUILD_SSH)=')"
     export IMAGEBUILD_SSH
-    peers=(--peers "root@$PEER_ADDR")
+    peers=(--peer "root@$PEER_ADDR")
     echo "demo: local peer root@$PEER_ADDR up (own network namespace, sshd, own Docker engine)"
   else
     why_no_peer="the local peer did not start: $(tail -n 1 "$work/peer-up.log")"

@@ -38,6 +38,7 @@ from pathlib import Path
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_bytes
+from imagebuild.core.units import human_bytes
 
 BLOCK = 512
 CHUNK = 1 << 20
@@ -63,9 +64,9 @@ class Clamped:
 
     def summary(self) -> str:
         if not self.layers:
-            return f"file times: none later than the epoch ({self.bytes / 1e6:.0f} MB read, {self.seconds:.1f} s)"
+            return f"file times: none later than the epoch ({human_bytes(self.bytes)} read, {self.seconds:.1f} s)"
         return (f"file times clamped in {self.layers} layer(s), {self.headers} header(s), "
-                f"{self.bytes / 1e6:.0f} MB, {self.seconds:.1f} s")
+                f"{human_bytes(self.bytes)}, {self.seconds:.1f} s")
 
 
 # --------------------------------------------------------------------------------------------- tar

@@ -158,9 +158,10 @@ def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str |
     return Promotion(image, ident.digest, cand_id, previous, receipt)
 
 
-def rollback(image: str, ctx=None) -> dict:
+def rollback(image: str, ctx=None, *, dry_run: bool = False) -> dict:
     """Swap ``image:local`` and ``image:previous``; warn when the image that becomes ``:local``
-    has no passing receipt of the definition's current gate spec."""
+    has no passing receipt of the definition's current gate spec. ``dry_run``: the same checks and
+    document, no tag moved."""
     from imagebuild.gate import receipts
 
     local_id = image_id(ref(image, LOCAL))
@@ -178,10 +179,11 @@ def rollback(image: str, ctx=None) -> dict:
                        f"({spec[:19]}): it passed an older gate or none; rolling back anyway "
                        f"(imagebuild gate {image} --ref {image}:local checks it)")
             log.warning("warning: %s", warning)
-    tag(prev_id, ref(image, LOCAL))
-    if local_id:
-        tag(local_id, ref(image, PREVIOUS))
-    log.info("rolled back %s:local to %s%s", image, prev_id[:19],
-             f" (the replaced one is now {image}:previous)" if local_id else "")
+    if not dry_run:
+        tag(prev_id, ref(image, LOCAL))
+        if local_id:
+            tag(local_id, ref(image, PREVIOUS))
+        log.info("rolled back %s:local to %s%s", image, prev_id[:19],
+                 f" (the replaced one is now {image}:previous)" if local_id else "")
     return {"schema": "imagebuild.rollback", "version": 1, "image": image, "local_id": prev_id,
-            "previous_id": local_id, "warning": warning}
+            "previous_id": local_id, "warning": warning, "dry_run": dry_run}

@@ -118,9 +118,9 @@ def publish(reg: reg_mod.Registry, image: str, release: dict, build_id: str) -> 
     return doc
 
 
-def rollback(reg: reg_mod.Registry, image: str, ctx=None) -> dict:
+def rollback(reg: reg_mod.Registry, image: str, ctx=None, *, dry_run: bool = False) -> dict:
     """Swap :local and :previous in the registry; warn when the image that becomes :local has no
-    passing receipt (here) of the definition's current gate spec."""
+    passing receipt (here) of the definition's current gate spec. ``dry_run``: look up, move nothing."""
     from imagebuild.gate import receipts
 
     local = _manifest_digest(reg, reg.ref(image, promote_mod.LOCAL), f"looking up {image}:local")
@@ -136,10 +136,12 @@ def rollback(reg: reg_mod.Registry, image: str, ctx=None) -> dict:
             warning = (f"registry {reg}: {image}:previous ({ident}) has no passing receipt here of the current gate "
                        f"spec ({spec[:19]}); rolling back anyway")
             log.warning("warning: %s", warning)
-    _move(reg, image, prev, promote_mod.LOCAL)
-    if local is not None:
-        _move(reg, image, local, promote_mod.PREVIOUS)
-    log.info("registry %s: rolled back %s:local to %s%s", reg, image, prev[:19],
-             f" (the replaced one is now {image}:previous)" if local else "")
+    if not dry_run:
+        _move(reg, image, prev, promote_mod.LOCAL)
+        if local is not None:
+            _move(reg, image, local, promote_mod.PREVIOUS)
+        log.info("registry %s: rolled back %s:local to %s%s", reg, image, prev[:19],
+                 f" (the replaced one is now {image}:previous)" if local else "")
     return {"schema": "imagebuild.rollback", "version": 1, "image": image, "registry": str(reg),
-            "local_digest": prev, "local_identity": ident, "previous_digest": local, "warning": warning}
+            "local_digest": prev, "local_identity": ident, "previous_digest": local, "warning": warning,
+            "dry_run": dry_run}

@@ -25,6 +25,7 @@ from imagebuild.core.errors import (
     ImagebuildError,
     UsageError,
 )
+from imagebuild.core.units import human_bytes, short_digest
 
 defn_mod = lazy.module("imagebuild.definition.reader")
 doctor_mod = lazy.module("imagebuild.ops.doctor")
@@ -33,6 +34,16 @@ plan_mod = lazy.module("imagebuild.plan.planner")
 json = lazy.module("json")
 traceback = lazy.module("traceback")
 log = lazy.logger()
+
+
+def _docs_dir() -> str:
+    """Where the Markdown docs are: the checkout's docs/ when running from one, else where pip or pipx
+    installed them (<prefix>/share/doc/imagebuild, pyproject.toml's data-files)."""
+    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.join(top, "docs")
+    if os.path.isfile(os.path.join(here, "cli.md")):
+        return here
+    return os.path.join(sys.prefix, "share", "doc", "imagebuild")
 
 
 EPILOG = f"""\
@@ -48,9 +59,106 @@ environment:
   IMAGEBUILD_ROOT   project root (folder holding docker-images/); default: nearest one above the
                     current folder
   NO_COLOR          no colour in output
+  all the variables read, with what each does: imagebuild config --env
 
-docs: docs/cli.md, docs/image-definition.md
+With no command: this help, exit 2. Each command's options and examples: imagebuild help COMMAND
+(or COMMAND --help).
+
+docs: {_docs_dir()}/ (cli.md: every command; image-definition.md, build.md, gate.md, nightly.md, ...);
+the man page (make man before the install): man imagebuild
 """
+
+# The commands in the top-level help, by step (a command no group names is listed under "other")
+GROUPS = (
+    ("define and inspect", ("list", "validate", "plan", "config")),
+    ("fetch", ("prefetch", "bundle", "unbundle")),
+    ("build and check", ("build", "gate", "patch", "log")),
+    ("ship", ("sync", "rollback")),
+    ("operate", ("nightly", "report", "diff", "df", "gc", "doctor")),
+    ("help", ("help",)),
+)
+
+# Two or three examples per command: the end of its --help (the exit codes and the environment are in
+# the top-level help only)
+EXAMPLES = {
+    "list": ("imagebuild list", "imagebuild list --json"),
+    "validate": ("imagebuild validate", "imagebuild validate glm53-jovian-r12 --json"),
+    "plan": ("imagebuild plan example", "imagebuild plan example --no-engine --json"),
+    "config": ("imagebuild config", "imagebuild config --env", "IMAGEBUILD_STAGES=/srv/stages imagebuild config --json"),
+    "prefetch": ("imagebuild prefetch example", "imagebuild prefetch example --refresh-source VLLM --dry-run",
+                 "imagebuild prefetch --offline"),
+    "bundle": ("imagebuild bundle example -o example.bundle.tar",
+               "imagebuild bundle example -o /media/usb/example.tar --json"),
+    "unbundle": ("imagebuild unbundle example.bundle.tar", "imagebuild unbundle example.bundle.tar --json"),
+    "build": ("imagebuild build example", "imagebuild build example --dry-run",
+              "imagebuild build example --until wheel --no-gate"),
+    "gate": ("imagebuild gate example", "imagebuild gate example --check-receipt",
+             "imagebuild gate some/image:tag --spec gate.yaml --junit gate.xml"),
+    "patch": ("imagebuild patch glm53-jovian-r12 --src ~/src/vllm --check",
+              "imagebuild patch glm53-jovian-r12 --src ~/src/vllm --stage vllm-wheel"),
+    "log": ("imagebuild log", "imagebuild log example latest", "imagebuild log example latest --stage base"),
+    "sync": ("imagebuild sync dgx4", "imagebuild sync --image example --dry-run dgx4 dgx5",
+             "imagebuild sync @rack2 --via registry"),
+    "rollback": ("imagebuild rollback example", "imagebuild rollback example --dry-run",
+                 "imagebuild rollback example --registry"),
+    "nightly": ("imagebuild nightly example", "imagebuild nightly --refresh --peer dgx4 example",
+                "imagebuild nightly --no-peers --no-gc example"),
+    "report": ("imagebuild report", "imagebuild report example --summary", "imagebuild report latest --json"),
+    "diff": ("imagebuild diff example:previous example:local", "imagebuild diff example:previous example:local --json"),
+    "df": ("imagebuild df", "imagebuild df --all", "imagebuild df example --json"),
+    "gc": ("imagebuild gc --dry-run", "imagebuild gc example --keep 1", "imagebuild gc --peer dgx4 --dry-run"),
+    "doctor": ("imagebuild doctor", "imagebuild doctor --peer dgx4 --json"),
+    "help": ("imagebuild help", "imagebuild help build"),
+}
+SHORT_EPILOG = "exit codes, environment variables, docs: imagebuild --help"
+
+
+def _command_epilog(name: str, epilog: str | None) -> str | None:
+    """A command's epilog: its examples, then what it adds to EPILOG, then a pointer to the top-level
+    help (which alone carries EPILOG)."""
+    if epilog is None or not epilog.startswith(EPILOG):
+        return epilog
+    examples = EXAMPLES.get(name, ())
+    parts = ["examples:\n" + "\n".join(f"  {e}" for e in examples)] if examples else []
+    extra = epilog[len(EPILOG):].strip("\n")
+    return "\n\n".join([*parts, *([extra] if extra else []), SHORT_EPILOG]) + "\n"
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs: each line that does not start with a space is wrapped to the terminal's
+    width; indented lines (examples, tables) are kept as written."""
+
+    def _fill_text(self, text, width, indent):
+        import textwrap
+
+        return "".join(line + "\n" if not line or line[0] == " " else
+                       textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent) + "\n"
+                       for line in text.splitlines())
+
+
+class _TopFormatter(_Formatter):
+    """The top-level help: the commands grouped by step (GROUPS), each with its one-line help."""
+
+    def _format_action(self, action):
+        if not isinstance(action, argparse._SubParsersAction):
+            return super()._format_action(action)
+        import textwrap
+
+        helps = {a.dest: a.help or "" for a in action._get_subactions()}
+        grouped = [(title, [n for n in names if n in helps]) for title, names in GROUPS]
+        rest = [n for n in helps if not any(n in names for _, names in GROUPS)]
+        if rest:
+            grouped.append(("other", rest))
+        w = max(len(n) for n in helps) + 2
+        out = []
+        for title, names in grouped:
+            if not names:
+                continue
+            out.append(f"  {title}:\n")
+            for n in names:
+                lines = textwrap.wrap(helps[n], max(30, self._width - w - 6)) or [""]
+                out.append(f"    {n:<{w}}{lines[0]}\n" + "".join(f"    {'':<{w}}{ln}\n" for ln in lines[1:]))
+        return "".join(out)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,6 +207,24 @@ def _global_options(p: argparse.ArgumentParser, *, after_command: bool = False) 
                    help="only warnings and errors on stderr (not with -v)")
 
 
+class _DeprecatedOption(argparse.Action):
+    """An old spelling that still works, with a warning on stderr naming the new one."""
+
+    def __init__(self, option_strings, dest, use: str = "", **kw):
+        self.use = use
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated here: use {self.use}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _deprecated(sp, *flags: str, dest: str, use: str, **kw) -> None:
+    """Add ``flags`` as a hidden, deprecated spelling of option ``dest`` (the same type and value)."""
+    sp.add_argument(*flags, dest=dest, action=_DeprecatedOption, use=use, default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS, **kw)
+
+
 class _SubParsers(argparse._SubParsersAction):
     only: str | None = None  # build_parser(only=...): the other commands get a stand-in
 
@@ -109,6 +235,10 @@ class _SubParsers(argparse._SubParsersAction):
                 return super().add_parser(name, **kw)
             finally:
                 self._parser_class = real
+        if "epilog" in kw:
+            kw["epilog"] = _command_epilog(name, kw["epilog"])
+        if kw.get("formatter_class") is argparse.RawDescriptionHelpFormatter:
+            kw["formatter_class"] = _Formatter
         sp = super().add_parser(name, **kw)
         _global_options(sp, after_command=True)
         return sp
@@ -145,11 +275,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="imagebuild",
         description="Reproducible, offline, staged builds of vLLM serving images for DGX Spark (GB10) "
         "clusters: definitions -> plan -> prefetch -> build -> gate -> promotion to IMAGE:local.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=_TopFormatter)
     p.add_argument("--version", action="version", version=f"imagebuild {__version__}")
     _global_options(p)
     p.register("action", "parsers", _SubParsers)
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, title="commands")
     sub.required = True
     sub.only = only
 
@@ -167,14 +297,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "When a Docker engine answers, also says which stage images already exist.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
-    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.plan, version 1)")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.plan, version 2)")
     sp.add_argument("--no-engine", action="store_true",
                     help="do not ask the Docker engine which stage images exist")
     sp.set_defaults(func=cmd_plan)
 
-    sp = sub.add_parser("validate", help="check image definitions and report every problem",
-                        description="Check one or all image definitions and report every problem found "
-                        "(file, line or key, what was expected, a hint). Exit 2 if any is invalid.",
+    sp = sub.add_parser("validate", help="check image definitions and imagebuild.yaml and report every problem",
+                        description="Check one or all image definitions, and the project's imagebuild.yaml, and "
+                        "report every problem found (file, line or key, what was expected, a hint). Exit 2 if any "
+                        "is invalid. JSON Schemas of image.yaml, gate.yaml and imagebuild.yaml for editors: "
+                        "docs/schemas/.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("images", metavar="IMAGE", nargs="*", help="image names (default: all)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.validate, version 1)")
@@ -183,8 +315,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sp = sub.add_parser("doctor", help="check this host: engine, BuildKit, image store, disk, memory, tools, "
                         "peers",
                         description="Check that this host can build and ship images: Docker engine "
-                        "reachable, buildx and BuildKit versions, containerd image store, free disk and "
-                        "memory, git, rsync, ssh, and each peer reachable with its own engine. Says what to "
+                        "reachable, buildx and BuildKit versions and the selected builder, containerd image store, "
+                        "free disk and memory, git, rsync, ssh, skopeo, the NVIDIA container runtime (a warning "
+                        "when absent: the gate's GPU checks are then skipped), and each peer reachable with its own engine. Says what to "
                         "do about each problem. Exit 1 if any check fails (warnings do not fail).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--peer", action="append", default=[], metavar="HOST",
@@ -201,7 +334,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "deterministic tarballs into deps-src/IMAGE/src/ with a SHA256SUMS, and write the "
                         "lock's 'sources' section (the build id). A re-run when nothing changed runs no git "
                         "at all. On failure the previous lock and tarballs are left as they were. "
-                        "Put IMAGE names before --refresh (or write --refresh=NAME). Details: docs/prefetch.md.",
+                        "--refresh moves every source; --refresh-source NAME (repeatable, or NAME,NAME) only those. "
+                        "--dry-run resolves and says what it would write to versions.env and the lock, and writes "
+                        "neither. Details: docs/prefetch.md.",
                         epilog=EPILOG + """
 prefetch environment:
   IMAGEBUILD_CACHE         mirror cache folder (default $XDG_CACHE_HOME/imagebuild/git,
@@ -213,13 +348,19 @@ prefetch environment:
 """, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("images", nargs="*", metavar="IMAGE",
                     help="image definitions to prefetch (default: every image with git sources)")
-    sp.add_argument("--refresh", nargs="*", metavar="NAME", default=None,
-                    help="re-resolve pinned PR heads and followed branches (NAME_REF=<branch>@<sha>) of the named "
-                    "sources (default all) and report which moved")
+    sp.add_argument("--refresh", action="store_true",
+                    help="re-resolve pinned PR heads and followed branches (NAME_REF=<branch>@<sha>) of every source "
+                    "and report which moved")
+    sp.add_argument("--refresh-source", action="append", metavar="NAME", default=[],
+                    help="refresh only this git source (repeatable; NAME,NAME works; --refresh=NAME is the old "
+                    "spelling)")
+    sp.add_argument("--dry-run", action="store_true", help="resolve, and print the versions.env pins and lock "
+                    "sources it would write; write neither, fetch no tarball")
     sp.add_argument("--offline", action="store_true",
                     help="use the mirror cache only; fail naming the first missing object")
-    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+    sp.add_argument("--jobs", type=common.count(1, 256), default=4, metavar="N",
                     help="parallel git operations (default 4)")
+    _deprecated(sp, "-j", dest="jobs", type=common.count(1, 256), use="--jobs (-j is build's MAX_JOBS)")
     sp.add_argument("--cache", metavar="DIR", help="mirror cache folder (default: $IMAGEBUILD_CACHE, else "
                     "$XDG_CACHE_HOME/imagebuild/git)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.prefetch, version 1)")
@@ -273,7 +414,7 @@ prefetch environment:
                     "passing receipt of the definition's current gate spec, here or carried by imagebuild sync, "
                     "signed by a key of the allowed-signers file when one is configured (exit 0 passed, 4 not)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON (schema imagebuild.receipt, "
-                    "version 1)")
+                    "version 2)")
     sp.set_defaults(func=cmd_gate)
 
     sp = sub.add_parser("build", help="build an image's stages offline, cached by key, up to :candidate (and "
@@ -301,7 +442,7 @@ prefetch environment:
                     help="allow a target platform other than the host's (QEMU emulation; slow)")
     sp.add_argument("--dry-run", action="store_true", help="check everything and print what would run; build "
                     "nothing")
-    sp.add_argument("--jobs", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
+    sp.add_argument("--jobs", "-j", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
     sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
                     help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
@@ -316,7 +457,7 @@ prefetch environment:
                     "BuildKit, release, tags, gate) goes there; its node's memory, cores and disk are used "
                     "(docs/fleet.md)")
     sp.add_argument("--json", action="store_true", help="print the build record (schema imagebuild.build, "
-                    "version 1; with --dry-run: imagebuild.build-plan)")
+                    "version 2; with --dry-run: schema imagebuild.build-plan, version 2)")
     sp.set_defaults(func=cmd_build)
 
     sp = sub.add_parser("sync", help="put the gated image on peer nodes: only the layers they lack, verified",
@@ -342,8 +483,9 @@ sync environment:
                     "default: peers: in imagebuild.yaml")
     sp.add_argument("--image", metavar="IMAGE|REF", help="a definition name (its :local) or any image reference "
                     "(default: the project's only definition)")
-    sp.add_argument("--jobs", "-j", type=common.count(1, 256), default=4, metavar="N",
+    sp.add_argument("--jobs", type=common.count(1, 256), default=4, metavar="N",
                     help="peers synced in parallel (default 4)")
+    _deprecated(sp, "-j", dest="jobs", type=common.count(1, 256), use="--jobs (-j is build's MAX_JOBS)")
     sp.add_argument("--force", action="store_true", help="sync an image without a passing receipt, or move a tag a "
                     "running container uses (with a warning)")
     sp.add_argument("--dry-run", action="store_true", help="probe the peers and say what would be sent; change "
@@ -362,7 +504,7 @@ sync environment:
 
     sp = sub.add_parser("log", help="list build runs, or show one run's record and logs",
                         description="Without RUN: the recorded build runs (of IMAGE, or of every image), newest "
-                        "first, with their status and build id. With RUN (a run id, a unique prefix of one, or "
+                        "first, with their status, build id, start and duration. With RUN (a run id, a unique prefix of one, or "
                         "'latest'): that run's stages and log paths; with --stage, that stage's full log. Every "
                         "run keeps its own folder under .imagebuild/builds/IMAGE/RUN/ (record.json, logs/).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -370,6 +512,8 @@ sync environment:
     sp.add_argument("run", metavar="RUN", nargs="?", help="run id, a unique prefix of one, or 'latest'")
     sp.add_argument("--stage", metavar="STAGE", help="print this stage's log (needs IMAGE; 'release' for the release "
                     "step)")
+    sp.add_argument("-n", "--limit", type=common.count(1, 1_000_000), metavar="N", default=None,
+                    help="list only the newest N runs")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
     sp.set_defaults(func=cmd_log)
 
@@ -400,7 +544,9 @@ sync environment:
                         "(deps-src/IMAGE) and run records, with their sizes; then BuildKit's build cache and the git "
                         "mirror cache. Reads only.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image)")
+    sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of this project)")
+    sp.add_argument("--all", action="store_true", help="also the images of other checkouts that share the stage "
+                    "store (marked *)")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.df, version 1)")
     sp.set_defaults(func=cmd_df)
 
@@ -427,8 +573,30 @@ sync environment:
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
                     "shared registry instead (default: registry: in imagebuild.yaml); the engine is not touched")
+    sp.add_argument("--dry-run", action="store_true", help="say which tags would move where; move none")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.rollback, version 1)")
     sp.set_defaults(func=cmd_rollback)
+
+    sp = sub.add_parser("config", help="show the effective settings (root, state, stage store, caches, locks, "
+                        "peers, registry) and where each came from",
+                        description="Print the settings a command would use here: the project root, the state "
+                        "folder, the stage store, the caches, the lock folder, the peers and the registry, each "
+                        "with its origin (flag, environment, imagebuild.yaml, default) and the flag, variable or "
+                        "key it came from; then those of imagebuild's environment variables that are set (--env: "
+                        "every one, set or not, with what it does). Secrets are never shown. Reads only. "
+                        "Outside a project, the root and state are shown as none.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--env", action="store_true", help="list every environment variable read by imagebuild")
+    sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.config, version 1)")
+    sp.set_defaults(func=cmd_config)
+
+    sp = sub.add_parser("help", help="show the top-level help, or one command's help",
+                        description="Print the help of COMMAND (the same as imagebuild COMMAND --help), or "
+                        "without COMMAND the top-level help: the commands by step, the exit codes, the "
+                        "environment, where the docs are.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("topic", metavar="COMMAND", nargs="?", help="a command")
+    sp.set_defaults(func=cmd_help)
 
     if only and only not in NIGHTLY_COMMANDS:  # their names only (for argparse's choices): no import
         for name in NIGHTLY_COMMANDS:
@@ -568,15 +736,33 @@ def cmd_validate(args) -> int:
                         "unpinned": []})
         if not args.json:
             print(exc.render(), file=sys.stderr)
+    settings = _validate_settings(root, args.json)
     if args.json:
-        common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results})
+        common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results, "settings": settings})
     else:
+        if settings["present"] and settings["valid"]:
+            print(f"{settings['file']}: ok")
         for r in results:
             if r["valid"]:
                 print(f"{r['image']}: ok" + (f" ({len(r['unpinned'])} unpinned)" if r["unpinned"] else ""))
                 for u in r["unpinned"]:
                     print(f"  unpinned: {u}")
-    return EXIT_OK if all(r["valid"] for r in results) else EXIT_BAD_INPUT
+    return EXIT_OK if all(r["valid"] for r in results) and settings["valid"] else EXIT_BAD_INPUT
+
+
+def _validate_settings(root, quiet: bool) -> dict:
+    """validate's check of the project's imagebuild.yaml (core/config.py): its problems on stderr."""
+    from imagebuild.core import config as config_mod
+
+    doc = {"file": config_mod.CONFIG_FILE, "present": (root / config_mod.CONFIG_FILE).exists(), "valid": True,
+           "problems": []}
+    try:
+        config_mod.load(root)
+    except DefinitionError as exc:
+        doc.update(valid=False, problems=[p.as_dict() for p in exc.problems])
+        if not quiet:
+            print(exc.render(), file=sys.stderr)
+    return doc
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -668,13 +854,24 @@ def _print_plan(plan: plan_mod.Plan) -> None:
 
 
 def cmd_prefetch(args) -> int:
+    import re
+
     from imagebuild.fetch import prefetch as prefetch_mod
 
     ctx = common.ctx(args)
+    if args.refresh:  # the old `--refresh NAME...`: a source name is upper case, an image name never is
+        old = [n for n in args.images if re.fullmatch(r"[A-Z][A-Z0-9_]*", n)]
+        if old:
+            print(f"warning: --refresh {' '.join(old)}: taken as --refresh-source {','.join(old)} (the old "
+                  "spelling, deprecated: --refresh takes no value now)", file=sys.stderr)
+            args.images = [n for n in args.images if n not in old]
+            args.refresh_source = [*args.refresh_source, *old]
     for name in args.images:
         defn_mod.check_image_name(name)
-    report = prefetch_mod.prefetch(ctx, args.images or None, refresh=args.refresh, offline=args.offline,
-                                   jobs=args.jobs, cache_dir=args.cache)
+    named = [n for v in args.refresh_source for n in v.split(",") if n]
+    refresh = named if named else ([] if args.refresh else None)
+    report = prefetch_mod.prefetch(ctx, args.images or None, refresh=refresh, offline=args.offline,
+                                   jobs=args.jobs, cache_dir=args.cache, dry_run=args.dry_run)
     if args.json:
         common.print_json(report.as_dict())
     else:
@@ -692,7 +889,7 @@ def cmd_bundle(args) -> int:
     if args.json:
         common.print_json(res.as_dict())
     else:
-        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB -> {res.file}")
+        print(f"{res.image}: {res.files} files, {human_bytes(res.bytes)} -> {res.file}")
     return EXIT_OK
 
 
@@ -703,7 +900,7 @@ def cmd_unbundle(args) -> int:
     if args.json:
         common.print_json(res.as_dict())
     else:
-        print(f"{res.image}: {res.files} files, {res.bytes / 1e6:.1f} MB verified and in place; "
+        print(f"{res.image}: {res.files} files, {human_bytes(res.bytes)} verified and in place; "
               f"`imagebuild build {res.image}` needs no network now")
         for r in res.replaced:
             print(f"  replaced {r} (the bundle's pins)")
@@ -801,7 +998,7 @@ def _check_receipt(args) -> int:
     if args.json:
         common.print_json(doc)
     elif found:
-        print(f"PASSED  {ref}  identity {ident.digest}")
+        print(f"PASSED  {ref}  identity {short_digest(ident.digest)}")
         print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
               f"; gated on {doc['host'] or '?'}" + ("; GPU checks skipped" if doc["gpu_checks_skipped"] else ""))
         if good.signer:
@@ -865,7 +1062,8 @@ def _cmd_build(args) -> int:
             print(f"{s['name']:<16} {s['status']:<8} {s['image']}" +
                   (f"  ({s['seconds']:.1f} s)" if s.get("seconds") is not None else ""))
         if rec.get("release"):
-            print(f"candidate        {', '.join(rec['release']['tags'])}  identity {rec['release']['identity']}")
+            print(f"candidate        {', '.join(rec['release']['tags'])}  identity "
+                  f"{short_digest(rec['release']['identity'])}")
         if rec.get("promotion"):
             p = rec["promotion"]
             print(f"promotion        {p['status']}" + (f": {p.get('reason')}" if p.get("reason") else "") +
@@ -890,18 +1088,22 @@ def cmd_log(args) -> int:
     if args.image:
         defn_mod.check_image_name(args.image)
     if args.run is None and args.stage is None:
-        runs = runs_mod.list_runs(ctx, args.image)
+        runs = runs_mod.list_runs(ctx, args.image)[:args.limit]
         if args.json:
             common.print_json({"schema": "imagebuild.log", "version": 1, "runs": [r.summary() for r in runs]})
             return EXIT_OK
         if not runs:
             print("no build runs recorded" + (f" for {args.image}" if args.image else ""))
             return EXIT_OK
+        iw = max(5, *(len(r.image) for r in runs))
+        rw = max(3, *(len(r.run_id) for r in runs))
+        print(f"{'IMAGE':<{iw}}  {'RUN':<{rw}}  {'STATUS':<12} {'BUILD':<16} {'STARTED':<20} {'TOOK':>8}  NOTE")
         for r in runs:
             s = r.summary()
-            print(f"{r.image:<20} {r.run_id:<24} {s['status']:<12} build {s['build_id'] or '-'}"
-                  + (f"  failed at {s['failed_stage']}" if s["failed_stage"] else "")
-                  + (f"  {s['promotion']}" if s["promotion"] else ""))
+            note = "; ".join(x for x in (f"failed at {s['failed_stage']}" if s["failed_stage"] else "",
+                                         s["promotion"] or "") if x)
+            print(f"{r.image:<{iw}}  {r.run_id:<{rw}}  {s['status']:<12} {s['build_id'] or '-':<16} "
+                  f"{(s['started'] or '-')[:19]:<20} {_took(s['started'], s['finished']):>8}  {note}".rstrip())
         return EXIT_OK
     if not args.image:
         raise UsageError("RUN and --stage need an IMAGE", hint="imagebuild log IMAGE [RUN] [--stage STAGE]")
@@ -926,17 +1128,32 @@ def cmd_log(args) -> int:
         log.warning("warning: %s: %s (shown as -)", ctx.show(run.dir / "record.json"), p)
     print(f"run       {run.run_id}  ({args.image}, {s['status']})")
     print(f"build id  {s['build_id'] or '-'}")
-    print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}")
+    print(f"started   {s['started'] or '-'}  finished {s['finished'] or '-'}  took {_took(s['started'], s['finished'])}")
     for st in run.stages():
         took = f"{st['seconds']:.1f} s" if st["seconds"] is not None else ""
         print(f"  {st['name'] or '-':<16} {st['status'] or '-':<8} {took:>9}  {st['log'] or ''}")
     if s["identity"]:
-        print(f"identity  {s['identity']}")
+        print(f"identity  {short_digest(s['identity'])}")
     if s["promotion"]:
         print(f"promotion {s['promotion']}")
     for p in run.logs():
         print(f"log       {ctx.show(p)}")
     return EXIT_OK
+
+
+def _took(started: str | None, finished: str | None) -> str:
+    """A run's duration from its record's ISO times (``1h02m``, ``3m05s``, ``12s``), ``-`` when unknown."""
+    from datetime import datetime
+
+    try:
+        secs = (datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds()
+    except (TypeError, ValueError):
+        return "-"
+    if secs < 0:
+        return "-"
+    h, rest = divmod(int(round(secs)), 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
 
 
 def cmd_gc(args) -> int:
@@ -978,16 +1195,23 @@ def cmd_df(args) -> int:
 
     ctx = common.ctx(args)
     doc = gc_mod.disk_usage(ctx, args.image)
+    others = [r for r in doc["images"] if not r["this_project"]]
+    if not args.all and not args.image:  # the shared stage store also holds other checkouts' images
+        doc = {**doc, "images": [r for r in doc["images"] if r["this_project"]], "other_images": len(others)}
     if args.json:
         common.print_json(doc)
         return EXIT_OK
     h = gc_mod.human
     print(f"{'IMAGE':<24} {'ENGINE':>12} {'STAGES':>12} {'PREFETCHED':>12} {'RUNS':>10} {'TOTAL':>12}")
     for r in doc["images"]:
-        print(f"{r['image']:<24} {h(r['engine']['bytes']):>12} {h(r['stage_store']['bytes']):>12} "
+        mark = "" if r["this_project"] else "  (not this project's: another checkout's, in the shared stage store)"
+        print(f"{r['image'] + ('*' if mark else ''):<24} {h(r['engine']['bytes']):>12} {h(r['stage_store']['bytes']):>12} "
               f"{h(r['prefetched']['bytes']):>12} {h(r['runs']['bytes']):>10} {h(r['total_bytes']):>12}")
         print(f"{'':<24} {r['engine']['releases']} release(s), {r['engine']['tags']} tag(s); "
-              f"{r['stage_store']['stages']} stage(s) in {r['stage_store']['path']}; {r['runs']['count']} run(s)")
+              f"{r['stage_store']['stages']} stage(s) in {r['stage_store']['path']}; {r['runs']['count']} run(s)"
+              + mark)
+    if doc.get("other_images"):
+        print(f"+ {doc['other_images']} image(s) of other checkouts in the shared stage store (imagebuild df --all)")
     if doc["buildkit_cache"]:
         print(f"BuildKit build cache: {h(doc['buildkit_cache']['bytes'])} (docker builder prune frees it)")
     print(f"git mirror cache: {h(doc['git_mirrors']['bytes'])} in {doc['git_mirrors']['path']}")
@@ -1076,13 +1300,17 @@ def cmd_rollback(args) -> int:
     _rollback_target(args.image, ctx)
     if args.registry is not None:
         return _rollback_registry(args, ctx)
-    doc = promote_mod.rollback(args.image, ctx)
+    doc = promote_mod.rollback(args.image, ctx, dry_run=args.dry_run)
     if args.json:
         common.print_json(doc)
     else:
-        print(f"{args.image}:local    -> {doc['local_id']}")
+        would = "would move " if args.dry_run else ""
+        print(f"{args.image}:local    {would}-> {short_digest(doc['local_id'])}"
+              + (f"  (from {short_digest(doc['previous_id'])})" if args.dry_run and doc["previous_id"] else ""))
         if doc["previous_id"]:
-            print(f"{args.image}:previous -> {doc['previous_id']}")
+            print(f"{args.image}:previous {would}-> {short_digest(doc['previous_id'])}")
+        if args.dry_run:
+            print("dry run: no tag moved")
     return EXIT_OK
 
 
@@ -1115,21 +1343,97 @@ def _rollback_registry(args, ctx) -> int:
         raise UsageError("rollback --registry: which registry? none given and imagebuild.yaml has no registry:",
                          hint="imagebuild rollback IMAGE --registry HOST:PORT/PREFIX")
     reg = registry_mod.parse(value, what="--registry" if args.registry else "imagebuild.yaml: registry")
-    doc = registry_release.rollback(reg, args.image, ctx)
+    doc = registry_release.rollback(reg, args.image, ctx, dry_run=args.dry_run)
     if args.json:
         common.print_json(doc)
     else:
-        print(f"{reg.repo(args.image)}:local    -> {doc['local_digest']}  (identity {doc['local_identity']})")
+        would = "would move " if args.dry_run else ""
+        print(f"{reg.repo(args.image)}:local    {would}-> {short_digest(doc['local_digest'])}  "
+              f"(identity {short_digest(doc['local_identity'])})")
         if doc["previous_digest"]:
-            print(f"{reg.repo(args.image)}:previous -> {doc['previous_digest']}")
+            print(f"{reg.repo(args.image)}:previous {would}-> {short_digest(doc['previous_digest'])}")
+        if args.dry_run:
+            print("dry run: no tag moved")
     return EXIT_OK
+
+
+def cmd_config(args) -> int:
+    from imagebuild.ops import settings
+
+    env_root = os.environ.get("IMAGEBUILD_ROOT")
+    origin = "environment" if env_root and args.root == env_root else "flag" if args.root else "default"
+    try:
+        root = common.root(args)
+    except UsageError:
+        if args.root:  # an explicit root that is no project is an error, as for every command
+            raise
+        root, origin = None, "default"
+    from imagebuild.core import config as config_mod
+
+    cfg = config_mod.load(root)
+    rows = settings.effective(root, origin, cfg)
+    env = settings.environment()
+    if args.json:
+        common.print_json({"schema": "imagebuild.config", "version": 1, "settings": [r.as_dict() for r in rows],
+                           "environment": env if args.env else [e for e in env if e["set"]]})
+        return EXIT_OK
+
+    def shown(v) -> str:
+        if v is None:
+            return "none"
+        if isinstance(v, list):
+            return ", ".join(v) or "none"
+        if isinstance(v, dict):
+            return "; ".join(f"@{k}: {', '.join(h)}" for k, h in v.items()) or "none"
+        return str(v)
+
+    w = max(len(r.name) for r in rows)
+    vw = min(60, max(len(shown(r.value)) for r in rows))
+    for r in rows:
+        print(f"{r.name:<{w}}  {shown(r.value):<{vw}}  {r.origin}" + (f" ({r.via})" if r.via else ""))
+    listed = env if args.env else [e for e in env if e["set"]]
+    print(f"\nenvironment: {sum(e['set'] for e in env)} of the {len(env)} variables imagebuild reads are set"
+          + ("" if args.env else " (imagebuild config --env lists them all; docs/cli.md, 'Environment variables')"))
+    if listed:
+        nw = max(len(e["name"]) for e in listed)
+        for e in listed:
+            print(f"  {e['name']:<{nw}}  " + (f"= {e['value']}" if e["set"] else f"   {e['what']}"))
+    return EXIT_OK
+
+
+def cmd_help(args) -> int:
+    if not args.topic:
+        build_parser().print_help()
+        return EXIT_OK
+    parser = build_parser(only=args.topic)
+    commands = _command_parsers(parser)
+    if args.topic not in commands:
+        _unknown_command(parser, args.topic, commands)
+    commands[args.topic].print_help()
+    return EXIT_OK
+
+
+def _unknown_command(parser, word: str, commands) -> None:
+    """Exit 2: ``word`` is no command; the closest ones suggested."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(commands), n=3, cutoff=0.6)
+    parser.error(f"unknown command {word[:40]!r}" + (f": did you mean {' or '.join(close)}?" if close else "")
+                 + " (imagebuild help lists the commands)")
 
 
 # ------------------------------------------------------------------------------------------------ main
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """parse_args, with a suggestion for an unknown option and -v/-q refused together (exit 2)."""
+    """parse_args, with a suggestion for an unknown command or option and -v/-q refused together (exit 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    word = _command_in(argv)
+    commands = _command_parsers(parser)
+    if word and commands and word not in commands:
+        _unknown_command(parser, word, commands)
+    if word == "prefetch":  # the old spelling of one source's refresh (--refresh takes no value now)
+        argv = [("--refresh-source=" + a.split("=", 1)[1]) if a.startswith("--refresh=") else a for a in argv]
     args, extra = parser.parse_known_args(argv)
     sp = _command_parsers(parser).get(getattr(args, "command", None), parser)
     if extra:
@@ -1172,6 +1476,9 @@ def _signals_as_interrupt() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_command_in(argv))
+    if not _command_in(argv) and not any(a in ("-h", "--help", "--version") for a in argv):
+        parser.print_help()  # bare `imagebuild` (or only global options): the help, exit 2 (docs/cli.md)
+        return EXIT_BAD_INPUT
     args = _parse(parser, argv)
     _setup_logging(args)
     _signals_as_interrupt()

@@ -33,8 +33,11 @@ def register(sub, epilog: str) -> None:
         "container stops the run before anything is built (exit 3); one image failing does not stop the next. "
         "Details: docs/nightly.md.", epilog=epilog + NIGHTLY_EPILOG, formatter_class=fmt)
     sp.add_argument("images", nargs="+", metavar="IMAGE", help="image definitions, built in this order")
-    sp.add_argument("--peers", nargs="*", metavar="PEER", default=None,
-                    help="copy :local to these SSH peers (default: peers: in imagebuild.yaml; --peers alone: none)")
+    sp.add_argument("--peer", action="append", metavar="PEER", default=[],
+                    help="copy :local to this SSH peer (repeatable; PEER,PEER works; default: peers: in imagebuild.yaml)")
+    sp.add_argument("--no-peers", action="store_true", help="copy to no peer, whatever imagebuild.yaml says")
+    # deprecated: it took every word after it (`--peers dgx4 IMAGE` made IMAGE a peer); now one value or none
+    sp.add_argument("--peers", nargs="?", const="", metavar="PEER[,PEER]", default=None, help=argparse.SUPPRESS)
     sp.add_argument("--refresh", action="store_true",
                     help="move pinned PR heads and followed branches to their latest commits (prefetch --refresh)")
     sp.add_argument("--report-dir", metavar="DIR", help="where reports go (default .imagebuild/nightly)")
@@ -93,6 +96,22 @@ def _shown(p) -> str:
         return str(p)
 
 
+def _peers(args, configured: tuple[str, ...]) -> tuple[str, ...]:
+    """--peer (repeatable, PEER,PEER), --no-peers, the deprecated --peers [PEER,PEER], else imagebuild.yaml."""
+    import sys
+
+    from imagebuild.core.errors import UsageError
+
+    if args.peers is not None:
+        print("warning: --peers is deprecated: use --peer PEER (repeatable) or --no-peers", file=sys.stderr)
+    given = [p for v in [*args.peer, *([args.peers] if args.peers is not None else [])] for p in v.split(",") if p]
+    if args.no_peers and given:
+        raise UsageError("--no-peers and --peer cannot be used together")
+    if args.no_peers or args.peers == "":
+        return ()
+    return tuple(dict.fromkeys(given)) if given else configured
+
+
 def cmd_nightly(args) -> int:
     from pathlib import Path
 
@@ -100,7 +119,7 @@ def cmd_nightly(args) -> int:
 
     ctx = common.ctx(args)
     root = ctx.root
-    peers = tuple(args.peers) if args.peers is not None else ctx.config.peers
+    peers = _peers(args, ctx.config.peers)
     opts = nightly_mod.Options(peers=peers, refresh=args.refresh,
                                report_dir=Path(args.report_dir) if args.report_dir else None,
                                keep_reports=args.keep_reports, keep_builds=args.keep_builds, gc=not args.no_gc,

@@ -10,7 +10,8 @@ Takes nothing of the pipeline and knows none of it. Gives:
 - the systems outside: ``engine`` (the Docker engine), ``remote`` (ssh to a peer), ``remote_engine``
   (another node's engine), ``registry`` (an OCI registry, through skopeo); ``identity``: an image's
   identity, independent of the image store;
-- ``yamlread``: YAML with line numbers, so errors name the line.
+- ``yamlread``: YAML with line numbers, so errors name the line; ``units``: sizes (binary units) and
+  short digests as people read them.
 """
 
-__all__ = ["config", "context", "engine", "errors", "fsutil", "identity", "lazy", "lock", "registry", "remote", "remote_engine", "run", "runs", "state", "yamlread"]
+__all__ = ["config", "context", "engine", "errors", "fsutil", "identity", "lazy", "lock", "registry", "remote", "remote_engine", "run", "runs", "state", "units", "yamlread"]

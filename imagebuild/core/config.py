@@ -13,15 +13,15 @@ Unknown keys are errors with file, line and a suggestion, like every definition 
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.core import yamlread
+from imagebuild.core import lazy, yamlread
 from imagebuild.core.errors import DefinitionError, Problem, excerpt
 from imagebuild.core.fsutil import inside
 from imagebuild.core.remote import is_destination
 
+difflib = lazy.module("difflib")  # error hints only (validate reads imagebuild.yaml: tests/unit/cli/test_startup.py)
 CONFIG_FILE = "imagebuild.yaml"
 KEYS = ("peers", "peer_lists", "registry", "receipts")
 RECEIPT_KEYS = ("signing_key", "allowed_signers")

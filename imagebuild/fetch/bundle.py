@@ -49,6 +49,7 @@ from imagebuild.core.errors import (
     UsageError,
 )
 from imagebuild.core.fsutil import atomic_write_bytes, sha256_tree
+from imagebuild.core.units import human_bytes
 from imagebuild.definition import reader as d
 
 log = logging.getLogger("imagebuild")
@@ -246,7 +247,7 @@ def bundle(ctx: context_mod.Context | Path, image: str, output: Path) -> Result:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    log.info("%s: bundled %d files (%.1f MB) into %s", image, len(manifest_files), total / 1e6, output)
+    log.info("%s: bundled %d files (%s) into %s", image, len(manifest_files), human_bytes(total), output)
     return Result(image, str(output), len(manifest_files), total, time.monotonic() - t0)
 
 
@@ -301,7 +302,7 @@ def unbundle(ctx: context_mod.Context | Path, file: Path) -> Result:
             res.files = len(got)
             res.bytes = total
             res.seconds = time.monotonic() - t0
-            log.info("%s: unbundled %d files (%.1f MB) from %s", image, res.files, res.bytes / 1e6, file)
+            log.info("%s: unbundled %d files (%s) from %s", image, res.files, human_bytes(res.bytes), file)
             done = True
             return res
         finally:
@@ -534,7 +535,7 @@ def _room(file: Path, where: Path, total: int) -> None:
     """The manifest's sizes bound what unbundle writes: refuse up front where they do not fit."""
     free = shutil.disk_usage(where).free
     if total + (64 << 20) > free:
-        raise OperationFailed(f"{file}: its files take {total / 1e6:.1f} MB, {where} has {free / 1e6:.1f} MB free",
+        raise OperationFailed(f"{file}: its files take {human_bytes(total)}, {where} has {human_bytes(free)} free",
                               hint="free disk (imagebuild gc), then unbundle again")
 
 

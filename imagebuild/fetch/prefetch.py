@@ -114,11 +114,13 @@ class ImageReport:
     pr_states: list[dict] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
     packages: dict | None = None  # base images, wheels, apt (packages.summary)
+    would_write: dict | None = None  # --dry-run: the pins and lock sources a run would write
 
     def as_dict(self) -> dict:
         return {"image": self.image, "status": self.status, "lock": self.lock, "build_id": self.build_id,
                 "sources": self.sources, "pinned": self.pinned, "moved": self.moved,
-                "pr_states": self.pr_states, "notices": self.notices, "packages": self.packages}
+                "pr_states": self.pr_states, "notices": self.notices, "packages": self.packages,
+                "would_write": self.would_write}
 
 
 @dataclass
@@ -140,9 +142,12 @@ class Report:
 
 
 def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *, refresh: list[str] | None = None,
-             offline: bool = False, jobs: int = 4, cache_dir: str | os.PathLike | None = None) -> Report:
+             offline: bool = False, jobs: int = 4, cache_dir: str | os.PathLike | None = None,
+             dry_run: bool = False) -> Report:
     """Prefetch ``images`` (default: every image with git sources). ``refresh``: None = no
-    refresh, [] = every source, [NAME...] = those sources."""
+    refresh, [] = every source, [NAME...] = those sources. ``dry_run``: resolve refs and PR heads
+    (the mirror cache may fetch), then report what versions.env and the lock would get; write neither,
+    compose and pack nothing, leave packages alone."""
     t0 = time.monotonic()
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: expected a positive number")
@@ -166,6 +171,9 @@ def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *
     cache = gitcache.Cache(gitcache.default_cache_dir(cache_dir), offline=offline)
     reports = []
     for defn in defns:
+        if dry_run:
+            reports.append(_prefetch_image(defn, cache, refresh, jobs, dry_run=True))
+            continue
         with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
             ir = _prefetch_image(defn, cache, refresh, jobs)
             if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
@@ -214,7 +222,8 @@ def _pins(defn: d.Definition) -> dict[str, Pin]:
     return out
 
 
-def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str] | None, jobs: int) -> ImageReport:
+def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str] | None, jobs: int,
+                    dry_run: bool = False) -> ImageReport:
     rep = ImageReport(defn.name)
     ddir = state.deps_dir(defn.root, defn.name)
     srcdir = ddir / "src"
@@ -238,7 +247,8 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             return rep
         log.info("%s: %s", defn.name, why)
 
-    _clean_stale_tmp(srcdir)
+    if not dry_run:
+        _clean_stale_tmp(srcdir)
     log.info("%s: %d git sources", defn.name, len(pins))
 
     # 2. resolve
@@ -246,6 +256,19 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             if not SHA_RE.match(p.ref) or any(s is None for _, s in p.prs)
             or (refresh is not None and (not refresh or p.name in refresh) and (p.prs or p.follows))]
     _pmap(lambda p: _resolve(p, cache, refresh, rep), todo, jobs)
+    if dry_run:  # what a run would write, from the resolved pins alone
+        updates = _ref_updates(defn, pins, rep)
+        old = (old_lock or {}).get("sources") if isinstance((old_lock or {}).get("sources"), dict) else {}
+        rep.status = "dry-run"
+        rep.would_write = {
+            "versions_env": {"file": defn.env.display, "set": updates},
+            "lock": {"file": lock_disp, "sources": [
+                {"source": p.name, "ref": p.ref, "prs": [{"number": n, "sha": s} for n, s in p.prs],
+                 "changed": not isinstance(old.get(p.name), dict) or old[p.name].get("ref") != p.ref
+                 or [(x.get("number"), x.get("sha")) for x in old[p.name].get("prs") or []] != list(p.prs)}
+                for p in pins.values()]},
+            "packages": "not checked (--dry-run)" if packages.has_packages(defn) else None}
+        return rep
 
     # 3. fetch (grouped by URL: one fetch per mirror) and 4. compose, the scanned sources first:
     # a FetchContent problem is reported before any dependency is downloaded
@@ -317,18 +340,8 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     sources = {p.name: e for p, e in zip(pins.values(), entries, strict=True)}
 
     # 8. commit: versions.env, the lock (the commit point), then SHA256SUMS and pruning
-    updates = {}
+    updates = _ref_updates(defn, pins, rep)
     for p in pins.values():
-        src = defn.sources[p.name]
-        old_ref = f"{src.follows}@{src.ref}" if src.follows else src.ref
-        if old_ref != p.ref_value():
-            updates[p.ref_key] = p.ref_value()
-            rep.pinned.append({"key": p.ref_key, "from": old_ref, "to": p.ref_value()})
-        old = src.pins()["prs"]
-        new = [f"{n}@{s}" for n, s in p.prs]
-        if old != new:
-            updates[p.prs_key] = p.prs_value()
-            rep.pinned.append({"key": p.prs_key, "from": " ".join(old), "to": p.prs_value()})
         if p.opts.cargo_switch:  # 1 when the composed tree has Rust crates (vendored), else 0
             want = "1" if sources[p.name]["cargo"] else "0"
             have = defn.env.get(p.opts.cargo_switch)
@@ -354,6 +367,24 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     rep.sources = sources
     rep.lock = lock_disp
     return rep
+
+
+def _ref_updates(defn: d.Definition, pins: dict[str, Pin], rep: ImageReport) -> dict[str, str]:
+    """The versions.env values the resolved ``pins`` change (NAME_REF, NAME_PRS), each also listed
+    in ``rep.pinned``."""
+    updates = {}
+    for p in pins.values():
+        src = defn.sources[p.name]
+        old_ref = f"{src.follows}@{src.ref}" if src.follows else src.ref
+        if old_ref != p.ref_value():
+            updates[p.ref_key] = p.ref_value()
+            rep.pinned.append({"key": p.ref_key, "from": old_ref, "to": p.ref_value()})
+        old = src.pins()["prs"]
+        new = [f"{n}@{s}" for n, s in p.prs]
+        if old != new:
+            updates[p.prs_key] = p.prs_value()
+            rep.pinned.append({"key": p.prs_key, "from": " ".join(old), "to": p.prs_value()})
+    return updates
 
 
 def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
@@ -1039,8 +1070,19 @@ def render(report: Report) -> str:
                 lines.append(f"  {'':<16} override {ov['name']} ({'environment' if ov['via'] == 'env' else '-D'})")
             for x in e.get("excluded") or []:
                 lines.append(f"  {'':<16} excluded {x['name']} ({x['file']}:{x['line']}): {x['reason']}")
+        verb = "would pin" if ir.would_write is not None else "pinned"
         for u in ir.pinned:
-            lines.append(f"  pinned {u['key']}: {u['from'] or '-'} -> {u['to']}")
+            lines.append(f"  {verb} {u['key']}: {u['from'] or '-'} -> {u['to']}")
+        if ir.would_write is not None:
+            w = ir.would_write
+            lines.append(f"  would write {w['versions_env']['file']}: "
+                         + (", ".join(f"{k}={v}" for k, v in w["versions_env"]["set"].items()) or "nothing"))
+            changed = [x["source"] for x in w["lock"]["sources"] if x["changed"]]
+            lines.append(f"  would write {w['lock']['file']}: sources "
+                         + (", ".join(changed) + " re-composed and packed" if changed else "as they are"))
+            if w["packages"]:
+                lines.append(f"  packages: {w['packages']}")
+            lines.append("  dry run: nothing written")
         for mv in ir.moved:
             what = f"PR {mv['number']}" if "number" in mv else mv["ref"]
             lines.append(f"  moved  {mv['source']} {what}: {mv['from'][:12]} -> {mv['to'][:12]}")

@@ -7,6 +7,7 @@ the disk each image holds and the retention that frees it, and the host checks.
 - ``gc``: ``imagebuild df`` and ``imagebuild gc``; ``doctor``: ``imagebuild doctor``;
 - ``history``: the nights, kept for good; ``htmlpage``: them as one HTML page with charts;
   ``buildlog``: what a failed stage's log says (its step's exit code, its last lines).
+- ``settings``: ``imagebuild config`` (effective settings and the environment variables).
 """
 
-__all__ = ["buildlog", "doctor", "gc", "history", "htmlpage", "imagediff", "nightly", "report"]
+__all__ = ["buildlog", "doctor", "gc", "history", "htmlpage", "imagediff", "nightly", "report", "settings"]

@@ -5,6 +5,7 @@ Checks only read: they ask the engine, the tools and the peers questions and cha
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -82,6 +83,7 @@ def check_buildx(engine_version: str | None = None) -> list[Check]:
     except OperationFailed as exc:
         out.append(Check("buildkit", "warn", f"cannot inspect the builder: {exc.message.splitlines()[0]}"))
         return out
+    out.append(check_builder(insp))
     m = re.search(r"BuildKit(?: version)?:\s*(\S+)", insp, re.I)
     bk = m.group(1) if m else "unknown"
     v = _version_tuple(bk)
@@ -97,6 +99,58 @@ def check_buildx(engine_version: str | None = None) -> list[Check]:
                      None if ok else f"BuildKit >= {'.'.join(map(str, MIN_BUILDKIT))} is needed for "
                      "OCI layout export and build contexts; upgrade the engine"))
     return out
+
+
+def check_builder(inspect_text: str) -> Check:
+    """Which buildx builder ``docker buildx build`` uses here (``docker buildx use`` or
+    ``BUILDX_BUILDER`` select it): its name and driver, from ``docker buildx inspect``."""
+    name = re.search(r"^Name:\s*(\S+)", inspect_text, re.M)
+    driver = re.search(r"^Driver:\s*(\S+)", inspect_text, re.M)
+    if not name:
+        return Check("buildx builder", "warn", "docker buildx inspect named no builder",
+                     "docker buildx ls lists them; docker buildx use default selects the engine's own")
+    drv = driver.group(1) if driver else "unknown"
+    if drv == "docker":
+        return Check("buildx builder", "ok", f"{name.group(1)} (driver docker: the engine's own BuildKit and image store)")
+    return Check("buildx builder", "warn", f"{name.group(1)} (driver {drv})",
+                 "imagebuild's stages and releases go into the engine's image store, which the docker driver "
+                 "writes directly; with another driver each result is copied in (slower), and the engine's "
+                 "cache is not the builder's: docker buildx use default")
+
+
+NVIDIA_RUNTIME_FIX = ("install the NVIDIA container toolkit (nvidia-container-toolkit) and run `nvidia-ctk runtime "
+                      "configure --runtime=docker`, then restart dockerd; without it the gate's `requires: gpu` "
+                      "checks are SKIPPED (gate --require-gpu fails them)")
+
+
+def check_nvidia_runtime() -> Check:
+    """Can the engine give a container the GPUs (``docker run --gpus all``, what the gate's GPU checks
+    need)? An ``nvidia`` runtime in ``docker info``, or CDI specs; absent is a warning."""
+    try:
+        text = run_mod.output(["docker", "info", "--format", "{{json .Runtimes}}"], timeout=15)
+        runtimes = sorted(json.loads(text or "{}"))
+    except (OperationFailed, ValueError, TypeError):
+        runtimes = []
+    cdi = [d for d in ("/etc/cdi", "/var/run/cdi") if Path(d).is_dir() and any(Path(d).glob("*nvidia*"))]
+    if "nvidia" in runtimes or cdi:
+        how = "nvidia runtime" if "nvidia" in runtimes else f"CDI specs in {', '.join(cdi)}"
+        return Check("nvidia runtime", "ok", f"{how}: the gate runs GPU checks with --gpus all")
+    tool = next((t for t in ("nvidia-ctk", "nvidia-container-runtime") if run_mod.which(t)), None)
+    detail = (f"{tool} is installed but the engine has no nvidia runtime (runtimes: {', '.join(runtimes) or '?'})"
+              if tool else f"no NVIDIA container runtime (engine runtimes: {', '.join(runtimes) or '?'})")
+    return Check("nvidia runtime", "warn", detail, NVIDIA_RUNTIME_FIX)
+
+
+def check_skopeo(registry: str | None) -> Check:
+    """skopeo: the registry stage cache, release tags and sync --via registry copy through it
+    (core/registry.py). Missing: a failure when imagebuild.yaml names a registry, else a warning."""
+    fix = "install skopeo (apt-get install skopeo): the registry stage cache and sync --via registry use it"
+    if run_mod.which("skopeo") is None:
+        return Check("skopeo", "fail" if registry else "warn",
+                     "not found on PATH" + (f", and imagebuild.yaml names a registry ({registry})" if registry
+                                            else ": --cache-registry, rollback --registry and sync --via "
+                                            "registry cannot work"), fix)
+    return check_tool("skopeo", ["--version"], fix)
 
 
 def check_disk(paths: list[tuple[str, Path]]) -> list[Check]:
@@ -234,6 +288,9 @@ def run_checks(ctx: context_mod.Context | Path | None, peers: list[str]) -> list
     checks.append(check_tool("git", ["--version"], "install git (apt-get install git)"))
     checks.append(check_tool("rsync", ["--version"], "install rsync (apt-get install rsync)"))
     checks.append(check_tool("ssh", ["-V"], "install an SSH client (apt-get install openssh-client)"))
+    checks.append(check_skopeo(ctx.config.registry if ctx is not None else None))
+    if info.reachable:
+        checks.append(check_nvidia_runtime())
     configured = list(ctx.config.peers) if ctx is not None else []
     for host in dict.fromkeys([*configured, *peers]):
         checks += check_peer(host)

@@ -463,6 +463,7 @@ def disk_usage(ctx: Context | Path, image: str | None = None) -> dict:
     root = ctx.root
     info = ctx.engine
     rows = []
+    ours = set(defn_mod.list_images(root))  # the rest: other checkouts' stages in the shared store
     for name in images_of(ctx, image):
         imgs = engine_images(name) if info.reachable else []
         seen, engine_bytes = set(), 0
@@ -473,7 +474,7 @@ def disk_usage(ctx: Context | Path, image: str | None = None) -> dict:
         store = StageStore.for_image(root, name)
         rs = runs.list_runs(ctx, name)
         rows.append({
-            "image": name,
+            "image": name, "this_project": name in ours or bool(rs),
             "engine": {"tags": len(imgs), "images": len(seen), "bytes": engine_bytes,
                        "releases": sum(1 for im in imgs if ":release-" in im.ref)},
             "stage_store": {"path": str(store.dir), "stages": len(store.refs()), "bytes": tree_bytes(store.dir)},

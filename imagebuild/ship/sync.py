@@ -200,11 +200,9 @@ def _hexof(digest: str | None) -> str:
 
 
 def human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+    from imagebuild.core.units import human_bytes  # one unit system for every command (MiB, GiB)
+
+    return human_bytes(n)
 
 
 def _now() -> str:
