@@ -22,7 +22,8 @@ GROUP_LINES = 400  # the last lines of each stage's log in its fold
 
 
 def under_actions(env=None) -> bool:
-    return (env if env is not None else os.environ).get("GITHUB_ACTIONS") == "true"
+    value = os.environ.get("GITHUB_ACTIONS") if env is None else env.get("GITHUB_ACTIONS")
+    return value == "true"
 
 
 def _prop(text) -> str:
