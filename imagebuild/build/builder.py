@@ -53,6 +53,7 @@ from imagebuild.core import lock as lock_mod
 from imagebuild.core import registry as registry_mod
 from imagebuild.core import remote_engine, state
 from imagebuild.core import run as run_mod
+from imagebuild.core import runs as runs_mod
 from imagebuild.core.errors import (
     DefinitionError,
     GateFailed,
@@ -670,13 +671,16 @@ def _remove_stale_tmp(b: Build) -> None:
         shutil.rmtree(p, ignore_errors=True)
     for p in layerclamp.remove_stale_tmp(b.store):
         log.info("removed %s (left by an earlier run that did not end cleanly)", p)
+    for r in runs_mod.mark_abandoned(b.ctx, b.defn.name):
+        log.info("run %s of %s: recorded as %s (its process %s is gone, it never finished)", r.run_id,
+                 b.defn.name, runs_mod.ABANDONED, r.record.get("owner"))
 
 
 def _record(b: Build, status: str, started: str, **extra) -> dict:
     rec = {
         "schema": RECORD_SCHEMA, "version": RECORD_VERSION, "image": b.defn.name, "run_id": b.run_id,
         "build_id": b.plan.build_id, "build_id_from": b.plan.build_id_from, "platform": b.plan.platform,
-        "status": status,
+        "status": status, "owner": runs_mod.owner(),  # host:pid: a record left running by a dead owner is abandoned
         "started": started, "finished": _now(),  # a record of a run: it holds times, explicitly
         "source_date_epoch": b.epoch,
         "options": {"from": b.opts.from_stage, "until": b.opts.until_stage, "no_cache": b.opts.no_cache,

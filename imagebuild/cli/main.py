@@ -943,6 +943,10 @@ def cmd_gc(args) -> int:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
     if args.image:  # before the engine is asked
         defn_mod.check_image_name(args.image)
+    if not args.dry_run:  # a gate killed with -9 left its container: its build is not "used by a container"
+        from imagebuild.gate import leftovers
+
+        leftovers.reap()
     plan = gc_mod.plan_gc(ctx, args.image, args.keep)
     if not args.dry_run:
         gc_mod.apply(plan, ctx)

@@ -4,7 +4,8 @@ Takes any image (by reference) and a gate spec, and gives a receipt keyed by (im
 spec digest): which checks ran, which passed. It knows nothing of how the image was built: the
 build step calls it on its candidate, and promotion and sync read its receipts.
 - ``runner``: ``run_gate`` (``imagebuild gate``), the container and the check transcript;
-- ``receipts``: the receipts on disk and ``find_passing``.
+- ``receipts``: the receipts on disk and ``find_passing``;
+- ``leftovers``: ``reap``, the gate containers of gates killed before they could remove them.
 """
 
-__all__ = ["receipts", "runner"]
+__all__ = ["leftovers", "receipts", "runner"]
