@@ -22,6 +22,7 @@ from imagebuild.core.errors import (
     EXIT_OK,
     EXIT_REFUSED,
     DefinitionError,
+    GateFailed,
     ImagebuildError,
     UsageError,
 )
@@ -760,7 +761,6 @@ def _check_receipt(args) -> int:
 
     from imagebuild.build import promote as promote_mod
     from imagebuild.core import identity as identity_mod
-    from imagebuild.core.errors import GateFailed
     from imagebuild.definition import gatespec
     from imagebuild.gate import receipts
 
@@ -849,7 +849,12 @@ def _cmd_build(args) -> int:
             print("then: release image, :b-<build id>, :candidate" if doc["release"] else
                   "then: stop (--until), no release image")
         return EXIT_OK
-    rec = build_mod.build(ctx, args.image, opts)
+    try:
+        rec = build_mod.build(ctx, args.image, opts)
+    except GateFailed as exc:  # exit 4, and --json still prints the run's record
+        if args.json and isinstance(getattr(exc, "record", None), dict):
+            common.print_json(exc.record)
+        raise
     if args.json:
         common.print_json(rec)
     else:

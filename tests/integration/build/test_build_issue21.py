@@ -1,0 +1,80 @@
+"""Issue 21 against the real engine: what reaches the image is what the key covers (a retargeted
+folder link, a new empty folder), a gate-failed build still prints its record with ``--json``, the
+diff names a patch digest once, and a base whose tag moved off its pin is said before any stage
+is built, in prefetch's words."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.fleetfixtures import fleet_project, remove_fleet_images, unique_name
+
+pytestmark = pytest.mark.engine
+
+
+def _build(root, name, *args):
+    return run_cli("--root", str(root), "build", name, "--json", *args)
+
+
+def test_a_gate_failed_build_prints_its_record_and_the_diff_names_each_digest_once(engine_info, tmp_path,
+                                                                                    monkeypatch):
+    name = unique_name("gjson")
+    root = fleet_project(tmp_path / "p", name, gate=True)
+    d = root / "docker-images" / name
+    monkeypatch.setenv("IMAGEBUILD_STAGES", str(tmp_path / "stages"))
+    monkeypatch.setenv("IMAGEBUILD_NO_GPU", "1")
+    try:
+        res = _build(root, name)
+        assert res.code == 0, res.err
+        assert json.loads(res.out)["promotion"]["status"] == "promoted"
+        # another patch script (same edit) and a gate that fails: exit 4, and the record on stdout
+        patch = d / "patch_greet.py"
+        patch.write_text(patch.read_text().replace('reason="louder greeting"', 'reason="louder greeting (v2)"'))
+        gate = d / "gate.yaml"
+        gate.write_text(gate.read_text().replace('contains: "imagebuild-patch: greet-loud"',
+                                                 'contains: "no-such-text"'))
+        res = _build(root, name)
+        assert res.code == 4, res.err
+        rec = json.loads(res.out)
+        assert rec["status"] == "gate-failed" and rec["promotion"]["status"] == "gate-failed"
+        assert rec["release"]["identity"].startswith("sha256:")
+        # what changed from :local to the failed candidate: the patch digest, written once
+        r = run_cli("--root", str(root), "diff", f"{name}:local", f"{name}:candidate")
+        assert r.code == 0, r.err
+        assert "`patch_greet.py`: applied sha256:" in r.out and "sha256:sha256:" not in r.out, r.out
+    finally:
+        remove_fleet_images(name)
+
+
+def test_a_base_tag_moved_off_its_pin_is_said_before_any_stage_is_built(engine_info, tmp_path, monkeypatch):
+    from tests.peers import BUSYBOX, DEBIAN
+
+    name = unique_name("moved")
+    base = f"imagebuild-test/{name}-base:1"
+    digest = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", BUSYBOX], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    d = tmp_path / "p" / "docker-images" / name
+    d.mkdir(parents=True)
+    (d / "versions.env").write_text(f"BASE_IMAGE={base}@{digest}\n")
+    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: one\n    from: BASE_IMAGE\n")
+    (d / "Dockerfile.one").write_text("ARG PARENT\nFROM ${PARENT}\nRUN echo one > /one\n")
+    monkeypatch.setenv("IMAGEBUILD_STAGES", str(tmp_path / "stages"))
+    subprocess.run(["docker", "tag", BUSYBOX, base], check=True, capture_output=True)
+    try:
+        res = _build(tmp_path / "p", name, "--no-gate")
+        assert res.code == 0, res.err
+        subprocess.run(["docker", "tag", DEBIAN, base], check=True, capture_output=True)  # the tag moves
+        (d / "Dockerfile.one").write_text("ARG PARENT\nFROM ${PARENT}\nRUN echo two > /one\n")  # a stage to build
+        res = _build(tmp_path / "p", name, "--no-gate")
+        assert res.code == 1, res.err
+        assert (f"docker-images/{name}/versions.env: BASE_IMAGE: imagebuild-test/{name}-base@{digest} is not in "
+                "the local engine") in res.err
+        assert "tag moved off the pinned digest" in res.err and f"imagebuild prefetch {name}" in res.err
+        assert "healthy" not in res.err and "building" not in res.err
+    finally:
+        subprocess.run(["docker", "image", "rm", base], capture_output=True)
+        remove_fleet_images(name)
