@@ -78,3 +78,68 @@ def test_a_base_tag_moved_off_its_pin_is_said_before_any_stage_is_built(engine_i
     finally:
         subprocess.run(["docker", "image", "rm", base], capture_output=True)
         remove_fleet_images(name)
+
+
+def _sh(ref: str, script: str) -> str:
+    return subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", ref, "-c", script],
+                          check=True, capture_output=True, text=True).stdout
+
+
+def test_a_retargeted_folder_link_and_a_new_empty_folder_each_give_a_new_key_and_reach_the_image(
+        engine_info, tmp_path, monkeypatch):
+    """Issue 21, case 2: after ``src/inc -> sub`` became ``src/inc -> sub2`` every stage was skipped
+    and the image held the old link; an empty folder reached the image outside the key. Both are in
+    the context stream now: a new key, a built stage, and the image (read back from the engine) holds
+    what the definition holds; the old target again gives the old key and the old image back."""
+    import os
+
+    name = unique_name("ctx")
+    root = fleet_project(tmp_path / "p", name)
+    d = root / "docker-images" / name
+    y = d / "image.yaml"
+    y.write_text(y.read_text().replace("files: [files/tool.sh]", "files: [files/tool.sh, files/tree]"))
+    df = d / "Dockerfile.tools"
+    df.write_text(df.read_text() + "COPY files/tree /opt/tree\n")
+    src = d / "files" / "tree" / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub2").mkdir()
+    (src / "sub" / "a.txt").write_text("a\n")
+    (src / "sub2" / "b.txt").write_text("b\n")
+    os.symlink("sub", src / "inc")
+    monkeypatch.setenv("IMAGEBUILD_STAGES", str(tmp_path / "stages"))
+
+    def build():
+        res = _build(root, name, "--no-gate")
+        assert res.code == 0, res.err
+        rec = json.loads(res.out)
+        return rec, {s["name"]: (s["key"], s["status"]) for s in rec["stages"]}
+
+    look = "readlink /opt/tree/src/inc; ls /opt/tree/src/inc/; ls -a /opt/tree/src | tr '\\n' ' '"
+    try:
+        one, k1 = build()
+        assert _sh(f"{name}:candidate", look).splitlines()[:2] == ["sub", "a.txt"]
+
+        os.unlink(src / "inc")
+        os.symlink("sub2", src / "inc")  # the same name, another folder
+        two, k2 = build()
+        assert k2["tools"][0] != k1["tools"][0] and k2["tools"][1] == "built"
+        assert k2["base"] == (k1["base"][0], "skipped") and two["build_id"] != one["build_id"]
+        for ref in (f"{name}:candidate", f"{name}:b-{two['build_id']}"):
+            assert _sh(ref, look).splitlines()[:2] == ["sub2", "b.txt"], ref
+
+        (src / "empty").mkdir()  # an empty folder: nothing git could hold, but it reaches the image
+        three, k3 = build()
+        assert k3["tools"][0] not in (k1["tools"][0], k2["tools"][0]) and k3["tools"][1] == "built"
+        assert "empty" in _sh(f"{name}:candidate", look).splitlines()[2].split()
+        assert _sh(f"{name}:candidate", "test -d /opt/tree/src/empty && ls -A /opt/tree/src/empty | wc -l").strip() \
+            == "0"
+
+        (src / "empty").rmdir()
+        os.unlink(src / "inc")
+        os.symlink("sub", src / "inc")  # back to the first tree: its key, its image
+        four, k4 = build()
+        assert k4["tools"] == (k1["tools"][0], "skipped") and four["build_id"] == one["build_id"]
+        out = _sh(f"{name}:candidate", look).splitlines()
+        assert out[:2] == ["sub", "a.txt"] and "empty" not in out[2].split()
+    finally:
+        remove_fleet_images(name)
