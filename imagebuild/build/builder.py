@@ -570,6 +570,10 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
     if warn:
         b.warnings.append(warn)
+    prov = b.plan.provenance
+    if prov is not None and prov.dirty_paths:  # provenance.py: why a committed definition is still dirty
+        b.warnings.append(f"revision {prov.revision}: a stage's context holds what no commit holds (gitignored "
+                          f"or an empty folder): {', '.join(prov.dirty_paths)}")
     eng = remote_engine.active()
     if info.get("reachable"):  # a local base of another platform: refused before anything runs (exit 2)
         notes = guards.check_base_platforms(b.defn)

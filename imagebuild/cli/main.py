@@ -621,6 +621,8 @@ def _print_plan(plan: plan_mod.Plan) -> None:
     print(f"build id  {plan.build_id}  (from {plan.build_id_from})")
     if plan.provenance is not None:
         print(f"revision  {plan.provenance.revision or '(not in git)'}  definition {plan.provenance.definition_sha256[:23]}")
+        if plan.provenance.dirty_paths:  # what makes it dirty though every file is committed
+            print(f"          in a context, held by no commit: {', '.join(plan.provenance.dirty_paths)}")
     for i, s in enumerate(plan.stages, start=1):
         exists = {True: "built", False: "to build", None: "unknown"}[s.exists]
         print(f"\n{i}. {s.name}  [{exists}]")

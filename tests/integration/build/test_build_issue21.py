@@ -143,3 +143,43 @@ def test_a_retargeted_folder_link_and_a_new_empty_folder_each_give_a_new_key_and
         assert out[:2] == ["sub", "a.txt"] and "empty" not in out[2].split()
     finally:
         remove_fleet_images(name)
+
+
+def test_an_ignored_file_that_reaches_the_image_gives_a_dirty_revision_label(engine_info, tmp_path, monkeypatch):
+    """Issue 21, provenance: a ``__pycache__`` inside a ``files:`` folder reached the image while the
+    revision label named the clean commit. It still reaches the image (what is built is what is
+    there), and the label, build.json and the record say ``-dirty`` and why."""
+    from tests.buildfixtures import cat, labels
+    from tests.gitfixtures import git
+
+    name = unique_name("prov")
+    root = fleet_project(tmp_path / "p", name)
+    d = root / "docker-images" / name
+    y = d / "image.yaml"
+    y.write_text(y.read_text().replace("files: [files/tool.sh]", "files: [files/tool.sh, files/tree]"))
+    df = d / "Dockerfile.tools"
+    df.write_text(df.read_text() + "COPY files/tree /opt/tree\n")
+    (d / "files" / "tree").mkdir()
+    (d / "files" / "tree" / "mod.py").write_text("X = 1\n")
+    (root / ".gitignore").write_text("__pycache__/\n*.pyc\n/.imagebuild/\n")
+    git("init", "-q", cwd=root)
+    git("add", "-A", cwd=root)
+    git("commit", "-qm", "definitions", cwd=root)
+    head = git("rev-parse", "HEAD", cwd=root)
+    monkeypatch.setenv("IMAGEBUILD_STAGES", str(tmp_path / "stages"))
+    try:
+        res = _build(root, name, "--no-gate")
+        assert res.code == 0, res.err
+        assert labels(f"{name}:candidate")["org.opencontainers.image.revision"] == head
+        (d / "files" / "tree" / "__pycache__").mkdir()
+        (d / "files" / "tree" / "__pycache__" / "mod.cpython-311.pyc").write_text("not from git\n")
+        res = _build(root, name, "--no-gate")
+        assert res.code == 0, res.err
+        rec = json.loads(res.out)
+        assert cat(f"{name}:candidate", "/opt/tree/__pycache__/mod.cpython-311.pyc") == "not from git\n"
+        assert labels(f"{name}:candidate")["org.opencontainers.image.revision"] == head + "-dirty"
+        doc = json.loads(cat(f"{name}:candidate", "/opt/imagebuild/build.json"))
+        assert doc["provenance"]["dirty_paths"] == [f"docker-images/{name}/files/tree/__pycache__"]
+        assert any("no commit holds" in w for w in rec["warnings"]) and "no commit holds" in res.err
+    finally:
+        remove_fleet_images(name)
