@@ -53,6 +53,7 @@ from imagebuild.core import lock as lock_mod
 from imagebuild.core import registry as registry_mod
 from imagebuild.core import remote_engine, state
 from imagebuild.core import run as run_mod
+from imagebuild.core import runs as runs_mod
 from imagebuild.core.errors import (
     DefinitionError,
     GateFailed,
@@ -569,6 +570,10 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
     if warn:
         b.warnings.append(warn)
+    prov = b.plan.provenance
+    if prov is not None and prov.dirty_paths:  # provenance.py: why a committed definition is still dirty
+        b.warnings.append(f"revision {prov.revision}: a stage's context holds what no commit holds (gitignored "
+                          f"or an empty folder): {', '.join(prov.dirty_paths)}")
     eng = remote_engine.active()
     if info.get("reachable"):  # a local base of another platform: refused before anything runs (exit 2)
         notes = guards.check_base_platforms(b.defn)
@@ -576,6 +581,7 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
             log.debug("%s", note)
         if eng is not None and notes and any(r.action == "build" for r in b.stages):
             remote_engine.refuse_missing_bases(eng, notes)
+        _check_pinned_bases(b)
     if lock is not None:
         lock.acquire(command="imagebuild build " + b.defn.name)
     if not info.get("reachable"):
@@ -670,13 +676,16 @@ def _remove_stale_tmp(b: Build) -> None:
         shutil.rmtree(p, ignore_errors=True)
     for p in layerclamp.remove_stale_tmp(b.store):
         log.info("removed %s (left by an earlier run that did not end cleanly)", p)
+    for r in runs_mod.mark_abandoned(b.ctx, b.defn.name):
+        log.info("run %s of %s: recorded as %s (its process %s is gone, it never finished)", r.run_id,
+                 b.defn.name, runs_mod.ABANDONED, r.record.get("owner"))
 
 
 def _record(b: Build, status: str, started: str, **extra) -> dict:
     rec = {
         "schema": RECORD_SCHEMA, "version": RECORD_VERSION, "image": b.defn.name, "run_id": b.run_id,
         "build_id": b.plan.build_id, "build_id_from": b.plan.build_id_from, "platform": b.plan.platform,
-        "status": status,
+        "status": status, "owner": runs_mod.owner(),  # host:pid: a record left running by a dead owner is abandoned
         "started": started, "finished": _now(),  # a record of a run: it holds times, explicitly
         "source_date_epoch": b.epoch,
         "options": {"from": b.opts.from_stage, "until": b.opts.until_stage, "no_cache": b.opts.no_cache,
@@ -826,12 +835,49 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
 
 
+def _missing_base(b: Build, ref: defn_mod.ImageRef) -> OperationFailed:
+    """A pinned base the engine does not hold, said as prefetch says it (and why, when its tag moved)."""
+    by_digest = f"{ref.name}@{ref.digest}"
+    why = ""
+    if ref.tag:
+        tagged = f"{ref.name}:{ref.tag}"
+        proc = run_mod.run(["docker", "image", "inspect", "--format", "{{.Id}}", tagged], check=False, timeout=60)
+        if proc.returncode == 0:
+            why = f" (the local {tagged} is another image: its tag moved off the pinned digest)"
+    return OperationFailed(f"{b.defn.env.display}: {ref.key}: {by_digest} is not in the local engine{why}",
+                           hint=f"imagebuild prefetch {b.defn.name} pulls the pinned digest; or load it (docker "
+                           "load) or pull it where the registry is reachable")
+
+
+def _check_pinned_bases(b: Build) -> None:
+    """A base pinned by digest whose tag now names another local image: BuildKit may still answer the
+    stage from its cache, and the build would stop only after it, reading the base's layers. Said
+    before anything is built, in prefetch's words."""
+    parents = {b.plan.stage(r.name).parent for r in b.stages if r.action == "build"
+               and b.plan.stage(r.name).parent_kind != "stage"}
+    for key in sorted(parents & set(b.defn.images)):
+        ref = b.defn.images[key]
+        if ref.digest is None or not ref.tag:
+            continue
+        proc = run_mod.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref.value], check=False, timeout=60)
+        if proc.returncode != 0 and "no such image" in proc.stdout.decode("utf-8", "replace").lower():
+            err = _missing_base(b, ref)
+            if "tag moved" in err.message:
+                raise err
+
+
 def _parent_diff_ids(b: Build, st: plan_mod.PlannedStage) -> list[str]:
     """The layers a stage starts from (diff ids, base first): its parent stage's or its base image's."""
     if st.parent_kind == "stage":
         return b.store.diff_ids(b.manifest(st.parent))
     if st.parent_ref == "scratch":
         return []
+    ref = b.defn.images.get(st.parent)
+    if ref is not None and ref.digest is not None:
+        proc = run_mod.run(["docker", "image", "inspect", "--format", "{{.Id}}", st.parent_ref], check=False,
+                           timeout=60)
+        if proc.returncode != 0 and "no such image" in proc.stdout.decode("utf-8", "replace").lower():
+            raise _missing_base(b, ref)
     text = run_mod.output(["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", st.parent_ref],
                           timeout=60, hint="is the Docker engine healthy? (imagebuild doctor)")
     layers = json.loads(text.splitlines()[-1])
@@ -1090,8 +1136,8 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
             gate_mod.run_gate(b.ctx.root, name, release["image_id"] or cand)
             gated = True
     except GateFailed as exc:
-        _record(b, "gate-failed", started, release=release,
-                promotion={"status": "gate-failed", "reason": exc.message})
+        exc.record = _record(b, "gate-failed", started, release=release,  # build --json prints it (exit 4)
+                             promotion={"status": "gate-failed", "reason": exc.message})
         raise
     p = promote_mod.promote(b.ctx, name, release["image_id"] or cand, spec_digest=spec_digest)
     return {"status": "promoted" if p.moved else "unchanged", "gated": gated, **p.as_dict()}

@@ -22,6 +22,7 @@ from imagebuild.core.errors import (
     EXIT_OK,
     EXIT_REFUSED,
     DefinitionError,
+    GateFailed,
     ImagebuildError,
     UsageError,
 )
@@ -806,6 +807,8 @@ def _print_plan(plan: plan_mod.Plan) -> None:
     print(f"build id  {plan.build_id}  (from {plan.build_id_from})")
     if plan.provenance is not None:
         print(f"revision  {plan.provenance.revision or '(not in git)'}  definition {plan.provenance.definition_sha256[:23]}")
+        if plan.provenance.dirty_paths:  # what makes it dirty though every file is committed
+            print(f"          in a context, held by no commit: {', '.join(plan.provenance.dirty_paths)}")
     for i, s in enumerate(plan.stages, start=1):
         exists = {True: "built", False: "to build", None: "unknown"}[s.exists]
         print(f"\n{i}. {s.name}  [{exists}]")
@@ -957,7 +960,6 @@ def _check_receipt(args) -> int:
 
     from imagebuild.build import promote as promote_mod
     from imagebuild.core import identity as identity_mod
-    from imagebuild.core.errors import GateFailed
     from imagebuild.definition import gatespec
     from imagebuild.gate import receipts, signing
 
@@ -1054,7 +1056,12 @@ def _cmd_build(args) -> int:
             print("then: release image, :b-<build id>, :candidate" if doc["release"] else
                   "then: stop (--until), no release image")
         return EXIT_OK
-    rec = build_mod.build(ctx, args.image, opts)
+    try:
+        rec = build_mod.build(ctx, args.image, opts)
+    except GateFailed as exc:  # exit 4, and --json still prints the run's record
+        if args.json and isinstance(getattr(exc, "record", None), dict):
+            common.print_json(exc.record)
+        raise
     if args.json:
         common.print_json(rec)
     else:
@@ -1168,6 +1175,10 @@ def cmd_gc(args) -> int:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
     if args.image:  # before the engine is asked
         defn_mod.check_image_name(args.image)
+    if not args.dry_run:  # a gate killed with -9 left its container: its build is not "used by a container"
+        from imagebuild.gate import leftovers
+
+        leftovers.reap()
     plan = gc_mod.plan_gc(ctx, args.image, args.keep)
     if not args.dry_run:
         gc_mod.apply(plan, ctx)

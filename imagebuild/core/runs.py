@@ -2,17 +2,54 @@
 
 Every ``imagebuild build`` run gets its own folder (run ids sort by start time), so no run ever
 overwrites another's record or logs. ``imagebuild log`` reads them; ``imagebuild gc`` prunes
-them. Read-only here.
+them.
+
+A record names its owner (``owner``: ``host:pid``). A run killed with ``kill -9`` (or by a power
+cut) never writes its end, so its record says ``running`` forever; a ``running`` record whose owner
+is a process of this host that is gone reads as ``abandoned``, and the next build of that image
+writes that down (``mark_abandoned``, the only write here).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core.context import Context, of
 from imagebuild.core.errors import UsageError
+from imagebuild.core.fsutil import atomic_write_json
+
+ABANDONED = "abandoned"  # a record left ``running`` by an owner that is gone
+
+
+def owner() -> str:
+    """``host:pid`` of this process: what a run record and a gate container name as their owner."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_gone(text: object) -> bool:
+    """Whether ``text`` (``host:pid``) names a process of this host that no longer runs. Another
+    host's process, or a text that is not ``host:pid``, is never called gone (it cannot be told)."""
+    if not isinstance(text, str) or ":" not in text:
+        return False
+    host, _, pid = text.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) <= 0:
+        return False
+    if int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    try:  # a zombie has ended: only its parent has not read its status yet
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def builds_dir(ctx: Context | Path) -> Path:
@@ -28,7 +65,10 @@ class Run:
 
     @property
     def status(self) -> str:
-        return _typed(self.record.get("status"), str) or "unknown"
+        status = _typed(self.record.get("status"), str) or "unknown"
+        if status == "running" and owner_gone(self.record.get("owner")):
+            return ABANDONED
+        return status
 
     def logs(self) -> list[Path]:
         d = self.dir / "logs"
@@ -123,3 +163,16 @@ def find_run(ctx: Context | Path, image: str, run_id: str | None) -> Run:
         raise UsageError(f"run {run_id!r} of {image}: " + ("ambiguous" if hits else "not found"),
                          hint=f"recent runs: {shown} (imagebuild log {image})")
     return hits[0]
+
+
+def mark_abandoned(ctx: Context | Path, image: str) -> list[Run]:
+    """Write ``abandoned`` into every record of ``image`` left ``running`` by an owner of this host
+    that is gone (a kill -9); returns those runs. The build calls it holding the image's lock."""
+    out = []
+    for r in list_runs(ctx, image):
+        if r.record.get("status") == "running" and r.status == ABANDONED:
+            rec = {**r.record, "status": ABANDONED,
+                   "abandoned": f"its owner {r.record.get('owner')} ended without finishing the record"}
+            atomic_write_json(r.dir / "record.json", rec)
+            out.append(r)
+    return out

@@ -5,7 +5,8 @@ spec digest): which checks ran, which passed. It knows nothing of how the image 
 build step calls it on its candidate, and promotion and sync read its receipts.
 - ``runner``: ``run_gate`` (``imagebuild gate``), the container and the check transcript;
 - ``receipts``: the receipts on disk, whether one is trusted (``check``, ``find_passing``);
-- ``signing``: receipts signed and verified with OpenSSH (``ssh-keygen -Y``).
+- ``signing``: receipts signed and verified with OpenSSH (``ssh-keygen -Y``);
+- ``leftovers``: ``reap``, the gate containers of gates killed before they could remove them.
 """
 
-__all__ = ["receipts", "runner", "signing"]
+__all__ = ["leftovers", "receipts", "runner", "signing"]

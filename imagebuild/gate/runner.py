@@ -36,18 +36,19 @@ from imagebuild import __version__
 from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
+from imagebuild.core import runs
 from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
 from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 from imagebuild.definition import gatespec
 from imagebuild.definition import reader as defn_mod
 from imagebuild.gate import checks as gatechecks
-from imagebuild.gate import receipts, signing
+from imagebuild.gate import leftovers, receipts, signing
 
 log = logging.getLogger("imagebuild")
 
 CANDIDATE_TAG = "candidate"
 CONTAINER_PREFIX = "imagebuild-gate-"
-CONTAINER_LABEL = "imagebuild.gate"
+CONTAINER_LABEL = leftovers.CONTAINER_LABEL
 # Works with busybox ash and dash/bash; keeps PID 1 alive and stops on TERM/INT.
 KEEPALIVE = 'trap "exit 0" TERM INT; sleep 2147483647 & wait'
 NO_GPU_ENV = "IMAGEBUILD_NO_GPU"
@@ -329,9 +330,9 @@ def _sigterm_as_interrupt():
 
 
 def _start_container(name: str, ref: str, identity_digest: str, gpu: bool) -> None:
-    # the owner label says which process gated (to find a leftover's owner: host and pid)
+    # the owner label says which process gated: a container whose owner is gone is reaped (leftovers.py)
     argv = ["docker", "run", "-d", "--name", name, "--label", f"{CONTAINER_LABEL}={identity_digest}",
-            "--label", f"{CONTAINER_LABEL}.owner={socket.gethostname()}:{os.getpid()}",
+            "--label", f"{leftovers.OWNER_LABEL}={runs.owner()}",
             "--pull", "never", "--network", "none", "--entrypoint", "/bin/sh"]
     if gpu:
         argv += ["--gpus", "all"]
@@ -368,6 +369,7 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
     log.info("gate %s (%s) with %s: %d check(s), %s", target.ref, ident.digest[:19], target.spec_display,
              len(spec.checks), f"GPU: {gpus[0]}" if gpu else "no GPU on this host")
 
+    leftovers.reap()  # containers of gates killed with -9 would sleep forever
     name = f"{CONTAINER_PREFIX}{ident.digest[7:19]}-{secrets.token_hex(4)}"
     plugin = GatePlugin(spec, name, data, gpu, require_gpu, target.env)
     container_log = ""

@@ -246,6 +246,8 @@ def _pins(inv: dict) -> dict[str, str]:
             continue
         if s.get("ref"):
             out[f"{name} ref"] = str(s["ref"])
+        if s.get("follows"):  # NAME_REF=<branch or tag>@<sha>: following another name is a moved pin too
+            out[f"{name} follows"] = str(s["follows"])
         for pr in s.get("prs") or []:
             if isinstance(pr, dict) and pr.get("number") is not None:
                 out[f"{name} PR {pr['number']}"] = str(pr.get("sha") or "?")
@@ -263,7 +265,7 @@ def _patches(inv: dict) -> dict[str, str]:
     out = {}
     for name, p in sorted(((inv.get("build") or {}).get("patches") or {}).items()):
         if isinstance(p, dict):
-            out[name] = f"{p.get('outcome') or '?'} sha256:{str(p.get('sha256') or '?')[:12]}"
+            out[name] = f"{p.get('outcome') or '?'} sha256:{str(p.get('sha256') or '?').removeprefix('sha256:')[:12]}"
     return out
 
 

@@ -549,7 +549,9 @@ def _changes(ctx: context_mod.Context, name: str, res: dict, prev_inv: dict | No
         return
     res["size"] = new_inv.get("size") if isinstance(new_inv.get("size"), int) else None
     if prev_inv is None:
-        res["changes_note"] = res["changes_note"] or f"no previous {name}:local to compare with (first promotion)"
+        status = (res.get("promotion") or {}).get("status")  # "first promotion" only when it was promoted
+        res["changes_note"] = res["changes_note"] or f"no previous {name}:local to compare with (" + (
+            "first promotion)" if status == "promoted" else f"not promoted: {status or 'no promotion'})")
         return
     res["changes"] = imagediff.diff({**prev_inv, "ref": f"{name}:local (before this run)"}, new_inv)
 

@@ -3,8 +3,17 @@
 - ``definition_sha256``: a digest of the definition folder's files and of every input it takes
   from outside that folder (the shared patch set), by relative name, x bit and content;
 - ``revision``: the last commit that touched those paths, with ``-dirty`` appended when any of
-  them differs from that commit or is not committed at all (``git status --porcelain``), and
-  None outside a git checkout.
+  them differs from that commit or is not committed at all (``git status --porcelain``), or when
+  a stage's context holds what no commit can: a gitignored file (``*.pyc``, ``__pycache__/``) or
+  an empty folder inside a ``files:`` folder; None outside a git checkout.
+
+Why dirty, not left out: the context stream (context_stream.py) sends a folder input as it is on
+disk, empty folders included (they reach the image, so they are in the key). Dropping ignored
+files or empty folders from the context would build something other than what the definition
+folder holds, and silently (a deliberately ignored, locally made input would vanish from the
+image). So what is built stays what is there, and the label stops claiming that a commit holds
+it: ``dirty_paths`` names the first few such paths (remove them, or commit a file instead of the
+folder, and the build is clean again).
 
 Both go into the release image's labels and into the build id, so a label never names a commit
 whose tree does not hold what was built. Read-only: only ``git log`` and ``git status`` run.
@@ -12,8 +21,9 @@ whose tree does not hold what was built. Read-only: only ``git log`` and ``git s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from imagebuild.core import lazy
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
@@ -30,6 +40,7 @@ class Provenance:
     revision: str | None  # "<sha40>", "<sha40>-dirty", or None (no git)
     paths: tuple[str, ...]  # project-relative paths the digest and the revision cover
     source_url: str | None = None  # the project's git remote (credentials removed)
+    dirty_paths: tuple[str, ...] = ()  # context paths no commit holds (ignored files, empty folders)
 
     @property
     def dirty(self) -> bool:
@@ -37,7 +48,8 @@ class Provenance:
 
     def as_dict(self) -> dict:
         return {"definition_sha256": self.definition_sha256, "revision": self.revision,
-                "dirty": self.dirty, "paths": list(self.paths), "source_url": self.source_url}
+                "dirty": self.dirty, "paths": list(self.paths), "source_url": self.source_url,
+                "dirty_paths": list(self.dirty_paths)}
 
 
 def _paths(defn: d.Definition) -> list[Path]:
@@ -65,17 +77,57 @@ def _log_args(paths) -> list[str]:
 
 
 def _status_args(paths) -> list[str]:
-    return ["status", "--porcelain", "--untracked-files=all", "--", *paths]
+    # --ignored=matching: an ignored file inside a stage's input folder reaches its context (_not_in_git)
+    return ["status", "--porcelain", "--untracked-files=all", "--ignored=matching", "--", *paths]
+
+
+DIRTY_PATHS_SHOWN = 5
+
+
+def _inputs(defn: d.Definition) -> list[str]:
+    """Project-relative paths of every stage input (files and folders the contexts are made of)."""
+    return sorted({d.display_path(defn.root, i.path) for s in defn.stages for i in s.inputs})
+
+
+def _empty_folders(defn: d.Definition) -> list[str]:
+    """Empty folders inside the stages' folder inputs: they reach the image, no commit holds them."""
+    out = []
+    for rel in _inputs(defn):
+        top = defn.root / rel
+        if not top.is_dir() or top.is_symlink():
+            continue
+        for dirpath, dirnames, filenames in os.walk(top):
+            if not dirnames and not filenames:
+                out.append(d.display_path(defn.root, Path(dirpath)))
+    return sorted(out)
+
+
+def _unquote(path: str) -> str:
+    return path[1:-1] if len(path) >= 2 and path[0] == path[-1] == '"' else path
+
+
+def _not_in_git(changes: str, inputs: list[str]) -> tuple[bool, list[str]]:
+    """(whether ``git status`` reports a change, the ignored paths inside a stage input): an ignored
+    path counts only where a context holds it (a ``__pycache__`` beside a patch script does not)."""
+    changed, ignored = False, []
+    for line in changes.splitlines():
+        if line.startswith("!! "):
+            p = PurePosixPath(_unquote(line[3:].rstrip("/")))
+            if any(p == PurePosixPath(i) or PurePosixPath(i) in p.parents for i in inputs):
+                ignored.append(str(p))
+        elif line.strip():
+            changed = True
+    return changed, ignored
 
 
 _REMOTE_ARGS = ["remote", "get-url", "origin"]
 
 
-def _revision(log: tuple[int, str], status: tuple[int, str]) -> str | None:
+def _revision(log: tuple[int, str], status: tuple[int, str], dirty_paths=()) -> str | None:
     (code, rev), (status_code, changes) = log, status
     if code != 0:
         return None
-    dirty = status_code != 0 or bool(changes)
+    dirty = status_code != 0 or bool(changes) or bool(dirty_paths)
     if len(rev) != 40:  # never committed: there is no commit to name
         return None if not dirty else "uncommitted" + DIRTY_SUFFIX
     return rev + (DIRTY_SUFFIX if dirty else "")
@@ -104,10 +156,15 @@ class Pending:
     def result(self) -> Provenance:
         digest = definition_sha256(self.defn)  # while git answers
         rev = url = None
+        not_held: list[str] = []
         if self.queries is not None:
-            log, status, remote = (q.result() for q in self.queries)
-            rev, url = _revision(log, status), _source_url(remote)
-        return Provenance(digest, rev, tuple(self.paths), url)
+            not_held = _empty_folders(self.defn)
+            log, (status_code, changes), remote = (q.result() for q in self.queries)
+            changed, ignored = _not_in_git(changes, _inputs(self.defn))
+            not_held = sorted(set(not_held) | set(ignored))
+            rev = _revision(log, (status_code, "changed" if changed else ""), not_held)
+            url = _source_url(remote)
+        return Provenance(digest, rev, tuple(self.paths), url, tuple(not_held[:DIRTY_PATHS_SHOWN]))
 
 
 def start(defn: d.Definition) -> Pending:

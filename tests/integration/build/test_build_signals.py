@@ -3,6 +3,7 @@ runs show life (issue 9, item 7). Real processes, real signals, the real engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -213,3 +214,66 @@ def test_ccache_survives_no_cache(engine_info, tmp_path):
         assert (hits, misses) == (4, 0)  # a 100 % hit rate: the compiler cache survived --no-cache
     finally:
         remove_images("imagebuild/ccdemo", "ccdemo")
+
+
+def _gate_containers_of(pid: int) -> list[str]:
+    import socket
+
+    out = subprocess.run(["docker", "ps", "-a", "--filter", f"label=imagebuild.gate.owner={socket.gethostname()}:{pid}",
+                          "--format", "{{.Names}}"], capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def test_after_kill_9_in_its_gate_the_next_build_reaps_the_container_and_the_record(tmp_path, engine_info,
+                                                                                    monkeypatch):
+    """Issue 21: a build killed with -9 while its gate ran left the gate's keep-alive container sleeping
+    forever (gc then kept the build "used by a container") and its record ``running`` forever. The
+    next build of the image removes the container (its owner pid is gone) and records the run
+    ``abandoned``; ``log`` reads it so even before."""
+    from tests.fleetfixtures import fleet_project, remove_fleet_images, unique_name
+
+    name = unique_name("reap")
+    root = fleet_project(tmp_path / "p", name)
+    gate_yaml = root / "docker-images" / name / "gate.yaml"
+    gate_yaml.write_text("checks:\n  - {id: nap, kind: command, run: 'sleep 600'}\n")
+    env = {"IMAGEBUILD_STAGES": str(tmp_path / "stages"), "IMAGEBUILD_NO_GPU": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with open(tmp_path / "first.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "imagebuild", "--root", str(root), "build", name,
+                                 "--progress", "plain"], stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+                                env={**os.environ, **env}, start_new_session=True)
+    left: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not left:
+            time.sleep(0.5)
+            left = _gate_containers_of(proc.pid)
+        assert left, (tmp_path / "first.err").read_text()
+        time.sleep(1.0)  # the check runs inside it
+        proc.kill()  # kill -9: no cleanup runs
+        proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its docker exec clients too
+        time.sleep(1.0)
+        assert _gate_containers_of(proc.pid) == left  # nothing removed it
+        rec_path = next((root / ".imagebuild" / "builds" / name).glob("*/record.json"))
+        assert json.loads(rec_path.read_text())["status"] == "running"
+        res = run_cli("--root", str(root), "log", name, "--json")
+        assert res.code == 0 and [r["status"] for r in json.loads(res.out)["runs"]] == ["abandoned"]
+
+        gate_yaml.write_text("checks:\n  - {id: quick, kind: command, run: 'true'}\n")
+        res = run_cli("--root", str(root), "build", name, "--json")
+        assert res.code == 0, res.err
+        assert _gate_containers_of(proc.pid) == []
+        assert "is gone, killed before it could" in res.err
+        rec = json.loads(rec_path.read_text())
+        assert rec["status"] == "abandoned" and str(proc.pid) in rec["abandoned"]
+        assert f"recorded as abandoned (its process {rec['owner']} is gone" in res.err
+        assert json.loads(res.out)["owner"].endswith(f":{os.getpid()}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for c in left:
+            subprocess.run(["docker", "rm", "-f", c], capture_output=True)
+        remove_fleet_images(name)

@@ -394,6 +394,46 @@ def test_ctrl_c_removes_the_container(gate_image, state, tmp_path):
     assert set(_gate_containers(proc.pid)) == before
 
 
+@pytest.mark.parametrize("next_command", ["gate", "gc"])
+def test_a_gate_killed_with_9_leaves_a_container_the_next_command_reaps(gate_image, project, state, tmp_path,
+                                                                        next_command):
+    """Issue 21: kill -9 gives the gate no chance to remove its keep-alive container, which then slept
+    forever (and gc kept its build "used by a container"). Its owner label names a pid that is gone:
+    the next gate, or gc, removes it; a live gate's container is never touched."""
+    spec = _write(tmp_path, "gate.yaml", "checks:\n  - {id: slow, kind: command, run: 'sleep 600'}\n")
+    env = dict(os.environ, IMAGEBUILD_STATE_DIR=str(state))
+    argv = [sys.executable, "-m", "imagebuild", "gate", gate_image, "--spec", str(spec)]
+    dead = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    live = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (_gate_containers(dead.pid) and _gate_containers(live.pid)):
+            time.sleep(0.2)
+        left, alive = _gate_containers(dead.pid), _gate_containers(live.pid)
+        assert left and alive, "the gate containers never started"
+        time.sleep(1.0)
+        dead.kill()  # SIGKILL: no finally runs
+        dead.wait()
+        assert _gate_containers(dead.pid) == left
+        if next_command == "gate":
+            quick = _write(tmp_path, "quick.yaml", "checks:\n  - {id: m, kind: import, module: gatedemo}\n")
+            r = run_cli("gate", gate_image, "--spec", str(quick))
+            assert r.code == 0, r.err
+        else:
+            r = run_cli("--root", str(project), "gc")
+            assert r.code == 0, r.err
+        assert _gate_containers(dead.pid) == []
+        assert f"removed gate container {left[0]}" in r.err
+        assert _gate_containers(live.pid) == alive  # its owner runs: left alone
+    finally:
+        for p in (dead, live):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for c in _gate_containers(dead.pid) + _gate_containers(live.pid):
+            subprocess.run(["docker", "rm", "-f", c], capture_output=True)
+
+
 def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_path, monkeypatch):
     """docker-images/example/gate.yaml against the example image built here, stage by stage."""
     monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "state"))

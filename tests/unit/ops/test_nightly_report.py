@@ -72,6 +72,36 @@ def test_diff_compares_pins_patches_packages_layers():
     assert "**layers**: 1 of 2 shared" in md
 
 
+def test_diff_names_a_patch_digest_once_and_lists_a_follows_change_among_the_pins():
+    """Issue 21: a build record's patch digest is already ``sha256:<hex>`` and the diff printed
+    ``sha256:sha256:``; a pin that follows another branch (NAME_REF=<name>@<sha>) was not listed."""
+    a = _inv("x:local", SHA, pins=("a" * 40, "b" * 40, "c" * 40), patches="sha256:" + "1" * 64,
+             pip={}, dpkg={}, layers=[(SHA, 100)])
+    b = _inv("x:b-1", SHA2, pins=("a" * 40, "b" * 40, "c" * 40), patches="sha256:" + "2" * 64,
+             pip={}, dpkg={}, layers=[(SHA, 100)])
+    a["lock"]["sources"]["GREET"]["follows"] = "main"
+    b["lock"]["sources"]["GREET"]["follows"] = "release-2"
+    d = imagediff.diff(a, b)
+    md = imagediff.render(d)
+    assert "sha256:sha256:" not in md
+    assert "`patch_x.py`: applied sha256:111111111111 -> applied sha256:222222222222" in md
+    assert d["pins"]["changed"] == [{"name": "GREET follows", "from": "main", "to": "release-2"}]
+    assert "`GREET follows`: main -> release-2" in md
+
+
+def test_the_changes_note_says_first_promotion_only_when_the_image_was_promoted(monkeypatch):
+    """Issue 21: a gate-failed first image was noted "(first promotion)"."""
+    inv = {"identity": SHA, "ref": "x:b-1"}
+    monkeypatch.setattr(imagediff, "inventory", lambda ref, ctx: inv)
+    notes = {}
+    for status in ("promoted", "gate-failed"):
+        res = {"identity": SHA, "build_id": "1", "changes_note": None, "promotion": {"status": status}}
+        nightly._changes(None, "x", res, None, None)
+        notes[status] = res["changes_note"]
+    assert notes["promoted"].endswith("(first promotion)")
+    assert "first promotion" not in notes["gate-failed"] and "not promoted: gate-failed" in notes["gate-failed"]
+
+
 def test_package_list_parsers():
     status = ("Package: bash\nStatus: install ok installed\nVersion: 5.2-1\nDescription: x\n continued\n\n"
               "Package: gone\nStatus: deinstall ok config-files\nVersion: 1\n\n"
