@@ -46,7 +46,6 @@ from imagebuild.ship import sync as sync_mod
 log = logging.getLogger("imagebuild")
 
 TAG_PREFIX = "id-"
-PULL_TIMEOUT_S = 6 * 3600
 TUNNEL_ENV = "IMAGEBUILD_SYNC_TUNNEL"  # 1: always through an ssh tunnel, 0: never, else: loopback registries only
 
 
@@ -182,7 +181,8 @@ class RegistryPeerSync(sync_mod._PeerSync):
                      len(self.s.img.layers), sync_mod.human(sum(la.size for la in need)))
             self.s.pause("load", self.host)
             t0 = time.monotonic()
-            r = self.conn.agent(*self._pull_lines(src), timeout=PULL_TIMEOUT_S + 600, what="the pull")
+            r = self.conn.agent(*self._pull_lines(src), timeout=sync_mod.load_timeout(self.s.img.compressed_size()),
+                                what="the pull", heartbeat=self.heartbeat("pulling"))
             self.res.details["registry"]["pull_seconds"] = round(time.monotonic() - t0, 3)
             self.conn.timings.append(("docker pull", self.res.details["registry"]["pull_seconds"]))
         except peer_mod.AgentFailed as exc:
