@@ -783,7 +783,10 @@ class _PeerSync:
     def _check_disk(self, st: peer_mod.PeerState, need, to_send: int) -> None:
         margin = int(_gib_env("IMAGEBUILD_PEER_MIN_FREE_GB", DEFAULT_MIN_FREE_GIB) * (1 << 30))
         files = self.s.img.files
-        unpacked = sum(localblobs.unpacked_estimate(la, files.get(la.digest)) for la in need if la.diff_id)
+        # the engine's own unpacked sizes (the gzip trailer wraps at 4 GiB: CUDA bases have larger layers)
+        known = localblobs.unpacked_sizes(self.s.img) if any(la.compressed for la in need if la.diff_id) else {}
+        unpacked = sum(localblobs.unpacked_estimate(la, files.get(la.digest), known.get(la.diff_id))
+                       for la in need if la.diff_id)
         load_bytes = sum(la.size for la in need) + unpacked
         checks = []
         if st.df_cache and st.df_docker and st.df_cache.mount == st.df_docker.mount:

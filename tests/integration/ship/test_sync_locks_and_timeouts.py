@@ -231,3 +231,14 @@ def test_a_frozen_peer_engine_during_the_probe_is_bounded_too(sync_images, peer)
         assert time.monotonic() - t0 < 60
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_the_unpacked_sizes_come_from_the_engine(sync_images):
+    from imagebuild.ship import localblobs
+
+    img = localblobs.load(sync_images.big)
+    sizes = localblobs.unpacked_sizes(img)
+    assert set(sizes) == {la.diff_id for la in img.layers}
+    big = max(img.layers, key=lambda la: la.size)
+    # the 300 MB of /data/big.bin, unpacked, whatever the blob's compression
+    assert 300_000_000 <= sizes[big.diff_id] < 310_000_000

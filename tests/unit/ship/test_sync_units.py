@@ -169,3 +169,44 @@ def test_gc_plan_never_touches_other_leases():
     created = datetime.fromtimestamp(now - 50, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     g = peergc.plan("h", _gc_listing(now, created, "buildkit/lease.temporary=x,containerd.io/gc.expire=y"), keep=5)
     assert not [a for a in g.remove if a.kind == "lease"]  # BuildKit's
+
+
+GIB = 1 << 30
+
+
+def _wrapped_gzip_layer(tmp_path, compressed: int, real: int):
+    """A layer that says it is ``compressed`` bytes of gzip (metadata) over a small file whose gzip
+    trailer holds ``real`` modulo 4 GiB, as the real multi-GB layer's does (nothing of 4 GiB written)."""
+    p = tmp_path / "blob"
+    body = gzip.compress(b"x" * 1000)
+    p.write_bytes(body[:-4] + (real % (1 << 32)).to_bytes(4, "little"))
+    diff = "sha256:" + "d" * 64
+    return localblobs.Layer("sha256:" + "1" * 64, compressed, "application/vnd.oci.image.layer.v1.tar+gzip",
+                            diff, diff), p
+
+
+def test_a_wrapped_gzip_trailer_is_not_taken_for_the_size(tmp_path):
+    # 7.0 GiB unpacked, 2.5 GiB compressed: the trailer says 3.0 GiB
+    layer, p = _wrapped_gzip_layer(tmp_path, int(2.5 * GIB), 7 * GIB)
+    assert localblobs.unpacked_estimate(layer, p) >= 7 * GIB
+    # the engine's own figure wins when known
+    assert localblobs.unpacked_estimate(layer, p, 7 * GIB) == 7 * GIB
+    # a trailer below the compressed size has wrapped at least once
+    layer, p = _wrapped_gzip_layer(tmp_path, int(4.5 * GIB), 5 * GIB)
+    assert localblobs.unpacked_estimate(layer, p) >= 5 * GIB
+
+
+def test_the_disk_guard_counts_a_layer_over_4_gib_whole(tmp_path):
+    from imagebuild.core.errors import GuardRefused
+
+    layer, p = _wrapped_gzip_layer(tmp_path, int(2.5 * GIB), 7 * GIB)
+    img = localblobs.LocalImage("x:local", {}, None, None, "sha256:" + "c" * 64, [layer], {}, {layer.digest: p},
+                                "content-store")
+    img.unpacked = {layer.diff_id: 7 * GIB}  # what `docker history` of the engine says (unpacked_sizes)
+    st = peer.PeerState("h", cache="/c")
+    st.df_cache = st.df_docker = peer.DiskFree(int(9.5 * GIB), "/", "")
+    w = sync._PeerSync.__new__(sync._PeerSync)
+    w.s, w.host = type("S", (), {"img": img})(), "h"
+    # 2.5 GiB sent + 2.5 GiB loaded + 7 GiB unpacked + 1 GiB free is more than 9.5 GiB (with 3 GiB it was not)
+    with pytest.raises(GuardRefused, match="not enough disk on h"):
+        w._check_disk(st, [layer], layer.size)
