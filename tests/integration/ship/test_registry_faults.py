@@ -9,9 +9,11 @@ import json
 import pytest
 
 from imagebuild.build.stagestore import StageStore
+from tests.conftest import run_cli
 from tests.fleetfixtures import (  # noqa: F401 - fixtures
     build,
     fleet_project,
+    netns_peers_fixture,
     node_fixture,
     remove_fleet_images,
     start_registry,
@@ -92,3 +94,41 @@ def test_a_500_while_publishing_is_a_warning_like_a_stopped_registry(engine_info
         assert rec2["publish"]["status"] in ("failed", "skipped"), rec2["publish"]
     finally:
         remove_fleet_images(name)
+
+
+def test_sync_via_registry_reports_what_the_peer_really_pulled(netns_peers, registry, tmp_path, node, monkeypatch):
+    """A classic-store peer that got the image's layers by ssh has no registry digests for them: its
+    engine pulls every layer again. The report says so (from the pull's own lines), as the registry's
+    access log counts it."""
+    peers, ssh = netns_peers
+    classic = peers[1]
+    name = unique_name()
+    reg = f"{registry.addr}/pulled"
+    root = fleet_project(tmp_path / "p", name, gate=True)
+    monkeypatch.setenv("IMAGEBUILD_SSH", ssh)
+    try:
+        node("V")
+        code, v1, err = build(root, name, "--cache-registry", reg)
+        assert code == 0, err
+        res = run_cli("--root", str(root), "sync", "--image", name, "--json", classic.addr)  # over ssh
+        assert res.code == 0, res.err
+        (root / "docker-images" / name / "files" / "motd.txt").write_text("version two\n")
+        code, v2, err = build(root, name, "--cache-registry", reg)
+        assert code == 0, err
+        n0 = len(registry.blob_gets())
+        res = run_cli("--root", str(root), "sync", "--via", "registry", "--registry", reg, "--image", name,
+                      "--json", classic.addr)
+        assert res.code == 0, res.err
+        (p,) = json.loads(res.out)["peers"]
+        assert p["status"] == "synced" and p["store"] == "classic", p
+        served = sum(sz for _, sz in registry.blob_gets()[n0:])  # the peer's pull, and this host's config read
+        configs = 64 << 10
+        # the probe found one layer missing; the engine fetched much more, and the report says what
+        assert p["details"]["bytes_needed"] < served / 2, (p["details"]["bytes_needed"], served)
+        assert served - configs <= p["bytes_sent"], (p["bytes_sent"], served)
+        pulled = p["details"]["registry"]["pulled_bytes"]
+        assert served - configs <= pulled <= served, (pulled, served)
+    finally:
+        remove_fleet_images(name)
+        for pe in peers:
+            remove_fleet_images(name, docker_host=pe.docker_host)
