@@ -210,3 +210,22 @@ def test_the_disk_guard_counts_a_layer_over_4_gib_whole(tmp_path):
     # 2.5 GiB sent + 2.5 GiB loaded + 7 GiB unpacked + 1 GiB free is more than 9.5 GiB (with 3 GiB it was not)
     with pytest.raises(GuardRefused, match="not enough disk on h"):
         w._check_disk(st, [layer], layer.size)
+
+
+def test_what_a_pull_fetched_comes_from_its_own_lines():
+    from imagebuild.ship import registry_sync
+
+    a, b, c = ("sha256:" + x * 64 for x in "abc")
+    blobs = {a: 1000, b: 2000, c: 30}
+    out = (f"{a[7:19]}: Already exists\n{b[7:19]}: Pulling fs layer\n{b[7:19]}: Download complete\n"
+           f"{b[7:19]}: Pull complete\nDigest: sha256:{'d' * 64}\nStatus: Downloaded newer image\n")
+    assert registry_sync.pulled_blobs(out, blobs) == {b: 2000}
+    assert registry_sync.pulled_blobs(f"{a[7:19]}: Already exists\n", blobs) == {}
+    assert registry_sync.pulled_blobs("Status: Image is up to date\n", blobs) is None
+
+
+def test_build_times_compare_across_formats():
+    assert sync._when("2026-12-01T10:04:03.700886158Z") > sync._when("2026-12-01T10:04:03.321324506Z")
+    assert sync._when("2026-12-01T10:04:03Z") == sync._when("2026-12-01T12:04:03+02:00")
+    assert sync._when("1980-01-01T00:00:00Z") < sync._when("2026-12-01T10:04:03Z")
+    assert sync._when("yesterday") is None and sync._when(None) is None
