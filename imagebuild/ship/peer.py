@@ -256,14 +256,15 @@ class Connection:
             self._kill()
         self.proc = None
 
-    def hold(self, name: str, wait: int, on_wait=None) -> None:
+    def hold(self, name: str, wait: int, run_id: str = "", on_wait=None) -> tuple[bool, str]:
         """Take the peer's lock ``name`` (hex) for the rest of this session (the agent's ``ib_hold``):
         waits up to ``wait`` seconds for another session that holds it (``on_wait(holder)`` is told
-        once), then AgentFailed with code ``busy``."""
+        once), then AgentFailed with code ``busy``. Returns (whether it waited, the holder before)."""
         if self.proc is None:
             self.open()
+        waited, previous = False, ""
         try:
-            self.proc.stdin.write(f"@@hold {name} {int(wait)}\n".encode())
+            self.proc.stdin.write(f"@@hold {name} {int(wait)} {run_id}\n".encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise PeerUnreachable(f"the ssh session to {self.host} ended", hint="rerun imagebuild sync") from None
@@ -274,8 +275,14 @@ class Connection:
             if line is None:
                 raise PeerUnreachable(f"the ssh session to {self.host} ended while taking the sync lock",
                                       hint="rerun imagebuild sync")
-            if line.startswith("@@waiting") and on_wait is not None:
-                on_wait(line[len("@@waiting"):].strip())
+            if line.startswith("@@waiting"):
+                waited = True
+                if on_wait is not None:
+                    on_wait(line[len("@@waiting"):].strip())
+                continue
+            if line.startswith("@@previous"):
+                previous = line[len("@@previous"):].strip()
+                continue
             if line.startswith("@@done hold "):
                 break
             out.append(line)
@@ -283,6 +290,7 @@ class Connection:
         _, error = parse_sections("\n".join(out))
         if error is not None:
             raise AgentFailed(self.host, error[0], error[1], "\n".join(out))
+        return waited, previous
 
     def agent(self, *lines: str, timeout: float | None = 120, what: str = "", heartbeat=None) -> AgentResult:
         """Run the agent steps ``lines`` as one call. Raises PeerUnreachable (the session broke),
@@ -399,6 +407,7 @@ class PeerState:
     has_receipt: bool = False
     has_signature: bool = False  # the receipt's .json.sig is there too
     quick: bool = False  # only the target was inspected (it is the image already)
+    synclock: tuple[str, str] = ("none", "")  # the image's sync lock at the probe: none | free | held, its holder
 
     @property
     def store(self) -> str:
@@ -474,6 +483,10 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
             name, _, path = v.partition(" ")
             if path.strip():
                 st.tools[name] = path.strip()
+    lock = res.lines("synclock")
+    if lock:
+        holder = next((ln[len("holder"):].strip() for ln in lock if ln.startswith("holder")), "")
+        st.synclock = (lock[0].strip(), holder)
     st.has_receipt = "present" in res.section("receipt")
     st.has_signature = "signed" in res.lines("receipt")
     if "quick" in res.sections:  # the target already is the image: only what the no-op needs was asked
@@ -532,11 +545,11 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
 
 
 def probe(conn: Connection, target_ref: str, staging_ref: str, identity_hex: str, spec_hex: str | None,
-          quick_ids: list[str] | None = None, timeout: float = 120) -> PeerState:
+          quick_ids: list[str] | None = None, timeout: float = 120, lock: str = "-") -> PeerState:
     """Read-only. With ``quick_ids`` (engine ids the image has on some store: its index, manifest or
     config digest), a peer whose target already has one of them answers only what the no-op needs."""
     res = conn.agent(peer_agent.call("ib_probe", target_ref, staging_ref, identity_hex, spec_hex or "-",
-                                     ",".join(quick_ids or [])), timeout=timeout, what="the probe")
+                                     ",".join(quick_ids or []), lock), timeout=timeout, what="the probe")
     return parse_probe(conn.host, res, target_ref, staging_ref)
 
 

@@ -616,24 +616,31 @@ class _PeerSync:
                                                peer_mod.wait_text(elapsed), human(self.conn.bytes_sent +
                                                                                   self.res.bytes_sent))
 
-    def _hold(self) -> None:
-        """One sync of this image (its target tag) to this peer at a time: the later one waits for the
-        earlier one (IMAGEBUILD_SYNC_LOCK_WAIT seconds, default 1800), then is refused (exit 3)."""
+    @property
+    def lock_name(self) -> str:
         import hashlib
 
+        return hashlib.sha256(self.s.ref.encode()).hexdigest()[:24]
+
+    def _hold(self, st: peer_mod.PeerState) -> bool:
+        """One sync of this image (its target tag) to this peer at a time: the later one waits for the
+        earlier one (IMAGEBUILD_SYNC_LOCK_WAIT seconds, default 1800), then is refused (exit 3). Taken
+        once the plan is made (a refusal writes nothing, not even the lock file); True when another
+        sync held it since the probe (then the plan is made again)."""
         wait = int(_seconds_env("IMAGEBUILD_SYNC_LOCK_WAIT", LOCK_WAIT_S, zero_ok=True))
-        name = hashlib.sha256(self.s.ref.encode()).hexdigest()[:24]
 
         def waiting(holder: str) -> None:
             self.say("another sync of %s to this peer runs (%s): waiting for it (up to %d s)", self.s.ref,
                      holder or "holder unknown", wait)
         try:
-            self.conn.hold(name, wait, waiting)
+            waited, previous = self.conn.hold(self.lock_name, wait, self.run_id, waiting)
         except peer_mod.AgentFailed as exc:
             if exc.code == "busy":
                 raise GuardRefused(f"busy: {exc.detail}",
                                    hint="rerun when it is done, or raise IMAGEBUILD_SYNC_LOCK_WAIT (seconds)") from None
             raise
+        state, holder = st.synclock
+        return waited or state == "held" or previous != holder
 
     def _check_not_older(self, st: peer_mod.PeerState) -> None:
         """The peer's tag never moves to a build older than the one it holds (unless --force): the times
@@ -660,15 +667,37 @@ class _PeerSync:
     # -- the steps
 
     def run(self) -> None:
+        s = self.s
+        planned = self._plan(quick=True)
+        if planned is None:
+            return
+        st, need = planned
+        if self._hold(st):  # another sync of this image ran since the probe: plan again from what it left
+            planned = self._plan(quick=False)
+            if planned is None:
+                return
+            st, need = planned
+        # an earlier run (killed after its load) may have left the verified image under the staging name
+        if st.staging is not None and identity_mod.from_inspect(st.staging).digest == s.identity:
+            got = self._verify_existing()
+            if got is not None:
+                self._promote(st, got, need)
+                return
+        got = self._deliver(st, need)
+        s.pause("promote", self.host)
+        self._promote(st, got, need)
+
+    def _plan(self, quick: bool):
+        """Probe, and decide: None when the peer is done with (unchanged, dry-run), else (state, the
+        layers to send); a refusal raises. Nothing is written on the peer before this returns."""
         s, res = self.s, self.res
         img = s.img
         spec_hex = _hexof(s.spec) if s.spec else None
-        if not s.dry_run:
-            self._hold()
-        st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, s.quick_ids,
-                            timeout=step_timeout(120))
+        st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, s.quick_ids if quick else None,
+                            timeout=step_timeout(120), lock=self.lock_name)
         if st.quick and not self._unchanged(st):
-            st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, timeout=step_timeout(120))
+            st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, timeout=step_timeout(120),
+                                lock=self.lock_name)
         res.store = st.store if st.docker_error is None else None
         res.layers_total = len(img.layers)
         if self._unchanged(st):
@@ -678,7 +707,7 @@ class _PeerSync:
                 res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity} (receipt carried)"
             else:
                 res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity}"
-            return
+            return None
         self._preflight_tools(st)
         old_id = (st.target or {}).get("Id")
         self._check_serving(st, old_id)
@@ -696,17 +725,9 @@ class _PeerSync:
                                                                     "interrupted run)" if resumed else ""))
         if s.dry_run:
             res.status, res.message = "dry-run", "would sync: " + plan
-            return
+            return None
         self.say("%s", plan)
-        # an earlier run (killed after its load) may have left the verified image under the staging name
-        if st.staging is not None and identity_mod.from_inspect(st.staging).digest == s.identity:
-            got = self._verify_existing()
-            if got is not None:
-                self._promote(st, got, need)
-                return
-        got = self._deliver(st, need)
-        s.pause("promote", self.host)
-        self._promote(st, got, need)
+        return st, need
 
     def _deliver(self, st: peer_mod.PeerState, need) -> str:
         """Put the missing layers on the peer and load them; the verified image id (the registry

@@ -35,8 +35,11 @@ class _Stderr:
 
     def __init__(self, proc):
         self.lines: list[tuple[float, str]] = []
+        self.out: list[str] = []
         self.t = threading.Thread(target=self._read, args=(proc,), daemon=True)
         self.t.start()
+        self.t_out = threading.Thread(target=lambda: self.out.append(proc.stdout.read()), daemon=True)
+        self.t_out.start()
 
     def _read(self, proc):
         for line in proc.stderr:
@@ -53,13 +56,13 @@ class _Stderr:
 
 
 def _finish(proc, err: _Stderr, timeout: float = 600):
-    out = proc.stdout.read() if proc.stdout else ""
-    proc.wait(timeout)
+    proc.wait(timeout)  # subprocess.TimeoutExpired past it
     err.t.join(10)
+    err.t_out.join(10)
     import json
 
     try:
-        doc = json.loads(out)
+        doc = json.loads("".join(err.out))
     except ValueError:
         doc = None
     return proc.returncode, doc
