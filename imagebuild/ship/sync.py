@@ -428,6 +428,10 @@ def sync(ctx: context_mod.Context | Path | None, peers: list[str], *, image: str
 
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: expected 1 or more")
+    # the environment's bounds are checked here, before any peer's worker reads them (exit 2)
+    step_timeout()
+    heartbeat_every()
+    _seconds_env("IMAGEBUILD_SYNC_LOCK_WAIT", LOCK_WAIT_S, zero_ok=True)
     ctx = context_mod.maybe(ctx)
     peers = resolve_peers(ctx, peers)
     image, ref = resolve_image(ctx, image, ref)

@@ -229,3 +229,18 @@ def test_build_times_compare_across_formats():
     assert sync._when("2026-12-01T10:04:03Z") == sync._when("2026-12-01T12:04:03+02:00")
     assert sync._when("1980-01-01T00:00:00Z") < sync._when("2026-12-01T10:04:03Z")
     assert sync._when("yesterday") is None and sync._when(None) is None
+
+
+def test_the_sync_bounds_from_the_environment(monkeypatch):
+    monkeypatch.setenv("IMAGEBUILD_SYNC_TIMEOUT", "20")
+    assert sync.step_timeout() == 20 and sync.load_timeout(10 ** 12) == 20
+    monkeypatch.delenv("IMAGEBUILD_SYNC_TIMEOUT")
+    assert sync.step_timeout() == sync.STEP_TIMEOUT_S
+    assert sync.load_timeout(20_000_000_000) == sync.LOAD_BASE_S + 2000  # 600 s + 1 s per 10 MB
+    for bad in ("abc", "-1", "0"):
+        monkeypatch.setenv("IMAGEBUILD_SYNC_TIMEOUT", bad)
+        with pytest.raises(UsageError, match="IMAGEBUILD_SYNC_TIMEOUT"):
+            sync.sync(None, ["dgx4"], ref="x:local")
+    monkeypatch.delenv("IMAGEBUILD_SYNC_TIMEOUT")
+    monkeypatch.setenv("IMAGEBUILD_SYNC_HEARTBEAT", "0")
+    assert sync.heartbeat_every() == 0
