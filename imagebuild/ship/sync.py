@@ -252,21 +252,19 @@ def _gib_env(name: str, default: float) -> float:
 
 
 def build_time(ctx, image: str | None, img: localblobs.LocalImage) -> str | None:
-    """When this build was made: the latest finished run of ``image`` in this project whose release is
-    this identity (``<state>/builds/``), else the image's own creation time (``Created``)."""
-    if ctx is not None and image:
-        from imagebuild.core import runs as runs_mod
+    """When this build was made by this project: the latest finished run of ``image`` whose release is
+    this identity (``<state>/builds/``), or None (no record here: built elsewhere, or not by imagebuild)."""
+    if ctx is None or not image:
+        return None
+    from imagebuild.core import runs as runs_mod
 
-        try:
-            times = [r.summary().get("finished") for r in runs_mod.list_runs(ctx, image)
-                     if r.summary().get("identity") == img.identity.digest]
-        except (OSError, ValueError):
-            times = []
-        times = [t for t in times if isinstance(t, str) and _when(t) is not None]
-        if times:
-            return max(times, key=_when)
-    created = img.data.get("Created")
-    return created if isinstance(created, str) and _when(created) is not None else None
+    try:
+        times = [r.summary().get("finished") for r in runs_mod.list_runs(ctx, image)
+                 if r.summary().get("identity") == img.identity.digest]
+    except (OSError, ValueError):
+        times = []
+    times = [t for t in times if isinstance(t, str) and _when(t) is not None]
+    return max(times, key=_when) if times else None
 
 
 def _when(text: object) -> float | None:
@@ -391,7 +389,7 @@ class _Shared:
         self.previous = previous_ref(ref)
         self.quick_ids = list(dict.fromkeys([img.target.digest, *img.inline]))
         self.pauses = {p.strip() for p in os.environ.get("IMAGEBUILD_SYNC_PAUSE", "").split(",") if p.strip()}
-        self.built = build_time(ctx, image, img)  # when this build was made (the older-build guard)
+        self.built = build_time(ctx, image, img)  # this project's build record time, or None (older-build guard)
         self.worker = _PeerSync  # per peer; the delivery's worker with --via registry
         self.delivery = None  # registry_sync.Delivery with --via registry (sync's delivery=)
         self.receipt_raw: bytes | None = None  # the receipt file's bytes and its signature (.json.sig)
@@ -647,20 +645,23 @@ class _PeerSync:
         return waited or state == "held" or previous != holder
 
     def _check_not_older(self, st: peer_mod.PeerState) -> None:
-        """The peer's tag never moves to a build older than the one it holds (unless --force): the times
-        are each build's (this host's build record of the identity, else the image's creation time; on
-        the peer, the record of the sync that put it there, else its creation time)."""
-        if st.target is None or self.s.built is None:
+        """The peer's tag never moves to a build older than the one it holds (unless --force). Like is
+        compared with like: the build records' times when both builds have one (this project's record of
+        this identity; the ``built`` the sync that put the peer's image there wrote), else both images'
+        creation times (``Created``: equal for reproducible builds, which then never refuse)."""
+        if st.target is None:
             return
         tid = st.target.get("Id")
         rec = next((r for r in st.records if r.get("image_id") == tid), None) or {}
-        theirs = rec.get("built") or st.target.get("Created")
-        t_ours, t_theirs = _when(self.s.built), _when(theirs)
+        ours, theirs = self.s.built, rec.get("built")
+        if not (_when(ours) and _when(theirs)):
+            ours, theirs = self.s.img.data.get("Created"), st.target.get("Created")
+        t_ours, t_theirs = _when(ours), _when(theirs)
         if t_ours is None or t_theirs is None or t_ours >= t_theirs:
             return
         have = identity_mod.from_inspect(st.target).digest
         msg = (f"{self.s.ref} on the peer is a newer build (identity {have}, built {theirs}) than this one "
-               f"(built {self.s.built}): the tag never moves to an older build unless --force")
+               f"(built {ours}): the tag never moves to an older build unless --force")
         if self.s.force:
             log.warning("warning: %s: %s; moving it anyway (--force)", self.host, msg)
             self.res.details["older"] = msg

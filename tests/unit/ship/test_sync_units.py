@@ -244,3 +244,30 @@ def test_the_sync_bounds_from_the_environment(monkeypatch):
     monkeypatch.delenv("IMAGEBUILD_SYNC_TIMEOUT")
     monkeypatch.setenv("IMAGEBUILD_SYNC_HEARTBEAT", "0")
     assert sync.heartbeat_every() == 0
+
+
+def test_the_older_build_rule_compares_like_with_like():
+    from imagebuild.core.errors import GuardRefused
+
+    def worker(built, created):
+        w = sync._PeerSync.__new__(sync._PeerSync)
+        img = type("I", (), {"data": {"Created": created}})()
+        w.s = type("S", (), {"built": built, "img": img, "ref": "x:local", "force": False, "image": "x"})()
+        w.host, w.res = "h", sync.PeerResult("h", "failed", 0, 0.0, "", None)
+        return w
+
+    def peer_with(built, created):
+        st = peer.PeerState("h")
+        st.target = {"Id": "sha256:" + "e" * 64, "Created": created, "RootFS": {"Layers": []}, "Config": {}}
+        st.records = [{"image_id": "sha256:" + "e" * 64, "built": built}]
+        return st
+
+    pinned = "1980-01-01T00:00:00Z"  # a reproducible build's Created
+    # both have build records: the records decide
+    with pytest.raises(GuardRefused, match="newer build"):
+        worker("2026-12-01T09:00:00Z", pinned)._check_not_older(peer_with("2026-12-01T10:00:00Z", pinned))
+    worker("2026-12-01T11:00:00Z", pinned)._check_not_older(peer_with("2026-12-01T10:00:00Z", pinned))
+    # no record here (built on another node): the creation times, equal for reproducible builds: no refusal
+    worker(None, pinned)._check_not_older(peer_with("2026-12-01T10:00:00Z", pinned))
+    with pytest.raises(GuardRefused):
+        worker(None, "2026-12-01T09:00:00Z")._check_not_older(peer_with(None, "2026-12-01T10:00:00Z"))
