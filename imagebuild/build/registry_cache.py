@@ -127,6 +127,10 @@ class StageCache:
     def _failed(self, exc: reg_mod.RegistryError, stage: str, key: str) -> None:
         if exc.kind in ("unreachable", "auth", "other"):  # exc.message names the registry and the stage
             self.drop(exc.message + (f" ({exc.hint})" if exc.hint else ""))
+        elif exc.kind == "transfer":  # cut part-way: this stage is built here, the registry stays in use
+            self._event(stage=stage, key=key, action="error", detail=exc.message)
+            self._warn(f"{exc.message}: a transfer failure (the connection was cut part-way), not content that "
+                       f"does not verify (stage {stage})")
         else:
             self._event(stage=stage, key=key, action="error", detail=exc.message)
 

@@ -95,7 +95,9 @@ def docker_config_file() -> Path | None:
 
 
 class RegistryError(OperationFailed):
-    """A registry call failed; ``kind`` says how: missing | unreachable | auth | corrupt | other."""
+    """A registry call failed; ``kind`` says how: missing | unreachable | transfer (the connection was cut
+    part-way: a short read, a reset; not the content's fault) | auth | corrupt (the content does not
+    verify: a digest or size that does not match) | other."""
 
     def __init__(self, kind: str, message: str, *, hint: str | None = None):
         super().__init__(message, hint=hint)
@@ -105,7 +107,10 @@ class RegistryError(OperationFailed):
 _KINDS = (
     ("missing", ("manifest unknown", "name unknown", "not found", "statuscode: 404", "status code 404")),
     ("corrupt", ("digest did not match", "does not match", "digest mismatch", "invalid checksum",
-                 "size mismatch", "unexpected eof", "integrity")),
+                 "size mismatch", "integrity")),
+    # a connection cut mid-blob reads "unexpected EOF" (a short read) or a reset: a transfer failure
+    ("transfer", ("unexpected eof", "connection reset", "broken pipe", "short read",
+                  "use of closed network connection")),
     ("auth", ("unauthorized", "authentication required", "denied", "statuscode: 401", "statuscode: 403")),
     ("unreachable", ("connection refused", "no such host", "i/o timeout", "deadline exceeded", "connection reset",
                      "network is unreachable", "no route to host", "timeout", "tls: ", "eof",
@@ -161,6 +166,8 @@ def skopeo(reg: Registry, *args: str, src: bool = False, dest: bool = False, tim
 
 _HINTS = {
     "auth": "log in once with `docker login HOST:PORT` (credentials are read from the docker config only)",
+    "transfer": "the connection to the registry was cut part-way (a proxy, a load balancer, a network fault?); "
+                "rerun: the content was not found wrong",
     "unreachable": "is the registry running and reachable from this node? (a loopback registry is plain HTTP; "
                    f"another plain-HTTP one needs {INSECURE_ENV}=1)",
 }

@@ -27,6 +27,7 @@ import logging
 import os
 import struct
 import tarfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class LocalImage:
     files: dict[str, Path]  # digest -> file, for every non-inline blob (layers first)
     source: str  # content-store | docker-save
     extra: list[Blob] = field(default_factory=list)  # large non-layer blobs (attestations), sent like layers
+    unpacked: dict[str, int] | None = None  # diff id -> unpacked bytes (unpacked_sizes), once asked
 
     def blob_digests(self) -> list[str]:
         return [*self.inline, *(la.digest for la in self.layers), *(b.digest for b in self.extra)]
@@ -416,9 +418,47 @@ def load(ref: str, *, verifier: Verifier | None = None) -> LocalImage:
 # --------------------------------------------------------------------------------------------- sizes
 
 
-def unpacked_estimate(layer: Layer, path: Path | None) -> int:
-    """About how many bytes the layer takes unpacked (for the peer's disk check). Exact for
-    uncompressed layers, from the gzip trailer or the zstd frame header when they say, else 3x."""
+TRAILER_TRUSTED_BELOW = (1 << 32) // 16  # a gzip layer this small would need a ratio over 16 to wrap ISIZE
+_SIZES_LOCK = threading.Lock()
+
+
+def unpacked_sizes(img: LocalImage) -> dict[str, int]:
+    """diff id -> the bytes each layer takes unpacked, as this host's engine measured them (``docker
+    history``: one entry per entry of the config's history, those with a layer in layer order; the
+    containerd store reports each layer's snapshot, the classic store its diff). {} when the two do
+    not line up (the caller estimates then). Asked once per image."""
+    with _SIZES_LOCK:
+        if img.unpacked is not None:
+            return img.unpacked
+        img.unpacked = {}
+        try:
+            cfg = json.loads(img.inline[img.config_digest])
+            hist = [h for h in (cfg.get("history") or []) if isinstance(h, dict)]
+            out = run_mod.output(["docker", "history", "--no-trunc", "-H=false", "--format", "{{.Size}}",
+                                  img.data.get("Id") or img.ref],
+                                 timeout=120)
+            sizes = [int(x) for x in out.split()][::-1]  # oldest first, as the config lists them
+        except (KeyError, ValueError, OperationFailed):
+            return img.unpacked
+        if len(sizes) != len(hist):
+            return img.unpacked
+        with_layer = [n for n, h in zip(sizes, hist, strict=True) if not h.get("empty_layer")]
+        if len(with_layer) == len(img.layers):
+            img.unpacked = {la.diff_id: n for la, n in zip(img.layers, with_layer, strict=True)}
+        return img.unpacked
+
+
+def unpacked_estimate(layer: Layer, path: Path | None, known: int | None = None) -> int:
+    """About how many bytes the layer takes unpacked (for the peer's disk check): ``known`` (the
+    engine's own figure, ``unpacked_sizes``) when given; exact for uncompressed layers; else from the
+    gzip trailer or the zstd frame header when they can say, else 3x.
+
+    The gzip trailer (ISIZE) holds the size modulo 4 GiB: a 7.0 GiB layer reads as 3.0 GiB. It is
+    trusted only for a layer small enough that it cannot have wrapped at any usual ratio (under
+    TRAILER_TRUSTED_BELOW, 256 MiB); above that, the larger of the trailer (unwrapped up to the
+    compressed size) and 3x."""
+    if known is not None and known >= 0:
+        return known
     if not layer.compressed:
         return layer.size
     guess = layer.size * 3
@@ -429,10 +469,12 @@ def unpacked_estimate(layer: Layer, path: Path | None) -> int:
             if "gzip" in layer.media_type and layer.size >= 18:
                 f.seek(-4, os.SEEK_END)
                 isize = struct.unpack("<I", f.read(4))[0]
-                # the trailer holds the size modulo 4 GiB: trust it only where it can be the whole size
-                if layer.size < (1 << 32) and isize >= layer.size * 0.9:
+                # the true size is isize + k * 4 GiB, and deflate does not shrink anything much below
+                # its compressed size
+                low = isize + max(0, -(-(int(layer.size * 0.9) - isize) // (1 << 32))) * (1 << 32)
+                if layer.size < TRAILER_TRUSTED_BELOW and isize >= layer.size * 0.9:
                     return isize
-                return guess
+                return max(low, guess)
             if "zstd" in layer.media_type:
                 head = f.read(18)
                 if len(head) >= 6 and head[:4] == b"\x28\xb5\x2f\xfd":

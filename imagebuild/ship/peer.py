@@ -41,6 +41,10 @@ class AgentFailed(OperationFailed):
         super().__init__(f"{host}: {message}")
 
 
+class StepTimeout(OperationFailed):
+    """A remote step gave no answer within its bound."""
+
+
 class AgentRefused(GuardRefused):
     def __init__(self, host: str, message: str):
         self.host = host
@@ -205,13 +209,20 @@ class Connection:
             self._lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
         self._lines.put(None)
 
-    def _next(self, deadline: float | None) -> str | None:
+    def _next(self, deadline: float | None, beat=None) -> str | None:
+        """The next line; None when the session ended. ``beat``: (seconds, fn) calls fn() each time
+        that many seconds pass without the line. A StepTimeout at the deadline."""
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if beat is not None:
+                wait = beat[0] if wait is None else min(wait, beat[0])
             try:
                 line = self._lines.get(timeout=wait)
             except queue.Empty:
-                raise OperationFailed(f"{self.host}: no answer from the peer within the time allowed") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise StepTimeout(f"{self.host}: no answer from the peer within the time allowed") from None
+                beat[1]()
+                continue
             if line is None:
                 try:
                     self.proc.wait(timeout=5)
@@ -245,9 +256,47 @@ class Connection:
             self._kill()
         self.proc = None
 
-    def agent(self, *lines: str, timeout: float | None = 120, what: str = "") -> AgentResult:
+    def hold(self, name: str, wait: int, run_id: str = "", on_wait=None) -> tuple[bool, str]:
+        """Take the peer's lock ``name`` (hex) for the rest of this session (the agent's ``ib_hold``):
+        waits up to ``wait`` seconds for another session that holds it (``on_wait(holder)`` is told
+        once), then AgentFailed with code ``busy``. Returns (whether it waited, the holder before)."""
+        if self.proc is None:
+            self.open()
+        waited, previous = False, ""
+        try:
+            self.proc.stdin.write(f"@@hold {name} {int(wait)} {run_id}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise PeerUnreachable(f"the ssh session to {self.host} ended", hint="rerun imagebuild sync") from None
+        t0 = time.monotonic()
+        out: list[str] = []
+        while True:
+            line = self._next(t0 + wait + 60)
+            if line is None:
+                raise PeerUnreachable(f"the ssh session to {self.host} ended while taking the sync lock",
+                                      hint="rerun imagebuild sync")
+            if line.startswith("@@waiting"):
+                waited = True
+                if on_wait is not None:
+                    on_wait(line[len("@@waiting"):].strip())
+                continue
+            if line.startswith("@@previous"):
+                previous = line[len("@@previous"):].strip()
+                continue
+            if line.startswith("@@done hold "):
+                break
+            out.append(line)
+        self.timings.append(("lock", round(time.monotonic() - t0, 3)))
+        _, error = parse_sections("\n".join(out))
+        if error is not None:
+            raise AgentFailed(self.host, error[0], error[1], "\n".join(out))
+        return waited, previous
+
+    def agent(self, *lines: str, timeout: float | None = 120, what: str = "", heartbeat=None) -> AgentResult:
         """Run the agent steps ``lines`` as one call. Raises PeerUnreachable (the session broke),
-        AgentRefused (a peer-side guard) or AgentFailed (``@@error``)."""
+        AgentRefused (a peer-side guard), AgentFailed (``@@error``) or StepTimeout (no answer within
+        ``timeout`` seconds: the session is ended, the step may still run on the peer).
+        ``heartbeat``: (seconds, fn(elapsed)) calls fn while the step runs."""
         if self.proc is None:
             self.open()
         self._seq += 1
@@ -264,8 +313,17 @@ class Connection:
         deadline = None if timeout is None else t_call + timeout
         out: list[str] = []
         rc = None
+        beat = None
+        if heartbeat is not None:
+            beat = (heartbeat[0], lambda: heartbeat[1](time.monotonic() - t_call))
         while True:
-            line = self._next(deadline)
+            try:
+                line = self._next(deadline, beat)
+            except StepTimeout:
+                self._kill()  # the session is stuck in the step: end it (the lock goes with it)
+                raise StepTimeout(f"{self.host}: {what or 'a step'} did not finish within {timeout:.0f} s",
+                                  hint=f"is the peer's Docker engine stuck? (ssh {self.host} docker info); the "
+                                  "bound is IMAGEBUILD_SYNC_TIMEOUT (seconds, every remote step)") from None
             if line is None:
                 raise PeerUnreachable(f"the ssh session to {self.host} ended during {what or 'a step'}: "
                                       f"{(out or ['no output'])[-1]}", hint="rerun imagebuild sync")
@@ -349,6 +407,7 @@ class PeerState:
     has_receipt: bool = False
     has_signature: bool = False  # the receipt's .json.sig is there too
     quick: bool = False  # only the target was inspected (it is the image already)
+    synclock: tuple[str, str] = ("none", "")  # the image's sync lock at the probe: none | free | held, its holder
 
     @property
     def store(self) -> str:
@@ -424,6 +483,10 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
             name, _, path = v.partition(" ")
             if path.strip():
                 st.tools[name] = path.strip()
+    lock = res.lines("synclock")
+    if lock:
+        holder = next((ln[len("holder"):].strip() for ln in lock if ln.startswith("holder")), "")
+        st.synclock = (lock[0].strip(), holder)
     st.has_receipt = "present" in res.section("receipt")
     st.has_signature = "signed" in res.lines("receipt")
     if "quick" in res.sections:  # the target already is the image: only what the no-op needs was asked
@@ -482,11 +545,11 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
 
 
 def probe(conn: Connection, target_ref: str, staging_ref: str, identity_hex: str, spec_hex: str | None,
-          quick_ids: list[str] | None = None) -> PeerState:
+          quick_ids: list[str] | None = None, timeout: float = 120, lock: str = "-") -> PeerState:
     """Read-only. With ``quick_ids`` (engine ids the image has on some store: its index, manifest or
     config digest), a peer whose target already has one of them answers only what the no-op needs."""
     res = conn.agent(peer_agent.call("ib_probe", target_ref, staging_ref, identity_hex, spec_hex or "-",
-                                     ",".join(quick_ids or [])), timeout=120, what="the probe")
+                                     ",".join(quick_ids or []), lock), timeout=timeout, what="the probe")
     return parse_probe(conn.host, res, target_ref, staging_ref)
 
 

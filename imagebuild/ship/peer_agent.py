@@ -53,6 +53,31 @@ ib_lock() {
   mkdir -p "$CACHE/incoming" "$CACHE/stage" "$CACHE/tmp" "$CACHE/pending" "$CACHE/records" \
            "$CACHE/receipts" "$CACHE/attempts" || ib_fail io "cannot create folders under $CACHE"
 }
+ib_hold() {  # $1 lock name (hex), $2 seconds to wait, $3 run id. Run by the session's own shell (LOOP's
+             # @@hold), not a call: fd 8 of the session holds $CACHE/locks/$1.lock until the session ends
+             # (the sender gone, the step that runs finished). One sync of one image to this peer at a time.
+             # Says the holder before this one (@@previous): the probe saw it too if nothing ran between.
+  case "$1" in ''|*[!0-9a-f]*) printf '@@error usage bad lock name\n'; return 3 ;; esac
+  case "$2" in ''|*[!0-9]*) printf '@@error usage bad lock wait\n'; return 3 ;; esac
+  command -v flock >/dev/null 2>&1 || { printf '@@error tools flock not found on the peer (util-linux)\n'; return 3; }
+  mkdir -p "$CACHE/locks" 2>/dev/null
+  ( : >> "$CACHE/locks/$1.lock" ) 2>/dev/null || { printf '@@error io cannot open %s\n' "$CACHE/locks/$1.lock"; return 3; }
+  exec 8>>"$CACHE/locks/$1.lock"
+  if ! flock -n 8; then
+    printf '@@waiting %s\n' "$(cat "$CACHE/locks/$1.holder" 2>/dev/null)"
+    if ! flock -w "$2" 8; then
+      printf '@@error busy another imagebuild sync of this image to this peer still runs after %s s (%s)\n' \
+        "$2" "$(cat "$CACHE/locks/$1.holder" 2>/dev/null)"
+      exec 8>&-
+      return 3
+    fi
+  fi
+  printf '@@previous %s\n' "$(cat "$CACHE/locks/$1.holder" 2>/dev/null)"
+  printf '%s pid %s since %s run %s\n' "$(hostname 2>/dev/null)" "$$" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${3:-}" \
+    > "$CACHE/locks/$1.holder" 2>/dev/null
+  printf '@@held %s\n' "$1"
+  return 0
+}
 ib_put() {  # ib_put PATH: stdin -> PATH, atomically (PATH is relative to $CACHE)
   mkdir -p "$(dirname "$CACHE/$1")" || ib_fail io "cannot create $(dirname "$CACHE/$1")"
   cat > "$CACHE/$1.tmp.$$" && mv -f "$CACHE/$1.tmp.$$" "$CACHE/$1" || { rm -f "$CACHE/$1.tmp.$$"; ib_fail io "cannot write $CACHE/$1"; }
@@ -108,7 +133,16 @@ ib_verify() {  # $1 ref: inspect, listing and a real run, at once
 }
 
 ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 spec hex (or -),
-               # $5 ids (comma-separated) that mean "the target already is the image": then only the quick part
+               # $5 ids (comma-separated) that mean "the target already is the image": then only the quick part,
+               # $6 the image's sync lock name (ib_hold) or -
+  ib_sect synclock
+  if [ "${6:--}" != - ] && [ -f "$CACHE/locks/$6.lock" ]; then
+    if flock -n "$CACHE/locks/$6.lock" true 2>/dev/null; then echo free; else echo held; fi
+    printf 'holder %s\n' "$(cat "$CACHE/locks/$6.holder" 2>/dev/null)"
+  else
+    echo none
+    printf 'holder %s\n' "$(cat "$CACHE/locks/${6:--}.holder" 2>/dev/null)"
+  fi
   ib_sect meta
   printf 'agent %s\ncache %s\nhost %s\n' "1" "$CACHE" "$(hostname 2>/dev/null)"
   for t in docker rsync flock tar stat df sha256sum ctr; do printf 'tool %s %s\n' "$t" "$(command -v "$t" 2>/dev/null)"; done
@@ -429,6 +463,12 @@ ib_gc_apply() {  # the actions, one a line: "rm PATH" (under $CACHE), "untag REF
 LOOP = r"""
 printf '@@ready %s\n' 1
 while IFS=' ' read -r ib_tag ib_id ib_n; do
+  if [ "$ib_tag" = "@@hold" ]; then  # @@hold NAME WAIT: in this shell, so that the lock lasts the session
+    ib_w=${ib_n%% *}; ib_r=${ib_n#* }; [ "$ib_r" = "$ib_n" ] && ib_r=
+    ib_hold "$ib_id" "$ib_w" "$ib_r" </dev/null 2>&1
+    printf '@@done hold %s\n' "$?"
+    continue
+  fi
   [ "$ib_tag" = "@@call" ] || continue
   ib_chunk=$(head -c "$ib_n")
   ( eval "$ib_chunk" ) </dev/null 2>&1

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import shlex
 import subprocess
@@ -46,7 +47,6 @@ from imagebuild.ship import sync as sync_mod
 log = logging.getLogger("imagebuild")
 
 TAG_PREFIX = "id-"
-PULL_TIMEOUT_S = 6 * 3600
 TUNNEL_ENV = "IMAGEBUILD_SYNC_TUNNEL"  # 1: always through an ssh tunnel, 0: never, else: loopback registries only
 
 
@@ -79,14 +79,37 @@ class Delivery:
         self.tag = identity_tag(identity)
         self.digest: str | None = None
         self.pushed = False
+        self.blobs: dict[str, int] = {}  # digest -> size of the blobs the pushed image's manifests name
 
     def publish(self) -> None:
         log.info("registry %s: pushing %s as %s:%s (layers the registry holds are not sent)", self.reg, self.ref,
                  self.repo, self.tag)
         doc = registry_release.push_image(self.reg, self.repo, self.ref, self.tag, self.identity)
         self.digest, self.pushed = doc["digest"], doc["pushed"]
+        self.blobs = self._blob_sizes()
         log.info("registry %s: %s:%s is %s (identity %s)%s", self.reg, self.repo, self.tag, self.digest[:19],
                  self.identity, "" if self.pushed else ", already there")
+
+    def _blob_sizes(self) -> dict[str, int]:
+        """digest -> size of the config and layers of the pushed image (of each manifest of an index):
+        what a peer's pull can fetch, to count what it did fetch (``pulled_bytes``)."""
+        import json
+
+        out: dict[str, int] = {}
+        try:
+            top = json.loads(reg_mod.inspect_raw(self.reg, self.reg.at(self.repo, self.digest),
+                                                 what=f"reading {self.repo}@{self.digest[:19]}"))
+            docs = [top]
+            for m in top.get("manifests") or []:
+                docs.append(json.loads(reg_mod.inspect_raw(self.reg, self.reg.at(self.repo, m["digest"]),
+                                                           what=f"reading {self.repo}@{m['digest'][:19]}")))
+            for d in docs:
+                for b in [d.get("config") or {}, *(d.get("layers") or [])]:
+                    if b.get("digest"):
+                        out[b["digest"]] = int(b.get("size") or 0)
+        except (reg_mod.RegistryError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+        return out
 
     def as_dict(self) -> dict:
         return {"registry": str(self.reg), "repository": self.reg.repo(self.repo), "tag": self.tag,
@@ -182,7 +205,8 @@ class RegistryPeerSync(sync_mod._PeerSync):
                      len(self.s.img.layers), sync_mod.human(sum(la.size for la in need)))
             self.s.pause("load", self.host)
             t0 = time.monotonic()
-            r = self.conn.agent(*self._pull_lines(src), timeout=PULL_TIMEOUT_S + 600, what="the pull")
+            r = self.conn.agent(*self._pull_lines(src), timeout=sync_mod.load_timeout(self.s.img.compressed_size()),
+                                what="the pull", heartbeat=self.heartbeat("pulling"))
             self.res.details["registry"]["pull_seconds"] = round(time.monotonic() - t0, 3)
             self.conn.timings.append(("docker pull", self.res.details["registry"]["pull_seconds"]))
         except peer_mod.AgentFailed as exc:
@@ -195,7 +219,16 @@ class RegistryPeerSync(sync_mod._PeerSync):
         finally:
             if tunnel is not None:
                 tunnel.close()
-        self.res.bytes_sent += sum(la.size for la in need)  # what the peer's engine fetched (layers it lacked)
+        # what the peer's engine really fetched: the blobs its pull reports downloading (a classic-store
+        # peer whose layers came by ssh fetches them all again: it has no registry digests for them)
+        pulled = pulled_blobs(r.section("pull"), d.blobs)
+        if pulled is None:  # the pull's output did not say: the layers the probe found missing
+            self.res.bytes_sent += sum(la.size for la in need)
+            self.res.details["registry"]["pulled_bytes"] = None
+        else:
+            self.res.bytes_sent += sum(pulled.values())
+            self.res.details["registry"]["pulled_bytes"] = sum(pulled.values())
+            self.res.details["registry"]["blobs_pulled"] = sorted(pulled)
         got = self._verified(r)
         if got is None:
             raise OperationFailed(self._mismatch or "the pulled image failed verification")
@@ -206,12 +239,38 @@ class RegistryPeerSync(sync_mod._PeerSync):
         q = shlex.quote
         tmp = f"pull-{secrets.token_hex(4)}"
         return ["ib_lock\n", "ib_docker_ok\n",
-                f"docker pull -q {q(src)} >\"$CACHE/{tmp}.log\" 2>&1 </dev/null || "
+                f"docker pull {q(src)} >\"$CACHE/{tmp}.log\" 2>&1 </dev/null || "
                 f"{{ cat \"$CACHE/{tmp}.log\"; rm -f \"$CACHE/{tmp}.log\"; ib_fail pull \"docker pull failed\"; }}\n",
+                "ib_sect pull\n",
+                f"cat \"$CACHE/{tmp}.log\"\n",
                 f"rm -f \"$CACHE/{tmp}.log\"\n",
                 f"docker tag {q(src)} {q(s.staging)} </dev/null || ib_fail pull \"docker tag failed\"\n",
                 f"docker image rm {q(src)} >/dev/null 2>&1 </dev/null\n",
                 peer_agent.call("ib_verify", s.staging), "ib_sect end\n"]
+
+
+_PULL_LINE = re.compile(r"^([0-9a-f]{12}): (.+?)\s*$")
+_FETCHED = ("Pull complete", "Download complete", "Downloading", "Verifying Checksum", "Extracting")
+
+
+def pulled_blobs(output: str, blobs: dict[str, int]) -> dict[str, int] | None:
+    """digest -> size of the blobs a ``docker pull`` (not ``-q``) fetched, from its own lines
+    (``<12 hex>: Pull complete`` / ``Download complete``; ``Already exists`` fetched nothing); None
+    when the output names none of ``blobs`` at all (nothing to go by)."""
+    by_short = {d.split(":", 1)[-1][:12]: d for d in blobs}
+    seen: set[str] = set()
+    fetched: dict[str, int] = {}
+    for line in output.splitlines():
+        m = _PULL_LINE.match(line.strip())
+        if not m or m.group(1) not in by_short:
+            continue
+        d = by_short[m.group(1)]
+        seen.add(d)
+        if m.group(2).startswith(_FETCHED):
+            fetched[d] = blobs[d]
+    if not seen:
+        return None
+    return fetched
 
 
 Delivery.worker = RegistryPeerSync  # each peer's worker when the image goes through the registry

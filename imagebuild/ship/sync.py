@@ -59,7 +59,41 @@ STATUSES = ("synced", "unchanged", "failed", "refused", "dry-run")
 DEFAULT_MIN_FREE_GIB = 1.0
 PROGRESS_EVERY_S = 2.0
 INLINE_LAYERS_MAX = 4 << 20  # missing layers up to this much travel inside the load call (no rsync)
-LOAD_TIMEOUT_S = 6 * 3600
+# every remote step is bounded (a frozen peer engine must not hang a sync): the quick steps by
+# STEP_TIMEOUT_S, the load (and a pull) by LOAD_BASE_S plus what it moves at LOAD_MIN_RATE;
+# IMAGEBUILD_SYNC_TIMEOUT=SECONDS bounds every remote step instead
+STEP_TIMEOUT_S = 300
+LOAD_BASE_S = 600
+LOAD_MIN_RATE = 10_000_000  # bytes/s: a docker load slower than this is stuck
+HEARTBEAT_S = 30  # a line per peer while its load (or pull) runs; IMAGEBUILD_SYNC_HEARTBEAT=SECONDS, 0: none
+LOCK_WAIT_S = 1800  # how long a sync waits for another sync of the same image to the same peer
+
+
+def _seconds_env(name: str, default: float, *, zero_ok: bool = False) -> float:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = float(v)
+    except ValueError:
+        n = -1.0
+    if n < 0 or (n == 0 and not zero_ok) or n > 30 * 86400:
+        raise UsageError(f"{name}={v!r}: expected a number of seconds" + (" (0: off)" if zero_ok else " above 0"))
+    return n
+
+
+def step_timeout(default: float = STEP_TIMEOUT_S) -> float:
+    """The bound of a remote step: ``IMAGEBUILD_SYNC_TIMEOUT`` when set, else ``default``."""
+    return _seconds_env("IMAGEBUILD_SYNC_TIMEOUT", default)
+
+
+def load_timeout(nbytes: int) -> float:
+    """The bound of a load or pull that moves ``nbytes``: 600 s plus 1 s per 10 MB."""
+    return step_timeout(LOAD_BASE_S + nbytes / LOAD_MIN_RATE)
+
+
+def heartbeat_every() -> float:
+    return _seconds_env("IMAGEBUILD_SYNC_HEARTBEAT", HEARTBEAT_S, zero_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -217,6 +251,37 @@ def _gib_env(name: str, default: float) -> float:
         raise UsageError(f"{name}={v!r}: expected a number of GiB") from None
 
 
+def build_time(ctx, image: str | None, img: localblobs.LocalImage) -> str | None:
+    """When this build was made by this project: the latest finished run of ``image`` whose release is
+    this identity (``<state>/builds/``), or None (no record here: built elsewhere, or not by imagebuild)."""
+    if ctx is None or not image:
+        return None
+    from imagebuild.core import runs as runs_mod
+
+    try:
+        times = [r.summary().get("finished") for r in runs_mod.list_runs(ctx, image)
+                 if r.summary().get("identity") == img.identity.digest]
+    except (OSError, ValueError):
+        times = []
+    times = [t for t in times if isinstance(t, str) and _when(t) is not None]
+    return max(times, key=_when) if times else None
+
+
+def _when(text: object) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time (nanoseconds allowed), or None."""
+    if not isinstance(text, str) or len(text) < 19:
+        return None
+    m = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)?$", text.strip())
+    if not m:
+        return None
+    frac = (m.group(2) or ".0")[:7]
+    try:
+        t = datetime.fromisoformat(m.group(1) + frac + (m.group(3) or "Z").replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t.timestamp()
+
+
 # ------------------------------------------------------------------------------------------------ compression
 
 
@@ -324,6 +389,7 @@ class _Shared:
         self.previous = previous_ref(ref)
         self.quick_ids = list(dict.fromkeys([img.target.digest, *img.inline]))
         self.pauses = {p.strip() for p in os.environ.get("IMAGEBUILD_SYNC_PAUSE", "").split(",") if p.strip()}
+        self.built = build_time(ctx, image, img)  # this project's build record time, or None (older-build guard)
         self.worker = _PeerSync  # per peer; the delivery's worker with --via registry
         self.delivery = None  # registry_sync.Delivery with --via registry (sync's delivery=)
         self.receipt_raw: bytes | None = None  # the receipt file's bytes and its signature (.json.sig)
@@ -360,6 +426,10 @@ def sync(ctx: context_mod.Context | Path | None, peers: list[str], *, image: str
 
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: expected 1 or more")
+    # the environment's bounds are checked here, before any peer's worker reads them (exit 2)
+    step_timeout()
+    heartbeat_every()
+    _seconds_env("IMAGEBUILD_SYNC_LOCK_WAIT", LOCK_WAIT_S, zero_ok=True)
     ctx = context_mod.maybe(ctx)
     peers = resolve_peers(ctx, peers)
     image, ref = resolve_image(ctx, image, ref)
@@ -520,8 +590,9 @@ def _sync_peer(shared: _Shared, host: str) -> PeerResult:
         if res.status != "refused" or conn.timings:
             res.details["timings"] = conn.timings
         res.seconds = time.monotonic() - t0
+    # each peer's result as it ends (the table comes when every peer is done)
     level = logging.INFO if res.status in ("synced", "unchanged", "dry-run") else logging.WARNING
-    log.log(level, "%s: %s: %s", host, res.status, res.message)
+    log.log(level, "%s: %s after %.1f s: %s", host, res.status, res.seconds, res.message)
     return res
 
 
@@ -537,15 +608,101 @@ class _PeerSync:
     def say(self, msg: str, *args) -> None:
         log.info(f"{self.host}: " + msg, *args)
 
+    def heartbeat(self, step: str):
+        """For Connection.agent: a line every IMAGEBUILD_SYNC_HEARTBEAT seconds while ``step`` runs on the
+        peer (peer, step, time so far, bytes sent to it)."""
+        every = heartbeat_every()
+        if not every:
+            return None
+        return every, lambda elapsed: self.say("still %s on the peer: %s so far, %s sent to it", step,
+                                               peer_mod.wait_text(elapsed), human(self.conn.bytes_sent +
+                                                                                  self.res.bytes_sent))
+
+    @property
+    def lock_name(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.s.ref.encode()).hexdigest()[:24]
+
+    def _hold(self, st: peer_mod.PeerState) -> bool:
+        """One sync of this image (its target tag) to this peer at a time: the later one waits for the
+        earlier one (IMAGEBUILD_SYNC_LOCK_WAIT seconds, default 1800), then is refused (exit 3). Taken
+        once the plan is made (a refusal writes nothing, not even the lock file); True when another
+        sync held it since the probe (then the plan is made again)."""
+        wait = int(_seconds_env("IMAGEBUILD_SYNC_LOCK_WAIT", LOCK_WAIT_S, zero_ok=True))
+
+        def waiting(holder: str) -> None:
+            self.say("another sync of %s to this peer runs (%s): waiting for it (up to %d s)", self.s.ref,
+                     holder or "holder unknown", wait)
+        try:
+            waited, previous = self.conn.hold(self.lock_name, wait, self.run_id, waiting)
+        except peer_mod.AgentFailed as exc:
+            if exc.code == "busy":
+                raise GuardRefused(f"busy: {exc.detail}",
+                                   hint="rerun when it is done, or raise IMAGEBUILD_SYNC_LOCK_WAIT (seconds)") from None
+            raise
+        state, holder = st.synclock
+        return waited or state == "held" or previous != holder
+
+    def _check_not_older(self, st: peer_mod.PeerState) -> None:
+        """The peer's tag never moves to a build older than the one it holds (unless --force). Like is
+        compared with like: the build records' times when both builds have one (this project's record of
+        this identity; the ``built`` the sync that put the peer's image there wrote), else both images'
+        creation times (``Created``: equal for reproducible builds, which then never refuse)."""
+        if st.target is None:
+            return
+        tid = st.target.get("Id")
+        rec = next((r for r in st.records if r.get("image_id") == tid), None) or {}
+        ours, theirs = self.s.built, rec.get("built")
+        if not (_when(ours) and _when(theirs)):
+            ours, theirs = self.s.img.data.get("Created"), st.target.get("Created")
+        t_ours, t_theirs = _when(ours), _when(theirs)
+        if t_ours is None or t_theirs is None or t_ours >= t_theirs:
+            return
+        have = identity_mod.from_inspect(st.target).digest
+        msg = (f"{self.s.ref} on the peer is a newer build (identity {have}, built {theirs}) than this one "
+               f"(built {ours}): the tag never moves to an older build unless --force")
+        if self.s.force:
+            log.warning("warning: %s: %s; moving it anyway (--force)", self.host, msg)
+            self.res.details["older"] = msg
+            return
+        raise GuardRefused(msg, hint=f"sync the newer build, or --force (imagebuild rollback {self.s.image or 'IMAGE'} "
+                           "on the peer swaps :local and :previous)")
+
     # -- the steps
 
     def run(self) -> None:
+        s = self.s
+        planned = self._plan(quick=True)
+        if planned is None:
+            return
+        st, need = planned
+        if self._hold(st):  # another sync of this image ran since the probe: plan again from what it left
+            planned = self._plan(quick=False)
+            if planned is None:
+                return
+            st, need = planned
+        # an earlier run (killed after its load) may have left the verified image under the staging name
+        if st.staging is not None and identity_mod.from_inspect(st.staging).digest == s.identity:
+            got = self._verify_existing()
+            if got is not None:
+                self._promote(st, got, need)
+                return
+        got = self._deliver(st, need)
+        s.pause("promote", self.host)
+        self._promote(st, got, need)
+
+    def _plan(self, quick: bool):
+        """Probe, and decide: None when the peer is done with (unchanged, dry-run), else (state, the
+        layers to send); a refusal raises. Nothing is written on the peer before this returns."""
         s, res = self.s, self.res
         img = s.img
         spec_hex = _hexof(s.spec) if s.spec else None
-        st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, s.quick_ids)
+        st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, s.quick_ids if quick else None,
+                            timeout=step_timeout(120), lock=self.lock_name)
         if st.quick and not self._unchanged(st):
-            st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex)
+            st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, timeout=step_timeout(120),
+                                lock=self.lock_name)
         res.store = st.store if st.docker_error is None else None
         res.layers_total = len(img.layers)
         if self._unchanged(st):
@@ -555,10 +712,11 @@ class _PeerSync:
                 res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity} (receipt carried)"
             else:
                 res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity}"
-            return
+            return None
         self._preflight_tools(st)
         old_id = (st.target or {}).get("Id")
         self._check_serving(st, old_id)
+        self._check_not_older(st)
         need = self._needed_layers(st)
         to_send = sum(max(0, la.size - st.incoming.get(_hexof(la.digest), 0)) for la in need)
         resumed = sum(min(la.size, st.incoming.get(_hexof(la.digest), 0)) for la in need)
@@ -572,17 +730,9 @@ class _PeerSync:
                                                                     "interrupted run)" if resumed else ""))
         if s.dry_run:
             res.status, res.message = "dry-run", "would sync: " + plan
-            return
+            return None
         self.say("%s", plan)
-        # an earlier run (killed after its load) may have left the verified image under the staging name
-        if st.staging is not None and identity_mod.from_inspect(st.staging).digest == s.identity:
-            got = self._verify_existing()
-            if got is not None:
-                self._promote(st, got, need)
-                return
-        got = self._deliver(st, need)
-        s.pause("promote", self.host)
-        self._promote(st, got, need)
+        return st, need
 
     def _deliver(self, st: peer_mod.PeerState, need) -> str:
         """Put the missing layers on the peer and load them; the verified image id (the registry
@@ -659,7 +809,10 @@ class _PeerSync:
     def _check_disk(self, st: peer_mod.PeerState, need, to_send: int) -> None:
         margin = int(_gib_env("IMAGEBUILD_PEER_MIN_FREE_GB", DEFAULT_MIN_FREE_GIB) * (1 << 30))
         files = self.s.img.files
-        unpacked = sum(localblobs.unpacked_estimate(la, files.get(la.digest)) for la in need if la.diff_id)
+        # the engine's own unpacked sizes (the gzip trailer wraps at 4 GiB: CUDA bases have larger layers)
+        known = localblobs.unpacked_sizes(self.s.img) if any(la.compressed for la in need if la.diff_id) else {}
+        unpacked = sum(localblobs.unpacked_estimate(la, files.get(la.digest), known.get(la.diff_id))
+                       for la in need if la.diff_id)
         load_bytes = sum(la.size for la in need) + unpacked
         checks = []
         if st.df_cache and st.df_docker and st.df_cache.mount == st.df_docker.mount:
@@ -708,7 +861,7 @@ class _PeerSync:
                json.dumps(s.receipt, indent=2, sort_keys=True).encode()) if s.receipt else None
         r = self.conn.agent(peer_agent.shell_var("IB_RECEIPT_B64", raw),
                             peer_agent.shell_var("IB_SIG_B64", s.receipt_sig.encode() if s.receipt_sig else None),
-                            peer_agent.call("ib_receipt_check"), timeout=120, what="checking the receipt")
+                            peer_agent.call("ib_receipt_check"), timeout=step_timeout(), what="checking the receipt")
         self._signer(r)
 
     def _carry_receipt_only(self) -> None:
@@ -716,7 +869,7 @@ class _PeerSync:
         base = f"tmp/{self.run_id}.receipt"
         r = self.conn.agent("ib_lock\n", *self._receipt_lines(base),
                             peer_agent.call("ib_receipt_carry", base, _hexof(s.identity), _hexof(s.spec)),
-                            timeout=120, what="writing the receipt")
+                            timeout=step_timeout(), what="writing the receipt")
         self._signer(r)
 
     def _prepare(self, need) -> None:
@@ -727,7 +880,7 @@ class _PeerSync:
                    "blobs": [la.digest for la in need]}
         self.conn.agent("ib_lock\n", peer_agent.heredoc(f"pending/{self.run_id}.json", json.dumps(pending)),
                         peer_agent.heredoc(f"pending/{self.run_id}.blobs", blobs or "\n"),
-                        peer_agent.call("ib_prepare", self.run_id), timeout=300, what="prepare")
+                        peer_agent.call("ib_prepare", self.run_id), timeout=step_timeout(), what="prepare")
 
     def _transfer(self, st: peer_mod.PeerState, need) -> None:
         if not need:
@@ -744,7 +897,8 @@ class _PeerSync:
         self.res.details["compression"] = comp.why
         total = sum(la.size for la in need)
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
-        argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats", "-e", self.conn.rsync_shell(),
+        argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats",
+                f"--timeout={max(1, int(step_timeout()))}", "-e", self.conn.rsync_shell(),
                 *comp.args, "--", *files, f"{self.host}:{st.cache}/incoming/"]
         last: list = [0.0, False]  # when the last line was printed; whether 100% was
         stats: dict[str, int] = {}
@@ -813,7 +967,8 @@ class _PeerSync:
         self.say("loading on the peer (docker load of %d layer blob(s)%s + manifest and config)", len(need),
                  f", {human(sum(la.size for la in need))} sent with it" if inline and need else "")
         try:
-            r = self.conn.agent(*self._load_lines(need, inline), timeout=LOAD_TIMEOUT_S, what="the load")
+            r = self.conn.agent(*self._load_lines(need, inline), timeout=load_timeout(sum(la.size for la in need)),
+                                what="the load", heartbeat=self.heartbeat("loading"))
         except peer_mod.AgentFailed as exc:
             if exc.code != "load":
                 raise
@@ -823,12 +978,13 @@ class _PeerSync:
 
     def _verify_existing(self) -> str | None:
         self.say("the image from an earlier run is on the peer as %s: verifying it", self.s.staging)
-        r = self.conn.agent("ib_lock\n", peer_agent.call("ib_verify_step", self.s.staging), timeout=600,
+        r = self.conn.agent("ib_lock\n", peer_agent.call("ib_verify_step", self.s.staging), timeout=step_timeout(),
                             what="verification")
         got = self._verified(r)
         if got is None:
             self.say("it did not verify (%s): loading again", self._mismatch)
-            self.conn.agent("ib_lock\n", peer_agent.call("ib_abort", self.run_id, self.s.staging), timeout=120)
+            self.conn.agent("ib_lock\n", peer_agent.call("ib_abort", self.run_id, self.s.staging),
+                            timeout=step_timeout(), what="untagging it")
         return got
 
     def _verified(self, r: peer_mod.AgentResult) -> str | None:
@@ -863,12 +1019,14 @@ class _PeerSync:
 
     def _abort(self) -> None:
         try:
-            self.conn.agent("ib_lock\n", peer_agent.call("ib_abort", self.run_id, self.s.staging), timeout=120)
+            self.conn.agent("ib_lock\n", peer_agent.call("ib_abort", self.run_id, self.s.staging),
+                            timeout=step_timeout(), what="untagging it")
         except OperationFailed:
             pass
 
     def _check_incoming(self) -> list[str]:
-        r = self.conn.agent("ib_lock\n", peer_agent.call("ib_check", self.run_id), timeout=3600,
+        r = self.conn.agent("ib_lock\n", peer_agent.call("ib_check", self.run_id),
+                            timeout=load_timeout(sum(la.size for la in self.s.img.layers)),
                             what="checking the cached blobs")
         return [ln.split()[1] for ln in r.lines("check") if ln.startswith("bad ")]
 
@@ -877,13 +1035,13 @@ class _PeerSync:
         record = {"schema": RECORD_SCHEMA, "version": 1, "identity": s.identity, "ref": s.ref, "image_id": image_id,
                   "blobs": s.img.blob_digests(), "layers": [{"digest": la.digest, "diff_id": la.diff_id}
                                                             for la in s.img.layers],
-                  "synced": _now(), "from": socket.gethostname(), "spec": s.spec, "run": self.run_id,
+                  "synced": _now(), "built": s.built, "from": socket.gethostname(), "spec": s.spec, "run": self.run_id,
                   "receipt": bool(s.receipt)}
         lines = ["ib_lock\n", peer_agent.heredoc(f"tmp/{self.run_id}.record", json.dumps(record)),
                  *self._receipt_lines(f"tmp/{self.run_id}.receipt")]
         lines.append(peer_agent.call("ib_promote", self.run_id, image_id, s.ref, s.previous or "-", s.staging,
                                      "1" if s.force else "0", _hexof(s.identity), _hexof(s.spec) if s.spec else "-"))
-        r = self.conn.agent(*lines, timeout=600, what="promotion")
+        r = self.conn.agent(*lines, timeout=step_timeout(), what="promotion")
         info = dict(ln.split(" ", 1) for ln in r.lines("promoted") if " " in ln)
         prev = (info.get("previous") or "").strip()
         self.res.status = "synced"

@@ -62,6 +62,10 @@ def test_scrub_removes_credentials():
     ('pinging container registry 127.0.0.1:5: Get "http://127.0.0.1:5/v2/": dial tcp 127.0.0.1:5: connect: '
      "connection refused", "unreachable"),
     ("writing blob: Digest did not match, expected sha256:404abc, got sha256:401def", "corrupt"),
+    # a connection cut mid-blob (what skopeo says, measured through a cutting proxy): a transfer failure
+    ("writing blob: happened during read: unexpected EOF", "transfer"),
+    ("writing blob: happened during read: read tcp 127.0.0.1:38890->127.0.0.1:35947: read: connection reset by "
+     "peer", "transfer"),
     ("requested access to the resource is denied: unauthorized: authentication required", "auth"),
     ("something else", "other"),
 ])

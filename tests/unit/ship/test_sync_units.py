@@ -169,3 +169,105 @@ def test_gc_plan_never_touches_other_leases():
     created = datetime.fromtimestamp(now - 50, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     g = peergc.plan("h", _gc_listing(now, created, "buildkit/lease.temporary=x,containerd.io/gc.expire=y"), keep=5)
     assert not [a for a in g.remove if a.kind == "lease"]  # BuildKit's
+
+
+GIB = 1 << 30
+
+
+def _wrapped_gzip_layer(tmp_path, compressed: int, real: int):
+    """A layer that says it is ``compressed`` bytes of gzip (metadata) over a small file whose gzip
+    trailer holds ``real`` modulo 4 GiB, as the real multi-GB layer's does (nothing of 4 GiB written)."""
+    p = tmp_path / "blob"
+    body = gzip.compress(b"x" * 1000)
+    p.write_bytes(body[:-4] + (real % (1 << 32)).to_bytes(4, "little"))
+    diff = "sha256:" + "d" * 64
+    return localblobs.Layer("sha256:" + "1" * 64, compressed, "application/vnd.oci.image.layer.v1.tar+gzip",
+                            diff, diff), p
+
+
+def test_a_wrapped_gzip_trailer_is_not_taken_for_the_size(tmp_path):
+    # 7.0 GiB unpacked, 2.5 GiB compressed: the trailer says 3.0 GiB
+    layer, p = _wrapped_gzip_layer(tmp_path, int(2.5 * GIB), 7 * GIB)
+    assert localblobs.unpacked_estimate(layer, p) >= 7 * GIB
+    # the engine's own figure wins when known
+    assert localblobs.unpacked_estimate(layer, p, 7 * GIB) == 7 * GIB
+    # a trailer below the compressed size has wrapped at least once
+    layer, p = _wrapped_gzip_layer(tmp_path, int(4.5 * GIB), 5 * GIB)
+    assert localblobs.unpacked_estimate(layer, p) >= 5 * GIB
+
+
+def test_the_disk_guard_counts_a_layer_over_4_gib_whole(tmp_path):
+    from imagebuild.core.errors import GuardRefused
+
+    layer, p = _wrapped_gzip_layer(tmp_path, int(2.5 * GIB), 7 * GIB)
+    img = localblobs.LocalImage("x:local", {}, None, None, "sha256:" + "c" * 64, [layer], {}, {layer.digest: p},
+                                "content-store")
+    img.unpacked = {layer.diff_id: 7 * GIB}  # what `docker history` of the engine says (unpacked_sizes)
+    st = peer.PeerState("h", cache="/c")
+    st.df_cache = st.df_docker = peer.DiskFree(int(9.5 * GIB), "/", "")
+    w = sync._PeerSync.__new__(sync._PeerSync)
+    w.s, w.host = type("S", (), {"img": img})(), "h"
+    # 2.5 GiB sent + 2.5 GiB loaded + 7 GiB unpacked + 1 GiB free is more than 9.5 GiB (with 3 GiB it was not)
+    with pytest.raises(GuardRefused, match="not enough disk on h"):
+        w._check_disk(st, [layer], layer.size)
+
+
+def test_what_a_pull_fetched_comes_from_its_own_lines():
+    from imagebuild.ship import registry_sync
+
+    a, b, c = ("sha256:" + x * 64 for x in "abc")
+    blobs = {a: 1000, b: 2000, c: 30}
+    out = (f"{a[7:19]}: Already exists\n{b[7:19]}: Pulling fs layer\n{b[7:19]}: Download complete\n"
+           f"{b[7:19]}: Pull complete\nDigest: sha256:{'d' * 64}\nStatus: Downloaded newer image\n")
+    assert registry_sync.pulled_blobs(out, blobs) == {b: 2000}
+    assert registry_sync.pulled_blobs(f"{a[7:19]}: Already exists\n", blobs) == {}
+    assert registry_sync.pulled_blobs("Status: Image is up to date\n", blobs) is None
+
+
+def test_build_times_compare_across_formats():
+    assert sync._when("2026-12-01T10:04:03.700886158Z") > sync._when("2026-12-01T10:04:03.321324506Z")
+    assert sync._when("2026-12-01T10:04:03Z") == sync._when("2026-12-01T12:04:03+02:00")
+    assert sync._when("1980-01-01T00:00:00Z") < sync._when("2026-12-01T10:04:03Z")
+    assert sync._when("yesterday") is None and sync._when(None) is None
+
+
+def test_the_sync_bounds_from_the_environment(monkeypatch):
+    monkeypatch.setenv("IMAGEBUILD_SYNC_TIMEOUT", "20")
+    assert sync.step_timeout() == 20 and sync.load_timeout(10 ** 12) == 20
+    monkeypatch.delenv("IMAGEBUILD_SYNC_TIMEOUT")
+    assert sync.step_timeout() == sync.STEP_TIMEOUT_S
+    assert sync.load_timeout(20_000_000_000) == sync.LOAD_BASE_S + 2000  # 600 s + 1 s per 10 MB
+    for bad in ("abc", "-1", "0"):
+        monkeypatch.setenv("IMAGEBUILD_SYNC_TIMEOUT", bad)
+        with pytest.raises(UsageError, match="IMAGEBUILD_SYNC_TIMEOUT"):
+            sync.sync(None, ["dgx4"], ref="x:local")
+    monkeypatch.delenv("IMAGEBUILD_SYNC_TIMEOUT")
+    monkeypatch.setenv("IMAGEBUILD_SYNC_HEARTBEAT", "0")
+    assert sync.heartbeat_every() == 0
+
+
+def test_the_older_build_rule_compares_like_with_like():
+    from imagebuild.core.errors import GuardRefused
+
+    def worker(built, created):
+        w = sync._PeerSync.__new__(sync._PeerSync)
+        img = type("I", (), {"data": {"Created": created}})()
+        w.s = type("S", (), {"built": built, "img": img, "ref": "x:local", "force": False, "image": "x"})()
+        w.host, w.res = "h", sync.PeerResult("h", "failed", 0, 0.0, "", None)
+        return w
+
+    def peer_with(built, created):
+        st = peer.PeerState("h")
+        st.target = {"Id": "sha256:" + "e" * 64, "Created": created, "RootFS": {"Layers": []}, "Config": {}}
+        st.records = [{"image_id": "sha256:" + "e" * 64, "built": built}]
+        return st
+
+    pinned = "1980-01-01T00:00:00Z"  # a reproducible build's Created
+    # both have build records: the records decide
+    with pytest.raises(GuardRefused, match="newer build"):
+        worker("2026-12-01T09:00:00Z", pinned)._check_not_older(peer_with("2026-12-01T10:00:00Z", pinned))
+    worker("2026-12-01T11:00:00Z", pinned)._check_not_older(peer_with("2026-12-01T10:00:00Z", pinned))
+    # no record here (built on another node): the creation times, equal for reproducible builds: no refusal
+    worker(None, pinned)._check_not_older(peer_with("2026-12-01T10:00:00Z", pinned))
+    with pytest.raises(GuardRefused):
+        worker(None, "2026-12-01T09:00:00Z")._check_not_older(peer_with(None, "2026-12-01T10:00:00Z"))

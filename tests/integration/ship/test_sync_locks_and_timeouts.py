@@ -1,0 +1,247 @@
+"""Two syncs of one image to one peer, an older build after a newer one, and a frozen peer engine:
+each against real peers (scripts/peer.sh: own sshd and Docker engine, containerd and classic store)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from imagebuild.core import identity
+from tests.conftest import run_cli
+from tests.syncfixtures import (  # noqa: F401 - fixtures
+    _private_sync_cache,
+    cache_files,
+    env,
+    finish,
+    peer_identity,
+    reset,
+    runs,
+    sync,
+    sync_images_fixture,
+    sync_proc,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+class _Stderr:
+    """A child's stderr lines, collected in a thread, each with the time it came."""
+
+    def __init__(self, proc):
+        self.lines: list[tuple[float, str]] = []
+        self.out: list[str] = []
+        self.t = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.t.start()
+        self.t_out = threading.Thread(target=lambda: self.out.append(proc.stdout.read()), daemon=True)
+        self.t_out.start()
+
+    def _read(self, proc):
+        for line in proc.stderr:
+            self.lines.append((time.monotonic(), line))
+
+    def has(self, text: str) -> bool:
+        return any(text in ln for _, ln in self.lines)
+
+    def first(self, text: str) -> int:
+        return next(i for i, (_, ln) in enumerate(self.lines) if text in ln)
+
+    def text(self) -> str:
+        return "".join(ln for _, ln in self.lines)
+
+
+def _finish(proc, err: _Stderr, timeout: float = 600):
+    proc.wait(timeout)  # subprocess.TimeoutExpired past it
+    err.t.join(10)
+    err.t_out.join(10)
+    import json
+
+    try:
+        doc = json.loads("".join(err.out))
+    except ValueError:
+        doc = None
+    return proc.returncode, doc
+
+
+@pytest.mark.parametrize("store", ["peer", "peer_classic"])
+def test_two_syncs_of_one_image_to_one_peer_never_mix_and_the_newer_build_stays(store, request, sync_images):
+    peer = request.getfixturevalue(store)
+    imgs = sync_images
+    newer, older = identity.inspect(imgs.big2).digest, identity.inspect(imgs.big).digest
+    try:
+        # the newer build's sync starts first; an older build's sync starts while it sends the 300 MB layer
+        reset(peer)
+        imgs.set_local(imgs.big2)
+        a = sync_proc(imgs, peer, peer.addr)
+        ea = _Stderr(a)
+        wait_for(lambda: ea.has("sending") or a.poll() is not None, timeout=120, every=0.01)
+        imgs.set_local(imgs.big)
+        b = sync_proc(imgs, peer, peer.addr)
+        eb = _Stderr(b)
+        rc_a, doc_a = _finish(a, ea)
+        rc_b, doc_b = _finish(b, eb)
+        assert rc_a == 0 and doc_a["peers"][0]["status"] == "synced", ea.text()
+        # the later one waited for the earlier one, then refused to put an older build over it
+        assert eb.has("waiting for it"), eb.text()
+        assert rc_b == 3 and doc_b["peers"][0]["status"] == "refused", eb.text()
+        assert "newer build" in doc_b["peers"][0]["message"]
+        assert peer_identity(peer, imgs.local) == newer
+        assert runs(peer, imgs.local) == "version 2"
+        # the other order: the older build first, then the newer one, which waits and wins
+        reset(peer)
+        imgs.set_local(imgs.big)
+        a = sync_proc(imgs, peer, peer.addr)
+        ea = _Stderr(a)
+        wait_for(lambda: ea.has("sending") or a.poll() is not None, timeout=120, every=0.01)
+        imgs.set_local(imgs.big2)
+        b = sync_proc(imgs, peer, peer.addr)
+        eb = _Stderr(b)
+        rc_a, _ = _finish(a, ea)
+        rc_b, doc_b = _finish(b, eb)
+        assert rc_a == 0, ea.text()
+        assert rc_b == 0 and doc_b["peers"][0]["status"] == "synced", eb.text()
+        assert peer_identity(peer, imgs.local) == newer and peer_identity(peer, f"{imgs.name}:previous") == older
+        with env(IMAGEBUILD_SSH=peer.ssh_env):
+            g = run_cli("gc", "--peer", peer.addr)
+        assert g.code == 0, g.out + g.err
+        assert cache_files(peer) == []
+    finally:
+        imgs.set_local(imgs.v1)
+
+
+def test_a_sync_still_locked_out_after_the_wait_is_refused_busy(sync_images, peer):
+    imgs = sync_images
+    reset(peer)
+    imgs.set_local(imgs.v2)
+    a = sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_SYNC_PAUSE": "promote"})
+    ea = _Stderr(a)
+    try:
+        wait_for(lambda: ea.has("paused before") or a.poll() is not None, timeout=120)
+        assert a.poll() is None, ea.text()
+        t0 = time.monotonic()
+        rc, doc, err = finish(sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_SYNC_LOCK_WAIT": "2"}))
+        assert rc == 3, err
+        p = doc["peers"][0]
+        assert p["status"] == "refused" and p["message"].startswith("busy: another imagebuild sync"), p
+        assert time.monotonic() - t0 < 30
+        assert peer_identity(peer, imgs.local) is None  # nothing moved
+    finally:
+        os.killpg(a.pid, signal.SIGKILL)
+        a.wait()
+    # the killed sender's session is gone, and with it the lock: the next sync runs at once
+    rc, doc, err = finish(sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_SYNC_LOCK_WAIT": "20"}))
+    assert rc == 0 and doc["peers"][0]["status"] == "synced", err
+    imgs.set_local(imgs.v1)
+
+
+def test_the_tag_never_moves_to_an_older_build_unless_forced(sync_images, peer_classic):
+    peer = peer_classic
+    imgs = sync_images
+    reset(peer)
+    try:
+        imgs.set_local(imgs.v2)
+        r, doc = sync(imgs, peer, peer.addr)
+        assert r.code == 0, r.err
+        imgs.set_local(imgs.v1)  # built before v2
+        r, doc = sync(imgs, peer, peer.addr)
+        assert r.code == 3, r.err
+        p = doc["peers"][0]
+        assert p["status"] == "refused" and "newer build" in p["message"] and "--force" in p["message"], p
+        assert runs(peer, imgs.local) == "version 2"
+        r, doc = sync(imgs, peer, peer.addr, "--force")
+        assert r.code == 0 and doc["peers"][0]["status"] == "synced", r.err
+        assert runs(peer, imgs.local) == "version 1"
+    finally:
+        imgs.set_local(imgs.v1)
+
+
+def _dockerd_pid(peer) -> int:
+    return int((Path(peer.dir) / "docker.pid").read_text().strip())
+
+
+def test_a_frozen_peer_engine_ends_within_the_bound_and_the_healthy_peer_is_reported_first(
+        sync_images, peer, peer_classic):
+    imgs = sync_images
+    reset(peer)
+    reset(peer_classic)
+    cfg = Path(peer.ssh_config).parent / "both_config"
+    cfg.write_text(Path(peer.ssh_config).read_text() + Path(peer_classic.ssh_config).read_text())
+    ssh = f"ssh -F {cfg}"
+    pid = _dockerd_pid(peer)
+    try:
+        # the healthy peer holds the big layer already: it needs only the top one (a second or two)
+        imgs.set_local(imgs.big)
+        r, _ = sync(imgs, peer_classic, peer_classic.addr)
+        assert r.code == 0, r.err
+        imgs.set_local(imgs.big2)
+        p = sync_proc(imgs, peer, peer.addr, peer_classic.addr, "--jobs", "2",
+                      extra_env={"IMAGEBUILD_SSH": ssh, "IMAGEBUILD_SYNC_TIMEOUT": "20",
+                                 "IMAGEBUILD_SYNC_HEARTBEAT": "2"})
+        err = _Stderr(p)
+        # the frozen one: its engine stops the moment its load starts
+        wait_for(lambda: err.has(f"{peer.addr}: loading on the peer") or p.poll() is not None, timeout=180,
+                 every=0.005)
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            rc, doc = _finish(p, err, timeout=120)
+        except Exception:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
+        took = time.monotonic() - frozen_at
+        assert rc == 1, err.text()
+        by = {x["peer"]: x for x in doc["peers"]}
+        assert by[peer_classic.addr]["status"] == "synced"
+        bad = by[peer.addr]
+        assert bad["status"] == "failed" and "the load did not finish within 20 s" in bad["message"], bad
+        assert "IMAGEBUILD_SYNC_TIMEOUT" in bad["message"]
+        assert took < 20 + 30, took
+        # each peer's result as it ends: the healthy one long before the frozen one's
+        assert err.first(f"{peer_classic.addr}: synced after") < err.first(f"{peer.addr}: failed after"), err.text()
+        # a heartbeat while the frozen peer loads: peer, step, time so far, bytes sent
+        beats = [ln for _, ln in err.lines if f"{peer.addr}: still loading on the peer" in ln]
+        assert len(beats) >= 3 and "sent to it" in beats[0], err.text()
+        assert peer_identity(peer_classic, imgs.local) == identity.inspect(imgs.big2).digest
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        imgs.set_local(imgs.v1)
+    # the engine back: the load it was doing ends on the peer; a rerun syncs
+    rc, doc, e = finish(sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_SYNC_TIMEOUT": "120"}))
+    assert rc == 0, e
+    reset(peer)
+
+
+def test_a_frozen_peer_engine_during_the_probe_is_bounded_too(sync_images, peer):
+    imgs = sync_images
+    reset(peer)
+    pid = _dockerd_pid(peer)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        p = sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_SYNC_TIMEOUT": "5"})
+        try:
+            rc, doc, err = finish(p, timeout=90)
+        except Exception:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
+        assert rc == 1, err
+        assert "the probe did not finish within 5 s" in doc["peers"][0]["message"]
+        assert time.monotonic() - t0 < 60
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_the_unpacked_sizes_come_from_the_engine(sync_images):
+    from imagebuild.ship import localblobs
+
+    img = localblobs.load(sync_images.big)
+    sizes = localblobs.unpacked_sizes(img)
+    assert set(sizes) == {la.diff_id for la in img.layers}
+    big = max(img.layers, key=lambda la: la.size)
+    # the 300 MB of /data/big.bin, unpacked, whatever the blob's compression
+    assert 300_000_000 <= sizes[big.diff_id] < 310_000_000
