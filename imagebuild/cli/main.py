@@ -1092,8 +1092,10 @@ def cmd_log(args) -> int:
     from imagebuild.core import runs as runs_mod
 
     ctx = common.ctx(args)
-    if args.image:
-        defn_mod.check_image_name(args.image)
+    if args.image:  # one of this project's images, else exit 2
+        from imagebuild.ops import gc as gc_mod
+
+        gc_mod.check_known(ctx, args.image)
     if args.run is None and args.stage is None:
         runs = runs_mod.list_runs(ctx, args.image)[:args.limit]
         if args.json:
@@ -1173,15 +1175,14 @@ def cmd_gc(args) -> int:
     ctx = common.ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
-    if args.image:  # before the engine is asked
-        defn_mod.check_image_name(args.image)
+    if args.image:  # an unknown image: exit 2 before the engine is asked
+        gc_mod.check_known(ctx, args.image)
     if not args.dry_run:  # a gate killed with -9 left its container: its build is not "used by a container"
         from imagebuild.gate import leftovers
 
         leftovers.reap()
-    plan = gc_mod.plan_gc(ctx, args.image, args.keep)
-    if not args.dry_run:
-        gc_mod.apply(plan, ctx)
+    # a busy image (its build lock held by a build, rollback or gc): exit 3, nothing removed
+    plan = gc_mod.collect(ctx, args.image, args.keep, dry_run=args.dry_run)
     if args.json:
         common.print_json(plan.as_dict(args.dry_run))
         return EXIT_OK
