@@ -175,6 +175,7 @@ class EngineView:
 
     layers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # image id -> chain ids
     sizes: dict[str, int] = field(default_factory=dict)  # chain id -> bytes (docker history)
+    tags: dict[str, set[str]] = field(default_factory=dict)  # image id -> every repo:tag it has
 
     def exclusive(self, ids) -> int:
         """Bytes that removing every image in ``ids`` frees: their layers no other image holds."""
@@ -227,12 +228,14 @@ def engine_view(sized: set[str] | list[str] = ()) -> EngineView:
     view = EngineView()
     if not ids:
         return view
-    text = run_mod.output(["docker", "image", "inspect", "--format", "{{.Id}} {{json .RootFS.Layers}}", *ids],
-                          timeout=120, check=False)
+    text = run_mod.output(["docker", "image", "inspect", "--format",
+                           "{{.Id}}\t{{json .RootFS.Layers}}\t{{json .RepoTags}}", *ids], timeout=120, check=False)
     for ln in text.splitlines():
-        iid, _, layers = ln.partition(" ")
+        iid, _, rest = ln.partition("\t")
+        layers, _, tags = rest.partition("\t")
         try:
             view.layers[iid] = _chain_ids([str(d) for d in json.loads(layers) or []])
+            view.tags[iid] = {str(t).removeprefix("docker.io/library/") for t in json.loads(tags or "null") or []}
         except ValueError:
             continue
     for iid in sorted(set(sized) & set(view.layers)):
@@ -392,10 +395,10 @@ def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_
             p.remove.append(Item(kind, im.ref, 0, f"build {bid} is not kept", ref=im.ref))
     # the bytes an image frees, once it loses its last tag: its layers no image left in the engine shares
     gone = {it.ref for it in p.remove}
-    tags_of: dict[str, list[str]] = {}
-    for im in imgs:
-        tags_of.setdefault(im.id, []).append(im.ref)
-    removed_ids = [i for i, refs in tags_of.items() if all(r in gone for r in refs)]
+    tags_of: dict[str, set[str]] = {}
+    for im in imgs:  # every tag the image has, in any repository: another one keeps it in the engine
+        tags_of.setdefault(im.id, set(view.tags.get(im.id, ()))).add(im.ref)
+    removed_ids = [i for i, refs in tags_of.items() if refs <= gone]
     others_held = {c for i, cs in view.layers.items() if i not in removed_ids for c in cs}
     counted: set[str] = set()
     for it in p.remove:

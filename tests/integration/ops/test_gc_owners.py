@@ -207,6 +207,14 @@ def test_gc_and_df_count_only_the_layers_no_other_image_shares(engine_info, tmp_
         whole = _history_total(f"{x}:b-{old['build_id']}")
         assert base > 1_000_000 and whole > base
 
+        also = f"{y}:also-{old['build_id']}"  # another repository's tag on x's old build: removing x's frees nothing
+        subprocess.run(["docker", "tag", f"{x}:b-{old['build_id']}", also], check=True, capture_output=True)
+        res = run_cli("--root", str(rx), "gc", x, "--keep", "1", "--dry-run", "--json")
+        assert res.code == 0, res.err
+        assert [i["bytes"] for i in json.loads(res.out)["images"][0]["remove"] if i["kind"] in ("release", "tag")] \
+            == [0, 0]
+        subprocess.run(["docker", "image", "rm", also], check=True, capture_output=True)
+
         res = run_cli("--root", str(rx), "gc", x, "--keep", "1", "--dry-run", "--json")
         assert res.code == 0, res.err
         (ip,) = json.loads(res.out)["images"]
