@@ -525,7 +525,9 @@ sync environment:
                         "*.tmp folders a killed prefetch left in the git mirror cache. Kept: the builds IMAGE:local, "
                         ":previous and :candidate point at, the last N builds (--keep), and every image a container "
                         "uses; each with its stages, release image, prefetched files and records, so it still "
-                        "rebuilds as a no-op. Anything a running build or prefetch holds is left alone. "
+                        "rebuilds as a no-op. Only this checkout's builds: what another clone built into the shared stage "
+                        "store stays. gc holds each image's build lock while it plans and removes (exit 3 while a "
+                        "build, rollback or gc of it runs); an image this checkout does not know is exit 2. "
                         "Retention: docs/build.md, 'Disk'.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
@@ -569,7 +571,7 @@ sync environment:
                         description="Point IMAGE:local back at IMAGE:previous (what :local was before the last "
                         "promotion); the replaced image becomes IMAGE:previous, so a second rollback undoes the "
                         "first. Exit 1 when there is no :previous; 2 for a name that is not one of the project's "
-                        "definitions.",
+                        "definitions; 3 while a build or gc of the image holds its build lock.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
