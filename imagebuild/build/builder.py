@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from imagebuild.build import guards, layerclamp, registry_cache
+from imagebuild.build import guards, layerclamp, owners, registry_cache
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core import context as context_mod
@@ -646,6 +646,8 @@ def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     blk = guards.BuildLock(guards.build_lock_path(b.engine_id, b.defn.name), b.defn.name)
     try:
         _guards(b, lock=blk)
+        # this project's claim on the build in the shared stage store: gc elsewhere leaves it alone
+        owners.claim(b.store.dir, b.ctx.root, b.plan.build_id, [s.key for s in b.plan.stages])
         _remove_stale_tmp(b)
         for w in b.warnings:
             log.warning("warning: %s", w)

@@ -13,7 +13,8 @@
 - **Parallelism**: ``MAX_JOBS`` / ``NVCC_THREADS`` / ``CMAKE_BUILD_PARALLEL_LEVEL`` for the
   stages that declare them, from free memory and cores (rule in ``jobs_rule``), unless set.
 - **Disk**: free space under Docker's data root and the state folder before the build.
-- **One build per image**: an exclusive lock file naming its holder (pid, host, command).
+- **One build per image**: an exclusive lock file naming its holder (pid, host, command). ``gc``
+  and ``rollback`` of the image hold the same lock while they work, so neither runs beside a build.
 
 Serving patterns (environment, comma separated; each replaces its default):
 
@@ -449,8 +450,10 @@ class BuildLock:
             holder = self.holder()
             who = (f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('command')})"
                    if holder else "another process")
-            raise GuardRefused(f"another build of {self.image!r} is running: {who}",
-                               hint=f"wait for it to finish; the lock is {self.path}") from None
+            cmd = str((holder or {}).get("command") or "")
+            what = (f"{self.image!r} is busy" if cmd.startswith("imagebuild ") and not cmd.startswith("imagebuild build")
+                    else f"another build of {self.image!r} is running")  # gc and rollback take the lock too
+            raise GuardRefused(f"{what}: {who}", hint=f"wait for it to finish; the lock is {self.path}") from None
         info = {"schema": "imagebuild.buildlock", "version": 1, "image": self.image, "pid": os.getpid(),
                 "host": socket.gethostname(), "command": command}
         os.ftruncate(fd, 0)
@@ -471,6 +474,15 @@ class BuildLock:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
                 os.close(self._fd)
                 self._fd = None
+
+    @classmethod
+    def held(cls, engine_id: str | None, image: str, command: str) -> BuildLock:
+        """The image's lock, taken for ``command`` (``imagebuild gc IMAGE``, ``imagebuild rollback
+        IMAGE``): what changes an image's builds or tags holds it, as a build does; GuardRefused
+        (exit 3) while another holds it."""
+        lk = cls(build_lock_path(engine_id, image), image)
+        lk.acquire(command=command)
+        return lk
 
     def __enter__(self) -> BuildLock:
         self.acquire()

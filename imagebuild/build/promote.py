@@ -161,7 +161,21 @@ def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str |
 def rollback(image: str, ctx=None, *, dry_run: bool = False) -> dict:
     """Swap ``image:local`` and ``image:previous``; warn when the image that becomes ``:local``
     has no passing receipt of the definition's current gate spec. ``dry_run``: the same checks and
-    document, no tag moved."""
+    document, no tag moved. With ``ctx`` (and not ``dry_run``), under the image's build lock
+    (GuardRefused, exit 3, while a build or gc of it runs): a build that promotes meanwhile would
+    move ``:local`` over the rollback without a word."""
+    if ctx is None or dry_run:
+        return _rollback(image, ctx, dry_run=dry_run)
+    from imagebuild.build import guards
+
+    lk = guards.BuildLock.held(ctx.engine.id, image, f"imagebuild rollback {image}")
+    try:
+        return _rollback(image, ctx, dry_run=False)
+    finally:
+        lk.release()
+
+
+def _rollback(image: str, ctx, *, dry_run: bool) -> dict:
     from imagebuild.gate import receipts
 
     local_id = image_id(ref(image, LOCAL))

@@ -525,7 +525,9 @@ sync environment:
                         "*.tmp folders a killed prefetch left in the git mirror cache. Kept: the builds IMAGE:local, "
                         ":previous and :candidate point at, the last N builds (--keep), and every image a container "
                         "uses; each with its stages, release image, prefetched files and records, so it still "
-                        "rebuilds as a no-op. Anything a running build or prefetch holds is left alone. "
+                        "rebuilds as a no-op. Only this checkout's builds: what another clone built into the shared stage "
+                        "store stays. gc holds each image's build lock while it plans and removes (exit 3 while a "
+                        "build, rollback or gc of it runs); an image this checkout does not know is exit 2. "
                         "Retention: docs/build.md, 'Disk'.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", nargs="?", help="image name (default: every image of the project)")
@@ -569,7 +571,7 @@ sync environment:
                         description="Point IMAGE:local back at IMAGE:previous (what :local was before the last "
                         "promotion); the replaced image becomes IMAGE:previous, so a second rollback undoes the "
                         "first. Exit 1 when there is no :previous; 2 for a name that is not one of the project's "
-                        "definitions.",
+                        "definitions; 3 while a build or gc of the image holds its build lock.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("image", metavar="IMAGE", help="image name")
     sp.add_argument("--registry", nargs="?", const="", metavar="HOST:PORT/PREFIX", help="swap the tags in the "
@@ -1092,8 +1094,10 @@ def cmd_log(args) -> int:
     from imagebuild.core import runs as runs_mod
 
     ctx = common.ctx(args)
-    if args.image:
-        defn_mod.check_image_name(args.image)
+    if args.image:  # one of this project's images, else exit 2
+        from imagebuild.ops import gc as gc_mod
+
+        gc_mod.check_known(ctx, args.image)
     if args.run is None and args.stage is None:
         runs = runs_mod.list_runs(ctx, args.image)[:args.limit]
         if args.json:
@@ -1173,15 +1177,14 @@ def cmd_gc(args) -> int:
     ctx = common.ctx(args)
     if args.keep < 0:
         raise UsageError(f"--keep {args.keep}: expected 0 or more")
-    if args.image:  # before the engine is asked
-        defn_mod.check_image_name(args.image)
+    if args.image:  # an unknown image: exit 2 before the engine is asked
+        gc_mod.check_known(ctx, args.image)
     if not args.dry_run:  # a gate killed with -9 left its container: its build is not "used by a container"
         from imagebuild.gate import leftovers
 
         leftovers.reap()
-    plan = gc_mod.plan_gc(ctx, args.image, args.keep)
-    if not args.dry_run:
-        gc_mod.apply(plan, ctx)
+    # a busy image (its build lock held by a build, rollback or gc): exit 3, nothing removed
+    plan = gc_mod.collect(ctx, args.image, args.keep, dry_run=args.dry_run)
     if args.json:
         common.print_json(plan.as_dict(args.dry_run))
         return EXIT_OK

@@ -16,11 +16,26 @@ from before the stage store (``imagebuild/IMAGE:<stage>-<key>`` tags), stage-sto
 blobs no kept build needs, BuildKit's half-written exports (``ingest/``), tarballs in
 ``deps-src/IMAGE/src/`` that no kept lock names, package folders of stages that no longer
 exist, old run records, temporary folders of runs that died (``kill -9``), and the ``*.tmp``
-folders a killed prefetch left in the git mirror cache. Anything whose owner is running (a
-build of the image holds its lock, a prefetch holds a mirror's lock) is left alone.
+folders a killed prefetch left in the git mirror cache. A prefetch's mirror ``*.tmp`` folder is
+left alone while the prefetch holds the mirror's lock.
 
-``plan_gc`` only reads; ``apply`` removes what a plan lists. ``--dry-run`` prints the plan with
-the bytes each removal would free.
+**One project's builds only.** The stage store and the engine are shared by every clone on the
+node; each build claims its build id and stage keys for its checkout (``build/owners.py``). gc
+never removes a build, release or stage another live checkout claims, and while another checkout
+claims builds of the image it leaves alone what no checkout claims (made before claims were
+recorded). An image this project has neither a definition nor run records of is refused (exit 2).
+
+**Under the image's build lock.** ``collect`` takes each image's build lock (the one ``build``
+holds, ``guards.BuildLock``) before it plans and keeps it until the last removal; while a build,
+a rollback or another gc of the image holds it, gc refuses (exit 3) and removes nothing.
+
+**Bytes** are what the removal really frees: for engine images, the layers (by chain id) that no
+image left in the engine shares, counted once, at the size ``docker history`` gives them (a tag
+whose image another tag still holds frees nothing); for files, their size on disk. Planning reads
+only manifests and configs, never a layer.
+
+``collect`` plans and (unless ``dry_run``) removes; ``plan_image`` only reads; ``apply`` removes
+what a plan lists. ``--dry-run`` prints the plan with the bytes each removal would free.
 """
 
 from __future__ import annotations
@@ -34,13 +49,14 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagebuild.build import guards
+from imagebuild.build import guards, owners
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core import runs, state
 from imagebuild.core.context import Context, of
+from imagebuild.core.errors import DefinitionError, OperationFailed, Problem
 from imagebuild.definition import reader as defn_mod
 
 log = logging.getLogger("imagebuild")
@@ -76,13 +92,16 @@ class ImagePlan:
     remove: list[Item] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # what was left alone and why
     store_index: list[str] | None = None  # manifests BuildKit's index.json keeps (None: unchanged)
+    others: dict[str, str] = field(default_factory=dict)  # build id -> the other checkout that claims it
+    claim: dict[str, list[str]] | None = None  # this project's claim after gc: kept build -> stage keys
 
     @property
     def freed(self) -> int:
         return sum(i.bytes for i in self.remove)
 
     def as_dict(self) -> dict:
-        return {"image": self.image, "kept_builds": self.kept_builds, "freed_bytes": self.freed,
+        return {"image": self.image, "kept_builds": self.kept_builds, "other_checkouts": self.others,
+                "freed_bytes": self.freed,
                 "keep": [i.as_dict() for i in self.keep], "remove": [i.as_dict() for i in self.remove],
                 "skipped": self.skipped}
 
@@ -145,39 +164,116 @@ def tree_bytes(path: Path) -> int:
 class EngineImage:
     ref: str  # repo:tag
     id: str
-    unique: int  # bytes only this image holds (docker system df -v)
+    unique: int  # bytes of the layers no other image in the engine shares (EngineView.exclusive)
     labels: dict
 
 
-def engine_images(image: str) -> list[EngineImage]:
-    """Every tag of ``image`` and ``imagebuild/image`` in the engine, with its labels and unique size."""
+@dataclass
+class EngineView:
+    """Every image in the engine with its layers, as chain ids (bottom first: a layer is shared
+    only with its whole stack below), and the size of each layer of the images that were sized."""
+
+    layers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # image id -> chain ids
+    sizes: dict[str, int] = field(default_factory=dict)  # chain id -> bytes (docker history)
+    tags: dict[str, set[str]] = field(default_factory=dict)  # image id -> every repo:tag it has
+
+    def exclusive(self, ids) -> int:
+        """Bytes that removing every image in ``ids`` frees: their layers no other image holds."""
+        ids = set(ids)
+        held = {c for i, cs in self.layers.items() if i not in ids for c in cs}
+        mine = {c for i in ids for c in self.layers.get(i, ())}
+        return sum(self.sizes.get(c, 0) for c in mine - held)
+
+
+def _chain_ids(diff_ids: list[str]) -> tuple[str, ...]:
+    import hashlib
+
+    out: list[str] = []
+    for d in diff_ids:
+        out.append(d if not out else "sha256:" + hashlib.sha256(f"{out[-1]} {d}".encode()).hexdigest())
+    return tuple(out)
+
+
+_NO_LAYER = {"ENV", "ARG", "LABEL", "CMD", "ENTRYPOINT", "EXPOSE", "USER", "VOLUME", "STOPSIGNAL",
+             "HEALTHCHECK", "SHELL", "ONBUILD", "MAINTAINER"}
+
+
+def _makes_layer(created_by: str) -> bool:
+    """Whether a history entry made a layer, from its command (only asked when sizes alone do not say)."""
+    cb = created_by.strip()
+    if not cb:
+        return True  # an imported base
+    if "#(nop)" in cb:
+        return bool(re.search(r"#\(nop\)\s*(ADD|COPY)\b", cb))
+    return cb.split(None, 1)[0].upper() not in _NO_LAYER
+
+
+def layer_sizes(rows: list[tuple[int, str]], n: int) -> list[int]:
+    """The size of each of an image's ``n`` layers from its ``docker history`` rows (oldest first:
+    size, command). A row of a non-zero size made a layer; when that accounts for fewer than ``n``,
+    the commands say which zero-size rows did (an empty COPY); failing both, the sized rows are
+    taken as the lowest layers."""
+    sized = [i for i, (size, _) in enumerate(rows) if size > 0]
+    if len(sized) != n:
+        guess = [i for i, (size, cb) in enumerate(rows) if size > 0 or _makes_layer(cb)]
+        sized = guess if len(guess) == n else sized[:n]
+    out = [rows[i][0] for i in sized]
+    return out + [0] * (n - len(out))
+
+
+def engine_view(sized: set[str] | list[str] = ()) -> EngineView:
+    """The layers of every image in the engine (one ``docker image inspect``), and the sizes of
+    the layers of the images ``sized`` (one ``docker history`` each). Reads no layer."""
+    ids = sorted(set(run_mod.output(["docker", "image", "ls", "-a", "-q", "--no-trunc"], timeout=60).split()))
+    view = EngineView()
+    if not ids:
+        return view
+    text = run_mod.output(["docker", "image", "inspect", "--format",
+                           "{{.Id}}\t{{json .RootFS.Layers}}\t{{json .RepoTags}}", *ids], timeout=120, check=False)
+    for ln in text.splitlines():
+        iid, _, rest = ln.partition("\t")
+        layers, _, tags = rest.partition("\t")
+        try:
+            view.layers[iid] = _chain_ids([str(d) for d in json.loads(layers) or []])
+            view.tags[iid] = {str(t).removeprefix("docker.io/library/") for t in json.loads(tags or "null") or []}
+        except ValueError:
+            continue
+    for iid in sorted(set(sized) & set(view.layers)):
+        proc = run_mod.run(["docker", "history", "--human=false", "--no-trunc", "--format",
+                            "{{.Size}}\t{{.CreatedBy}}", iid], check=False, timeout=60)
+        rows = []
+        for ln in reversed(proc.stdout.decode("utf-8", "replace").splitlines()):  # newest first
+            size, _, cb = ln.partition("\t")
+            rows.append((int(size) if size.strip().isdigit() else 0, cb))
+        chain = view.layers[iid]
+        for c, n in zip(chain, layer_sizes(rows, len(chain)), strict=True):
+            view.sizes.setdefault(c, n)
+    return view
+
+
+def engine_images(image: str, view: EngineView | None = None) -> list[EngineImage]:
+    """Every tag of ``image`` and ``imagebuild/image`` in the engine, with its labels and the
+    bytes only it holds (``view``: the engine's layers; made here when not given)."""
     ls = ["docker", "image", "ls", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}"]
     out = run_mod.output([*ls, f"imagebuild/{image}"], timeout=60) + "\n" + run_mod.output([*ls, image], timeout=60)
     rows = [ln.split() for ln in out.splitlines() if len(ln.split()) == 2 and not ln.endswith("<none>")]
     rows = [(r, i) for r, i in rows if not r.endswith(":<none>")]
     if not rows:
         return []
-    sizes = _unique_sizes()
+    if view is None:
+        view = engine_view({i for _, i in rows})
     text = run_mod.output(["docker", "image", "inspect", "--format", "{{json .Config.Labels}}",
                            *[r for r, _ in rows]], timeout=120, check=False)
     labels = [json.loads(ln) or {} for ln in text.splitlines() if ln.startswith(("{", "null"))]
     if len(labels) != len(rows):
         labels = [{} for _ in rows]
-    return [EngineImage(r, i, sizes.get(i.removeprefix("sha256:")[:12], 0), lab)
-            for (r, i), lab in zip(rows, labels, strict=True)]
+    return [EngineImage(r, i, view.exclusive({i}), lab) for (r, i), lab in zip(rows, labels, strict=True)]
 
 
-def _unique_sizes() -> dict[str, int]:
-    proc = run_mod.run(["docker", "system", "df", "-v", "--format", "{{json .}}"], check=False, timeout=120)
-    try:
-        data = json.loads(proc.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {}
-    out = {}
-    for im in data.get("Images") or []:
-        iid = (im.get("ID") or "").removeprefix("sha256:")
-        out[iid[:12]] = _parse_size(im.get("UniqueSize") or im.get("Size") or "")
-    return out
+def engine_bytes(image: str) -> int:
+    """What the engine's images of ``image`` hold that no other image shares (``imagebuild df``)."""
+    ids = {im.id for im in engine_images(image, EngineView())}
+    return engine_view(ids).exclusive(ids) if ids else 0
 
 
 def container_image_ids() -> set[str]:
@@ -227,10 +323,28 @@ def _lock_files(root: Path, lock: dict | None) -> set[Path]:
 
 
 def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_use: set[str]) -> ImagePlan:
+    """What gc of ``image`` keeps and removes. Only reads (the caller holds the image's build
+    lock: ``collect``)."""
     root = ctx.root
     p = ImagePlan(image)
-    imgs = engine_images(image)
+    store = StageStore.for_image(root, image)
+    imgs = engine_images(image, EngineView())
+    view = engine_view({im.id for im in imgs})
+    imgs = [EngineImage(im.ref, im.id, view.exclusive({im.id}), im.labels) for im in imgs]
     by_ref = {i.ref: i for i in imgs}
+    # -- whose builds: this project's claim, its run records; other live checkouts' claims
+    mine = owners.read(owners.owner_path(store.dir, root))
+    others = owners.others(store.dir, root)
+    other_builds = {b: c.root for c in others for b in c.builds}
+    other_keys = {k: c.root for c in others for k in c.keys}
+    all_runs = runs.list_runs(ctx, image)
+    my_builds = set(mine.builds) if mine else set()
+    my_builds.update(r.record.get("build_id") for r in all_runs if r.record.get("build_id"))
+    my_keys = set(mine.keys) if mine else set()
+    for r in all_runs:
+        my_keys.update(s.get("key") for s in r.record.get("stages") or [] if isinstance(s, dict) and s.get("key"))
+    claimed = bool(others)  # while another checkout claims builds, what nobody claims is left alone
+
     # -- which builds are kept
     for tag in (promote_mod.LOCAL, promote_mod.PREVIOUS, promote_mod.CANDIDATE):
         im = by_ref.get(f"{image}:{tag}")
@@ -239,7 +353,6 @@ def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_
     for im in imgs:
         if im.id in in_use and im.labels.get(LABEL_BUILD_ID):
             p.kept_builds.setdefault(im.labels[LABEL_BUILD_ID], "used by a container")
-    all_runs = runs.list_runs(ctx, image)
     recent: list[str] = []
     for r in all_runs:
         bid = r.record.get("build_id")
@@ -247,47 +360,69 @@ def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_
             recent.append(bid)
     for bid in recent[:keep_n]:
         p.kept_builds.setdefault(bid, f"one of the last {keep_n} builds")
+    for bid, who in other_builds.items():
+        if bid not in p.kept_builds:
+            p.others[bid] = who
 
     # -- engine images
     kept_keys: set[str] = set()
+    claim: dict[str, set[str]] = {b: set((mine.builds if mine else {}).get(b, [])) for b in p.kept_builds}
     for im in imgs:
         bid = im.labels.get(LABEL_BUILD_ID)
         repo, _, tag = im.ref.rpartition(":")
         legacy = repo == f"imagebuild/{image}" and not tag.startswith("release-")
+        kind = "release" if tag.startswith("release-") else "tag"
         if im.id in in_use:
             p.keep.append(Item("release", im.ref, im.unique, "used by a container", ref=im.ref))
             kept_keys.update(_stage_keys(im.labels))
         elif legacy:
-            p.remove.append(Item("legacy-stage", im.ref, im.unique, "stage image from before the stage store",
+            p.remove.append(Item("legacy-stage", im.ref, 0, "stage image from before the stage store",
                                  ref=im.ref))
         elif bid in p.kept_builds:
-            p.keep.append(Item("release" if tag.startswith("release-") else "tag", im.ref, im.unique,
-                               p.kept_builds[bid], ref=im.ref))
+            p.keep.append(Item(kind, im.ref, im.unique, p.kept_builds[bid], ref=im.ref))
             kept_keys.update(_stage_keys(im.labels))
+            claim[bid].update(_stage_keys(im.labels))
         elif tag in (promote_mod.LOCAL, promote_mod.PREVIOUS, promote_mod.CANDIDATE):
             p.keep.append(Item("tag", im.ref, im.unique, f":{tag} (not an imagebuild release)", ref=im.ref))
+        elif bid in p.others:
+            p.keep.append(Item(kind, im.ref, im.unique, f"a build of another checkout ({p.others[bid]})", ref=im.ref))
+            kept_keys.update(_stage_keys(im.labels))
+        elif bid and claimed and bid not in my_builds:
+            p.keep.append(Item(kind, im.ref, im.unique, "no checkout claims this build (made by an older "
+                               "imagebuild); another checkout uses this image: left alone", ref=im.ref))
+            kept_keys.update(_stage_keys(im.labels))
         elif bid:
-            p.remove.append(Item("release" if tag.startswith("release-") else "tag", im.ref, im.unique,
-                                 f"build {bid} is not kept", ref=im.ref))
-    # only the last tag of an image frees its bytes: count them once
-    removed_ids = {}
-    kept_ids = {im.id for im in imgs if any(k.ref == im.ref for k in p.keep)}
+            p.remove.append(Item(kind, im.ref, 0, f"build {bid} is not kept", ref=im.ref))
+    # the bytes an image frees, once it loses its last tag: its layers no image left in the engine shares
+    gone = {it.ref for it in p.remove}
+    tags_of: dict[str, set[str]] = {}
+    for im in imgs:  # every tag the image has, in any repository: another one keeps it in the engine
+        tags_of.setdefault(im.id, set(view.tags.get(im.id, ()))).add(im.ref)
+    removed_ids = [i for i, refs in tags_of.items() if refs <= gone]
+    others_held = {c for i, cs in view.layers.items() if i not in removed_ids for c in cs}
+    counted: set[str] = set()
     for it in p.remove:
-        im = by_ref[it.ref]
-        if im.id in kept_ids or im.id in removed_ids:
-            it.bytes = 0
-        removed_ids[im.id] = True
+        iid = by_ref[it.ref].id
+        if iid in removed_ids and iid not in counted:
+            counted.add(iid)
+            new = set(view.layers.get(iid, ())) - others_held
+            it.bytes = sum(view.sizes.get(c, 0) for c in new)
+            others_held |= new  # counted once: the next image that held them frees nothing more
 
     # -- run records
     kept_runs = set()
     for i, r in enumerate(all_runs):
         if r.record.get("build_id") in p.kept_builds or i < keep_n:
             kept_runs.add(r.run_id)
-            kept_keys.update(s.get("key") for s in r.record.get("stages") or [] if s.get("key"))
+            keys = {s.get("key") for s in r.record.get("stages") or [] if isinstance(s, dict) and s.get("key")}
+            kept_keys.update(keys)
+            if r.record.get("build_id") in claim:
+                claim[r.record["build_id"]].update(keys)
     for r in all_runs:
         if r.run_id not in kept_runs:
             p.remove.append(Item("run", ctx.show(r.dir), tree_bytes(r.dir),
                                  f"run of build {r.record.get('build_id') or '?'} (not kept)", path=str(r.dir)))
+    p.claim = {b: sorted(k) for b, k in claim.items()}
 
     # -- the current definition (its plan's keys are what the next build skips to)
     lock = None
@@ -298,14 +433,11 @@ def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_
     except Exception:  # noqa: BLE001 - an invalid or absent definition keeps nothing extra
         defn, stage_names = None, None
 
-    # -- stage store
-    store = StageStore.for_image(root, image)
-    image_lock = guards.build_lock_path(engine_id, image)
+    # -- stage store: what this project keeps, what other checkouts claim, and (while another
+    # checkout claims builds) what nobody claims
+    protect = {k: f"a stage of another checkout ({who})" for k, who in other_keys.items()}
     if store.dir.is_dir():
-        if not _lock_free(image_lock):
-            p.skipped.append(f"stage store of {image}: a build of {image} is running")
-        else:
-            _plan_store(p, store, kept_keys)
+        _plan_store(p, store, kept_keys, protect, my_keys if claimed else None)
 
     # -- prefetched files
     deps = state.deps_dir(root, image)
@@ -328,26 +460,33 @@ def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_
                     p.remove.append(Item("package-dir", ctx.show(d), tree_bytes(d),
                                          f"stage {d.name!r} is not in the definition", path=str(d)))
 
-    # -- temporary folders of dead runs
+    # -- temporary folders of dead runs (the image's lock is held: no run of it is alive)
     tmp = ctx.state / "tmp"
     for d in sorted(tmp.glob(f"build-{image}-*")) if tmp.is_dir() else ():
-        if _lock_free(image_lock):
-            p.remove.append(Item("tmp", ctx.show(d), tree_bytes(d),
-                                 "left by a run that did not end cleanly", path=str(d)))
-        else:
-            p.skipped.append(f"{d}: a build of {image} is running")
+        p.remove.append(Item("tmp", ctx.show(d), tree_bytes(d), "left by a run that did not end cleanly",
+                             path=str(d)))
     return p
 
 
-def _plan_store(p: ImagePlan, store: StageStore, kept_keys: set[str]) -> None:
+def _plan_store(p: ImagePlan, store: StageStore, kept_keys: set[str], protect: dict[str, str],
+                mine: set[str] | None) -> None:
+    """Stage refs and blobs: a ref is kept when a kept build uses it, another checkout claims it
+    (``protect``) or, with ``mine`` given, this project never made it. Reads only refs and
+    manifests (``manifest_blobs``), never a layer blob."""
     needed: set[str] = set()
+    manifests: set[str] = set()
     for ref in store.refs():
-        if ref.key in kept_keys and store.complete(ref.manifest):
+        what = f"{ref.stage} {ref.key[:19]}"
+        why = ("a kept build's stage" if ref.key in kept_keys else protect.get(ref.key) or
+               ("no checkout claims this stage (made by an older imagebuild); another checkout uses this "
+                "image: left alone" if mine is not None and ref.key not in mine else None))
+        if why and store.complete(ref.manifest):
+            manifests.add(ref.manifest)
             needed.add(ref.manifest)
             needed.update(store.manifest_blobs(ref.manifest) or [])
-            p.keep.append(Item("stage-ref", f"{ref.stage} {ref.key[:19]}", 0, "a kept build's stage"))
+            p.keep.append(Item("stage-ref", what, 0, why))
         else:
-            p.remove.append(Item("stage-ref", f"{ref.stage} {ref.key[:19]}", 0, "no kept build uses this stage",
+            p.remove.append(Item("stage-ref", what, 0, "no kept build uses this stage",
                                  path=str(store.ref_path(ref.key))))
     bdir = store.dir / "blobs" / "sha256"
     for b in sorted(bdir.iterdir()) if bdir.is_dir() else ():
@@ -359,7 +498,7 @@ def _plan_store(p: ImagePlan, store: StageStore, kept_keys: set[str]) -> None:
     if ingest.is_dir() and any(ingest.iterdir()):
         p.remove.append(Item("ingest", str(ingest), tree_bytes(ingest), "half-written export of a run that died",
                              path=str(ingest)))
-    p.store_index = sorted(m for m in needed if (store.read_json_blob(m) or {}).get("layers") is not None)
+    p.store_index = sorted(manifests)
 
 
 def plan_mirror_cache() -> list[Item]:
@@ -386,31 +525,66 @@ def plan_parse_cache() -> list[Item]:
                  path=str(d))]
 
 
+def check_known(ctx: Context, image: str) -> None:
+    """``image`` must be one of this project's: a definition under docker-images/, or one it has run
+    records of (a definition removed since). Else exit 2: the shared stage store and engine hold
+    other checkouts' images, which this project's gc, log and df do not touch."""
+    defn_mod.check_image_name(image)
+    if (ctx.root / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
+        return
+    if (runs.builds_dir(ctx) / image).is_dir():
+        return
+    known = defn_mod.list_images(ctx.root)
+    raise DefinitionError([Problem(defn_mod.display_path(ctx.root, ctx.root / defn_mod.IMAGES_DIR / image),
+                                   "no such image in this project (no definition, no build runs recorded): "
+                                   "its builds in the shared stage store belong to another checkout", key="IMAGE",
+                                   hint=f"known images: {', '.join(known) or 'none'} (imagebuild list); run gc "
+                                   "in the checkout that builds it")], image=image)
+
+
 def images_of(ctx: Context, image: str | None) -> list[str]:
+    """``image`` (checked: ``check_known``), or every image of this project: its definitions and the
+    images it has run records of."""
     if image:
-        defn_mod.check_image_name(image)
+        check_known(ctx, image)
         return [image]
     names = set(defn_mod.list_images(ctx.root))
-    sd = state.stages_dir()
-    if sd.is_dir():
-        names.update(p.name for p in sd.iterdir() if p.is_dir() and defn_mod.NAME_RE.match(p.name))
     bd = runs.builds_dir(ctx)
     if bd.is_dir():
-        names.update(p.name for p in bd.iterdir() if p.is_dir())
+        names.update(p.name for p in bd.iterdir() if p.is_dir() and defn_mod.NAME_RE.match(p.name))
     return sorted(names)
 
 
-def plan_gc(ctx: Context | Path, image: str | None = None, keep_n: int = DEFAULT_KEEP) -> GcPlan:
+def collect(ctx: Context | Path, image: str | None = None, keep_n: int = DEFAULT_KEEP, *,
+            dry_run: bool = False) -> GcPlan:
+    """Plan gc of ``image`` (default: every image of the project) and, unless ``dry_run``, remove
+    what the plan lists; each image's build lock is held from before its plan until after its last
+    removal. GuardRefused (exit 3) while a build, rollback or gc of one of them holds it: nothing
+    is removed then."""
     ctx = of(ctx)
+    names = images_of(ctx, image)  # an unknown image: exit 2, before the engine is asked
     info = ctx.engine
     if not info.reachable:
-        from imagebuild.core.errors import OperationFailed
-
         raise OperationFailed(f"no Docker engine reachable: {info.detail}",
                               hint="gc needs the engine to know which builds :local, :previous and :candidate hold")
-    in_use = container_image_ids()
-    plans = [plan_image(ctx, name, keep_n, info.id, in_use) for name in images_of(ctx, image)]
-    return GcPlan(keep_n, plans, plan_mirror_cache() + plan_parse_cache())
+    held: list[guards.BuildLock] = []
+    try:
+        for name in names:
+            held.append(guards.BuildLock.held(info.id, name, f"imagebuild gc {name}"))
+        in_use = container_image_ids()
+        plan = GcPlan(keep_n, [plan_image(ctx, name, keep_n, info.id, in_use) for name in names],
+                      plan_mirror_cache() + plan_parse_cache())
+        if not dry_run:
+            apply(plan, ctx)
+        return plan
+    finally:
+        for lk in reversed(held):
+            lk.release()
+
+
+def plan_gc(ctx: Context | Path, image: str | None = None, keep_n: int = DEFAULT_KEEP) -> GcPlan:
+    """The plan alone (``collect`` with ``dry_run``), under the images' build locks."""
+    return collect(ctx, image, keep_n, dry_run=True)
 
 
 # --------------------------------------------------------------------------------------------- removing
@@ -424,8 +598,11 @@ def apply(plan: GcPlan, ctx: Context | Path) -> None:
         for it in ip.remove:
             if it.path:
                 _remove(Path(it.path))
+        store = StageStore.for_image(of(ctx).root, ip.image)
         if ip.store_index is not None:
-            _rewrite_index(StageStore.for_image(of(ctx).root, ip.image), set(ip.store_index))
+            _rewrite_index(store, set(ip.store_index))
+        if ip.claim is not None:  # this project now claims only the builds it kept
+            owners.write(store.dir, of(ctx).root, ip.claim)
     for it in plan.shared:
         if it.path:
             _remove(Path(it.path))
@@ -463,19 +640,23 @@ def disk_usage(ctx: Context | Path, image: str | None = None) -> dict:
     root = ctx.root
     info = ctx.engine
     rows = []
-    ours = set(defn_mod.list_images(root))  # the rest: other checkouts' stages in the shared store
-    for name in images_of(ctx, image):
-        imgs = engine_images(name) if info.reachable else []
-        seen, engine_bytes = set(), 0
-        for im in imgs:
-            if im.id not in seen:
-                seen.add(im.id)
-                engine_bytes += im.unique
+    names = images_of(ctx, image)
+    ours = set(names)  # this project's; without IMAGE, the shared store's others too (marked)
+    sd = state.stages_dir()
+    if image is None and sd.is_dir():
+        names += sorted(p.name for p in sd.iterdir() if p.is_dir() and defn_mod.NAME_RE.match(p.name)
+                        and p.name not in ours)
+    found = {name: engine_images(name, EngineView()) if info.reachable else [] for name in names}
+    view = engine_view({im.id for imgs in found.values() for im in imgs}) if info.reachable else EngineView()
+    for name in names:
+        imgs = found[name]
+        seen = {im.id for im in imgs}
         store = StageStore.for_image(root, name)
         rs = runs.list_runs(ctx, name)
         rows.append({
-            "image": name, "this_project": name in ours or bool(rs),
-            "engine": {"tags": len(imgs), "images": len(seen), "bytes": engine_bytes,
+            "image": name, "this_project": name in ours,
+            # what removing every image of it would free: the layers no other image shares, once
+            "engine": {"tags": len(imgs), "images": len(seen), "bytes": view.exclusive(seen),
                        "releases": sum(1 for im in imgs if ":release-" in im.ref)},
             "stage_store": {"path": str(store.dir), "stages": len(store.refs()), "bytes": tree_bytes(store.dir)},
             "prefetched": {"path": ctx.show(state.deps_dir(root, name)),

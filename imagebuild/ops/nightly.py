@@ -687,10 +687,8 @@ def _disk(ctx: context_mod.Context, images: list[str]) -> dict:
         from imagebuild.core import runs as runs_mod
 
         for name in images:  # what `imagebuild df IMAGE` counts, without its shared caches (the git mirrors' walk)
-            seen: dict[str, int] = {}
-            for im in gc_mod.engine_images(name) if info.reachable else []:
-                seen[im.id] = im.unique
-            out["images"][name] = (sum(seen.values()) + gc_mod.tree_bytes(StageStore.for_image(ctx.root, name).dir)
+            engine = gc_mod.engine_bytes(name) if info.reachable else 0
+            out["images"][name] = (engine + gc_mod.tree_bytes(StageStore.for_image(ctx.root, name).dir)
                                    + gc_mod.tree_bytes(state.deps_dir(ctx.root, name))
                                    + sum(gc_mod.tree_bytes(r.dir) for r in runs_mod.list_runs(ctx, name)))
     except ImagebuildError as exc:
@@ -709,8 +707,7 @@ def _gc(ctx: context_mod.Context, images: list[str], opts: Options, doc: dict) -
         t = time.monotonic()
         try:
             for name in images:
-                plan = gc_mod.plan_gc(ctx, name, opts.keep_builds)
-                gc_mod.apply(plan, ctx)
+                plan = gc_mod.collect(ctx, name, opts.keep_builds)  # under the image's build lock
                 freed += plan.freed
                 removed += sum(len(p.remove) for p in plan.images) + len(plan.shared)
             disk["gc"] = {"keep": opts.keep_builds, "freed_bytes": freed, "removed": removed,
