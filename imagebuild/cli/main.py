@@ -445,10 +445,12 @@ prefetch environment:
                     "nothing")
     sp.add_argument("--jobs", "-j", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
-    sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
-                    help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
-                    "terminal, otherwise a heartbeat line at least once a minute (stage, elapsed time, log); "
-                    "quiet: only the heartbeat")
+    sp.add_argument("--progress", choices=("auto", "tty", "plain", "quiet", "rawjson"), default=None,
+                    help="tty: a live line per stage and step with timers and their last output lines; plain: "
+                    "a line per step, and a heartbeat every 30 s (the running step, its time, its last output "
+                    "line); quiet: only the heartbeat; rawjson: BuildKit's own JSON lines; auto: tty on a "
+                    "terminal, otherwise plain (default: $IMAGEBUILD_PROGRESS, then $BUILDKIT_PROGRESS, then "
+                    "auto). Every stage's full log is in its log file whatever is shown")
     sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
     sp.add_argument("--cache-registry", metavar="HOST:PORT/PREFIX", help="a registry shared by the build nodes: "
                     "stages found there under their key are pulled (verified) instead of built, stages built here "
