@@ -10,8 +10,8 @@ line per running step with its timer and its last output lines, and a total on t
             start-napping-100
        runner    waiting
 
-Only ``progress.Progress`` imports this module, and only in tty mode: rich costs the other
-commands nothing. The view is redrawn four times a second from the progress model (timers move
+Only ``progress.Progress`` imports this module (and hands it its model and its clock), only in
+tty mode: rich costs the other commands nothing. The view is redrawn four times a second from the progress model (timers move
 while a step prints nothing); the run's own log lines are printed above it.
 """
 
@@ -25,8 +25,6 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from imagebuild.build import progress as progress_mod
-
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 MARKS = {"built": ("✔", "green"), "pulled": ("✔", "green"), "skipped": ("·", "dim"), "reused": ("·", "dim"),
          "failed": ("✘", "bold red"), "waiting": (" ", "dim"), "interrupted": ("✘", "yellow")}
@@ -34,8 +32,10 @@ SHOWN_DONE_STEPS = 2  # the last finished steps of the running stage, shown unde
 
 
 class LiveView:
-    def __init__(self, progress: progress_mod.Progress):
-        self.p = progress
+    def __init__(self, progress, *, clock, tail: int = 3):
+        self.p = progress  # progress.Progress: its rows, their decoders, its lock
+        self.clock = clock
+        self.tail = tail
         self.console = Console(file=sys.stderr, force_terminal=True, highlight=False, soft_wrap=False)
         self.live = Live(get_renderable=self.render, console=self.console, refresh_per_second=4,
                          transient=False, redirect_stdout=False, redirect_stderr=True)
@@ -76,12 +76,12 @@ class LiveView:
         done = sum(1 for r in stages if r.state not in ("waiting", "running"))
         head = Text()
         if p.outcome is None:
-            head.append(f"Building {progress_mod.clock(p.elapsed())}", style="bold")
+            head.append(f"Building {self.clock(p.elapsed())}", style="bold")
             head.append(f", stage {current or min(done + 1, total)}/{total}")
         else:
             failed = any(r.state == "failed" for r in rows)
             word = "Failed" if failed else ("Stopped" if p.outcome == "interrupted" else "Built")
-            head.append(f"{word} in {progress_mod.clock(p.elapsed())}",
+            head.append(f"{word} in {self.clock(p.elapsed())}",
                         style="bold red" if failed else "bold")
             head.append(f", {done}/{total} stages")
         out = [head]
@@ -92,7 +92,7 @@ class LiveView:
             if r.state == "running":
                 line.append(frame, style="cyan")
                 line.append(f" {r.name:<{namew}}  ", style="bold")
-                line.append(progress_mod.clock(now - (r.t0 or now)), style="cyan")
+                line.append(self.clock(now - (r.t0 or now)), style="cyan")
                 if r.label:
                     line.append(f"  {r.label}", style="dim")
                 out.append(line)
@@ -103,7 +103,7 @@ class LiveView:
             line.append(f" {r.name:<{namew}}  ")
             line.append(f"{r.state:<8}", style=style)
             if r.seconds is not None and r.state in ("built", "pulled", "failed"):
-                line.append(f" {progress_mod.clock(r.seconds):>7}")
+                line.append(f" {self.clock(r.seconds):>7}")
             if r.note:
                 line.append(f"  {r.note}", style="dim")
             if r.state == "failed" and r.decoder is not None:
@@ -116,7 +116,7 @@ class LiveView:
             out.append(self._fit(line, width))
         return out
 
-    def _steps(self, r: progress_mod.StageRow, now: float, width: int) -> list[Text]:
+    def _steps(self, r, now: float, width: int) -> list[Text]:
         dec = r.decoder
         if dec is None:
             return []
@@ -128,17 +128,17 @@ class LiveView:
             out.append(Text(f"     {len(finished) - SHOWN_DONE_STEPS} earlier step(s) done"
                             + (f" ({cached} cached)" if cached else ""), style="dim"))
         for s in finished[-SHOWN_DONE_STEPS:]:
-            res = "CACHED" if s.cached else ("ERROR" if s.error else progress_mod.clock(s.seconds()))
+            res = "CACHED" if s.cached else ("ERROR" if s.error else self.clock(s.seconds()))
             out.append(self._step_line(f"✔ #{s.number} {s.name}", res, width, "dim"))
         running = [s for s in dec.order if s.running]
         for s in running:
             label = f"{SPINNER[int(now * 8) % len(SPINNER)]} #{s.number} {s.name}"
-            out.append(self._step_line(label, progress_mod.clock(s.seconds(now)), width, ""))
+            out.append(self._step_line(label, self.clock(s.seconds(now)), width, ""))
             if s.status:
                 out.append(self._fit(Text(f"        {s.status}", style="dim"), width))
             tail = list(s.lines)
             if s.partial.strip():
-                tail = (tail + [s.partial.strip()])[-progress_mod.TAIL_LINES:]
+                tail = (tail + [s.partial.strip()])[-self.tail:]
             out.extend(self._fit(Text(f"        {ln}", style="dim"), width) for ln in tail)
         return out
 

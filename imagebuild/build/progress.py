@@ -192,6 +192,7 @@ class Decoder:
         self.lines = 0  # output lines of all steps
         self.last: Step | None = None  # the step that printed last
         self._logged_done: set[str] = set()
+        self._headed: set[str] = set()
         self._statuses_done: set[tuple[str, str]] = set()
 
     def feed(self, line: str) -> str:
@@ -235,9 +236,9 @@ class Decoder:
         digest = v.get("digest")
         if not isinstance(digest, str):
             return
-        new = digest not in self.steps
         st = self._step(digest, v.get("name") if isinstance(v.get("name"), str) else None)
-        if new:
+        if digest not in self._headed and (v.get("started") or v.get("completed") or v.get("cached")):
+            self._headed.add(digest)  # as buildx's plain: a step's header when it starts
             out.append(f"\n#{st.number} {st.name}\n")
         if v.get("cached"):
             st.cached = True
@@ -380,7 +381,7 @@ class Progress:
         if self.mode == "tty" and self._live is None:
             from imagebuild.build import live  # rich: only when a live view is drawn
 
-            self._live = live.LiveView(self)
+            self._live = live.LiveView(self, clock=clock, tail=TAIL_LINES)
             self._live.start()
 
     def end(self, outcome: str = "done") -> None:
