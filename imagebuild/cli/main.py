@@ -803,6 +803,24 @@ def _red(text: str, stream=None) -> str:
     return f"\033[31m{text}\033[0m"
 
 
+_VERDICT_COLOURS = {"PASS": "32", "PASSED": "32", "FAIL": "31", "FAILED": "31", "error:": "31"}
+
+
+def _verdicts(text: str, stream=None) -> str:
+    """``text`` with each line's leading PASS/PASSED (green), FAIL/FAILED or ``error:`` (red) coloured,
+    only when ``stream`` is a terminal and NO_COLOR is not set (a pipe or a log gets plain text)."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
+        return text
+    out = []
+    for ln in text.split("\n"):
+        word = ln.split(" ", 1)[0].rstrip(":") if ln.startswith(("PASS", "FAIL", "error:")) else ""
+        word = "error:" if ln.startswith("error:") else word
+        code = _VERDICT_COLOURS.get(word)
+        out.append(f"\033[{code}m{word}\033[0m{ln[len(word):]}" if code else ln)
+    return "\n".join(out)
+
+
 def _print_plan(plan: plan_mod.Plan) -> None:
     print(f"image     {plan.image}")
     print(f"platform  {plan.platform}")
@@ -949,7 +967,7 @@ def cmd_gate(args) -> int:
     if args.json:
         common.print_json(receipt.data)
     else:
-        print(gate_mod.render_table(receipt, target.root))
+        print(_verdicts(gate_mod.render_table(receipt, target.root)))
     if not receipt.passed:
         raise gate_mod.failure(receipt)
     return EXIT_OK
@@ -1002,7 +1020,7 @@ def _check_receipt(args) -> int:
     if args.json:
         common.print_json(doc)
     elif found:
-        print(f"PASSED  {ref}  identity {short_digest(ident.digest)}")
+        print(_verdicts(f"PASSED  {ref}  identity {short_digest(ident.digest)}"))
         print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
               f"; gated on {doc['host'] or '?'}" + ("; GPU checks skipped" if doc["gpu_checks_skipped"] else ""))
         if good.signer:
@@ -1500,7 +1518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImagebuildError as exc:
         if args.debug:
             traceback.print_exc()
-        print(exc.render(), file=sys.stderr)
+        print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
