@@ -45,8 +45,9 @@ def proj(tmp_path, engine_info):
 
 
 def _cli(root: Path, *args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    # --force: a serving container another test runs on this shared engine does not stop these builds
     return subprocess.run([sys.executable, "-m", "imagebuild", "--root", str(root), "build", IMAGE, "--no-gate",
-                           "--no-cache", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                           "--no-cache", "--force", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
 
@@ -129,7 +130,7 @@ def test_on_a_terminal_the_live_view_shows_the_running_step_with_a_moving_timer(
     sock = tmp_path / "tmux.sock"  # a private server: it inherits this test's environment
     script = tmp_path / "run.sh"
     script.write_text(f"#!/bin/sh\ncd {REPO}\n{sys.executable} -m imagebuild --root {proj} build {IMAGE} "
-                      "--no-gate --no-cache\necho \"EXIT $?\"\nsleep 300\n")
+                      "--no-gate --no-cache --force\necho \"EXIT $?\"\nsleep 300\n")
     script.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("IMAGEBUILD_PROGRESS", "BUILDKIT_PROGRESS", "NO_COLOR")}
     env["TERM"] = "xterm-256color"
