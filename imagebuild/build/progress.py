@@ -33,13 +33,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from imagebuild.core import lazy
+from imagebuild.core import lazy, units
 from imagebuild.core.errors import UsageError
 
 log = logging.getLogger("imagebuild")
 
 MODES = ("auto", "tty", "plain", "quiet", "rawjson")
-MODE_ENVS = ("IMAGEBUILD_PROGRESS", "BUILDKIT_PROGRESS")
+PROGRESS_ENV = ("IMAGEBUILD_PROGRESS", "BUILDKIT_PROGRESS")  # the default of --progress, first set wins
 HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"
 DEFAULT_HEARTBEAT_S = 30.0
 TAIL_LINES = 3  # output lines shown under a running step (tty)
@@ -63,7 +63,7 @@ def resolve_mode(requested: str | None, *, isatty: bool | None = None) -> str:
     ``$BUILDKIT_PROGRESS``, else ``auto``; ``auto`` is ``tty`` on a terminal, ``plain`` otherwise."""
     mode, origin = requested, "--progress"
     if not mode:
-        for env in MODE_ENVS:
+        for env in PROGRESS_ENV:
             if os.environ.get(env):
                 mode, origin = os.environ[env].strip().lower(), env
                 break
@@ -126,11 +126,7 @@ def _ts(text) -> float | None:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n}{unit}" if unit == "B" else f"{n:.2f}{unit}"
-        n /= 1000
-    return f"{n}"
+    return units.human_bytes(n)
 
 
 @dataclass

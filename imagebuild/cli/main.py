@@ -732,13 +732,13 @@ def cmd_validate(args) -> int:
             results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
                             "unpinned": []})
             if not args.json:
-                print(exc.render(), file=sys.stderr)
+                print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
     for name in [] if args.images else defn_mod.misnamed_images(root):  # never skipped
         exc = DefinitionError([_misnamed_problem(root, name)], image=_shown_name(name))
         results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
                         "unpinned": []})
         if not args.json:
-            print(exc.render(), file=sys.stderr)
+            print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
     settings = _validate_settings(root, args.json)
     if args.json:
         common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results, "settings": settings})
@@ -764,7 +764,7 @@ def _validate_settings(root, quiet: bool) -> dict:
     except DefinitionError as exc:
         doc.update(valid=False, problems=[p.as_dict() for p in exc.problems])
         if not quiet:
-            print(exc.render(), file=sys.stderr)
+            print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
     return doc
 
 

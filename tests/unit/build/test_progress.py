@@ -114,7 +114,7 @@ def test_output_split_across_messages_and_escapes():
     ({"BUILDKIT_PROGRESS": "PLAIN"}, None, True, "plain"),
 ])
 def test_the_mode_comes_from_the_flag_then_the_environment(monkeypatch, env, requested, tty, want):
-    for k in progress_mod.MODE_ENVS:
+    for k in progress_mod.PROGRESS_ENV:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
