@@ -36,7 +36,7 @@ VARIABLES: tuple[tuple[str, str], ...] = (
     ("NVCC_THREADS", "build: replaces the computed NVCC_THREADS of the stages that declare it"),
     ("IMAGEBUILD_PROGRESS", "build, nightly: default for --progress (auto, tty, plain, quiet, rawjson)"),
     ("BUILDKIT_PROGRESS", "build, nightly: default for --progress when IMAGEBUILD_PROGRESS is not set (as for buildx)"),
-    ("IMAGEBUILD_HEARTBEAT_S", "seconds between heartbeat lines: build off a terminal, prefetch's git fetches, sync's load (default 30; 0: none)"),
+    ("IMAGEBUILD_HEARTBEAT_S", "seconds between heartbeat lines: build off a terminal and prefetch's git fetches (default 30; 0: none)"),
     ("IMAGEBUILD_GIT_RETRIES", "prefetch: attempts per network git operation (default 5)"),
     ("IMAGEBUILD_RETRY_DELAY", "prefetch: first backoff delay in seconds, doubling (default 1)"),
     ("IMAGEBUILD_GIT_TIMEOUT", "prefetch: seconds per git network attempt (default 1800)"),
