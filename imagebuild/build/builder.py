@@ -36,15 +36,14 @@ import logging
 import os
 import secrets
 import shutil
-import sys
 import tarfile
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from imagebuild.build import guards, layerclamp, owners, registry_cache
+from imagebuild.build import progress as progress_mod
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core import context as context_mod
@@ -79,7 +78,7 @@ PRIMITIVE_NAME = plan_mod.PRIMITIVE_CONTEXT
 NAMED_SRC, NAMED_WHEELS, NAMED_APT = "imagebuild-src", "imagebuild-wheels", "imagebuild-apt"
 RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
 LOG_TAIL_LINES = 30
-PROGRESS_CHOICES = ("auto", "plain", "quiet")
+PROGRESS_CHOICES = progress_mod.MODES
 LABEL_PREFIX = "io.imagebuild"
 # The release's files arrive as one deterministic tar, extracted by ADD: unlike COPY (which gives
 # a folder it creates the build's wall-clock time), every entry, folders included, keeps the tar's
@@ -91,8 +90,15 @@ RELEASE_DOCKERFILE = f"ARG PARENT\nFROM ${{PARENT}}\nADD {RELEASE_TAR} /\n"
 # compressed each new layer twice and re-read the parent layers: docs/build.md, Reproducibility).
 STAGE_OUTPUT = "type=oci,dest={dest},tar=false,name={name},compression=zstd,force-compression=false"
 LOAD_OUTPUT = "type=docker,oci-mediatypes=true"
-HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"
-DEFAULT_HEARTBEAT_S = 60.0
+HEARTBEAT_ENV = progress_mod.HEARTBEAT_ENV
+DEFAULT_HEARTBEAT_S = progress_mod.DEFAULT_HEARTBEAT_S
+# Build args BuildKit's Dockerfile frontend reads itself (no ARG declares them, so no step's cache and
+# no stage key holds them): the lint rule that every stage's `ARG PARENT` / `FROM ${PARENT}` trips (the
+# parent always comes as a build arg, so an empty default is the convention, not a mistake), and the
+# name `docker buildx history ls` shows for the build (`<image>/<stage>`, not the context folder's).
+DOCKERFILE_CHECK_ARG = "BUILDKIT_DOCKERFILE_CHECK"
+DOCKERFILE_CHECK = "skip=InvalidDefaultArgInFrom"
+BUILD_NAME_ARG = "BUILDKIT_BUILD_NAME"
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ class Options:
     jobs: int | None = None
     emulate: bool = False
     gate: bool = True  # run the gate (when installed and the definition has a spec)
-    progress: str = "auto"  # auto | plain | quiet (docs/build.md)
+    progress: str | None = None  # auto | tty | plain | quiet | rawjson; None: from the environment (progress.py)
     registry: str | None = None  # HOST[:PORT][/PREFIX]: the shared stage cache and release tags (docs/fleet.md)
 
 
@@ -315,65 +321,7 @@ def _parallel_args(stage: plan_mod.PlannedStage, jobs: guards.Jobs, explicit_job
 
 # --------------------------------------------------------------------------------------------- progress
 
-
-class Progress:
-    """What a run shows on stderr while BuildKit works (``--progress``, docs/build.md).
-
-    - ``plain``: every log line of every stage, prefixed with the stage's name, whatever stderr is;
-    - ``auto``: like plain when stderr is a terminal (or with ``-v``), otherwise a heartbeat;
-    - ``quiet``: only the heartbeat.
-
-    The heartbeat (every ``$IMAGEBUILD_HEARTBEAT_S`` seconds, default 60) names the stage, the
-    time it has run and its log, so a three-hour compile never looks hung in CI.
-    """
-
-    def __init__(self, mode: str = "auto"):
-        if mode not in PROGRESS_CHOICES:
-            raise UsageError(f"--progress {mode!r}: expected one of {', '.join(PROGRESS_CHOICES)}")
-        self.mode = mode
-        self.stream = mode == "plain" or (mode == "auto" and (sys.stderr.isatty() or log.isEnabledFor(logging.DEBUG)))
-        try:
-            self.every = float(os.environ.get(HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_S)
-        except ValueError:
-            raise UsageError(f"{HEARTBEAT_ENV}={os.environ.get(HEARTBEAT_ENV)!r} is not a number",
-                             hint="seconds between heartbeat lines, e.g. 60") from None
-        self._stage: str | None = None
-        self._log: str | None = None
-        self._t0 = 0.0
-        self._lines = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def info(self, msg: str, *args) -> None:
-        if self.mode != "quiet":
-            log.info(msg, *args)
-
-    def start(self, stage: str, log_path: str) -> None:
-        self._stage, self._log, self._t0, self._lines = stage, log_path, time.monotonic(), 0
-        if self.stream or self.every <= 0:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, daemon=True)
-        self._thread.start()
-
-    def line(self, text: str) -> None:
-        self._lines += 1
-        if self.stream:
-            sys.stderr.write(f"{self._stage} | {text}" if text.endswith("\n") else f"{self._stage} | {text}\n")
-            sys.stderr.flush()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.every):
-            el = int(time.monotonic() - self._t0)
-            sys.stderr.write(f"... {self._stage}: still building ({el // 3600}:{el // 60 % 60:02d}:{el % 60:02d}, "
-                             f"{self._lines} log lines), log: {self._log}\n")
-            sys.stderr.flush()
+Progress = progress_mod.Progress  # what the run shows on stderr (progress.py)
 
 
 # --------------------------------------------------------------------------------------------- docker
@@ -381,7 +329,7 @@ class Progress:
 
 def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: dict, labels: dict,
                 network: str | None, platform: str, no_cache: bool, output: str | None, tag: str | None,
-                metadata: Path | None, rerun: str | None = None) -> list[str]:
+                metadata: Path | None, rerun: str | None = None, name: str | None = None) -> list[str]:
     """The ``docker buildx build`` command line of one stage (also shown by ``--dry-run``).
 
     ``rerun`` (imagebuild's ``--no-cache``): every RUN step runs again, but cache mounts (a compiler
@@ -389,8 +337,10 @@ def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: 
     not used; instead a host entry unique to the run (``--add-host imagebuild-rerun-<id>``) is part
     of each RUN step's cache key. It lives in the build container's /etc/hosts only: no layer, no
     config, no history holds it, so the output is the same bytes. ``no_cache``: BuildKit's own.
+    ``name``: the build's name in BuildKit's history (``<image>/<stage>``). The output is BuildKit's
+    structured progress (rawjson), which ``progress.Decoder`` reads.
     """
-    argv = ["docker", "buildx", "build", "--progress=plain", "--provenance=false", "--sbom=false",
+    argv = ["docker", "buildx", "build", "--progress=rawjson", "--provenance=false", "--sbom=false",
             "--platform", platform, "--file", str(dockerfile)]
     if network:
         argv += ["--network", network]
@@ -402,6 +352,9 @@ def buildx_argv(*, context: Path, dockerfile: Path, build_args: dict, contexts: 
         argv += ["--metadata-file", str(metadata)]
     for k, v in build_args.items():
         argv += ["--build-arg", f"{k}={v}"]
+    argv += ["--build-arg", f"{DOCKERFILE_CHECK_ARG}={DOCKERFILE_CHECK}"]
+    if name:
+        argv += ["--build-arg", f"{BUILD_NAME_ARG}={name}"]
     for k, v in contexts.items():
         argv += ["--build-context", f"{k}={v}"]
     for k, v in labels.items():
@@ -427,13 +380,17 @@ def _buildx(argv: list[str], *, log_path: Path, progress: Progress, label: str, 
     Returns the metadata file's content when the command wrote one."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     meta = Path(argv[argv.index("--metadata-file") + 1]) if "--metadata-file" in argv else None
-    progress.start(label, str(log_path))
+    dec = progress_mod.Decoder()
+    progress.start(label, str(log_path), decoder=dec)
     try:
         with open(log_path, "w", encoding="utf-8") as logf:
             def on_line(text: str) -> None:
-                logf.write(text)
-                logf.flush()
-                progress.line(text)
+                with progress.lock:
+                    plain = dec.feed(text)
+                if plain:
+                    logf.write(plain)
+                    logf.flush()
+                progress.feed(text, dec, plain)
 
             # SOURCE_DATE_EPOCH in the environment too: buildx passes it on as the build arg
             rc = run_mod.stream(argv, on_line, env={"SOURCE_DATE_EPOCH": str(epoch)},
@@ -511,8 +468,7 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
     root = ctx.root
     if opts.jobs is not None and opts.jobs < 1:
         raise UsageError(f"--jobs {opts.jobs}: expected a positive number")
-    if opts.progress not in PROGRESS_CHOICES:
-        raise UsageError(f"--progress {opts.progress!r}: expected one of {', '.join(PROGRESS_CHOICES)}")
+    progress_mod.resolve_mode(opts.progress, isatty=False)  # a bad --progress or environment value: said now
     defn = defn_mod.load(root, image)
     lock = lock_mod.read(defn.dir, ctx.show(lock_mod.lock_path(defn.dir)))
     info = ctx.engine
@@ -631,7 +587,7 @@ def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, 
                        labels=labels, network=None if st.network else "none", platform=b.plan.platform,
                        no_cache=False, rerun=b.run_id.rsplit("-", 1)[-1] if b.opts.no_cache else None,
                        output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
-                       tag=None, metadata=meta)
+                       tag=None, metadata=meta, name=f"{b.defn.name}/{st.name}")
 
 
 def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
@@ -753,30 +709,51 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
     top.mkdir(parents=True, exist_ok=True)
     b.dir.mkdir(parents=True, exist_ok=True)
     _record(b, "running", started, release=None, promotion=None)
-    with tempfile.TemporaryDirectory(prefix=f"build-{b.defn.name}-", dir=top) as tmp_s:
-        tmp = Path(tmp_s)
-        empty = tmp / "empty"
-        empty.mkdir()
-        for i, r in enumerate(b.stages, start=1):
-            st = b.plan.stage(r.name)
-            head = f"[{i}/{total}] {r.name}"
-            if r.action == "pull":
-                if _pull_stage(b, r, st, tmp / r.name, progress, head):
+    progress.begin([r.name for r in b.stages], extra=("release",) if b.last == total - 1 else ())
+    outcome = "interrupted"
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"build-{b.defn.name}-", dir=top) as tmp_s:
+            tmp = Path(tmp_s)
+            empty = tmp / "empty"
+            empty.mkdir()
+            for i, r in enumerate(b.stages, start=1):
+                st = b.plan.stage(r.name)
+                head = f"[{i}/{total}] {r.name}"
+                progress.stage(r.name)
+                if r.action == "pull":
+                    if _pull_stage(b, r, st, tmp / r.name, progress, head):
+                        progress.finish(r.name, "pulled", r.seconds)
+                        continue
+                    r.action, r.reason = "build", "the registry cache did not give it (see the warning)"
+                    named[r.name] = _inputs_of(b, st)
+                if r.action != "build":
+                    r.status = "skipped"
+                    progress.finish(r.name, "reused" if r.action == "reuse" else "skipped", 0,
+                                    note=r.reason if r.action != "skip" else "")
+                    progress.info("%s: %s (%s) %s", head, r.action, r.reason, r.image)
                     continue
-                r.action, r.reason = "build", "the registry cache did not give it (see the warning)"
-                named[r.name] = _inputs_of(b, st)
-            if r.action != "build":
-                r.status = "skipped"
-                progress.info("%s: %s (%s) %s", head, r.action, r.reason, r.image)
-                continue
-            _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
-            if b.cache is not None:
-                b.cache.push(r.name, r.key, r.manifest)
-        if b.last != total - 1:
-            rec = _record(b, "ok", started, release=None, promotion=None)
-            progress.info("stopped after stage %s (--until): no release image", b.opts.until_stage)
-            return rec
-        release = _release(b, tmp / "release", progress, started)
+                try:
+                    _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
+                finally:
+                    if r.status in ("built", "failed"):
+                        progress.finish(r.name, r.status, r.seconds)
+                if b.cache is not None:
+                    b.cache.push(r.name, r.key, r.manifest)
+            if b.last != total - 1:
+                rec = _record(b, "ok", started, release=None, promotion=None)
+                outcome = "done"
+                progress.end(outcome)
+                progress.info("stopped after stage %s (--until): no release image", b.opts.until_stage)
+                return rec
+            progress.stage("release")
+            release = _release(b, tmp / "release", progress, started)
+            progress.finish("release", "built" if release.get("built") else "skipped")
+        outcome = "done"
+    except Exception:
+        outcome = "failed"
+        raise
+    finally:
+        progress.end(outcome)
     promotion = _gate_and_promote(b, release, started)
     publish = _publish_release(b, release, promotion, started)
     return _record(b, "ok", started, release=release, promotion=promotion,
@@ -890,7 +867,7 @@ def _clamp_times(b: Build, st: plan_mod.PlannedStage, manifest: str, log_path: P
                  head: str) -> str:
     """The stage's own layers with no file time later than its SOURCE_DATE_EPOCH (layerclamp.py):
     the same key gives the same bytes. Returns the stage's manifest after it."""
-    progress.start(f"{st.name} (clamping file times)", str(log_path))
+    progress.start(st.name, str(log_path), label="clamping file times")
     try:
         done = layerclamp.clamp_stage(b.store, manifest, _parent_diff_ids(b, st), st.source_date_epoch)
     finally:
@@ -910,7 +887,8 @@ def _read_patch_record(b: Build, st: plan_mod.PlannedStage, manifest: str, tmp: 
     df.write_text(f"FROM {RECORD_SOURCE_CONTEXT} AS stage\nFROM scratch\nCOPY --from=stage {PATCH_RECORD} /\n")
     argv = buildx_argv(context=d / "ctx", dockerfile=df, build_args={}, contexts={
         RECORD_SOURCE_CONTEXT: b.store.context(manifest)}, labels={}, network="none", platform=b.plan.platform,
-        no_cache=False, output=f"type=local,dest={d / 'out'}", tag=None, metadata=None)
+        no_cache=False, output=f"type=local,dest={d / 'out'}", tag=None, metadata=None,
+        name=f"{b.defn.name}/{st.name} (patch record)")
     quiet = Progress("quiet")
     quiet.every = 0
     try:
@@ -1087,11 +1065,12 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
                                                                    "SOURCE_DATE_EPOCH": str(b.epoch)},
                            contexts={plan_mod.PARENT_CONTEXT: b.store.context(b.manifest(final.name))},
                            labels=labels, network="none", platform=b.plan.platform, no_cache=rebuild,
-                           output=None, tag=ref, metadata=None)
+                           output=None, tag=ref, metadata=None, name=f"{b.defn.name}/release")
         progress.info("release: loading %s into the engine", ref)
         try:
             _buildx(argv, log_path=log_path, progress=progress, label="release", epoch=b.epoch)
         except _StageFailed as exc:
+            progress.finish("release", "failed")
             _record(b, "failed", started, failed_stage="release", release=None, promotion=None)
             raise OperationFailed(f"the release step of {b.defn.name} failed (exit {exc.code}):\n" +
                                   "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),

@@ -445,10 +445,12 @@ prefetch environment:
                     "nothing")
     sp.add_argument("--jobs", "-j", type=common.count(1, 4096), metavar="N", help="MAX_JOBS for stages that declare it (default: from "
                     "free memory and cores, see docs/build.md)")
-    sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
-                    help="plain: every stage's log lines, prefixed with the stage name; auto: like plain on a "
-                    "terminal, otherwise a heartbeat line at least once a minute (stage, elapsed time, log); "
-                    "quiet: only the heartbeat")
+    sp.add_argument("--progress", choices=("auto", "tty", "plain", "quiet", "rawjson"), default=None,
+                    help="tty: a live line per stage and step with timers and their last output lines; plain: "
+                    "a line per step, and a heartbeat every 30 s (the running step, its time, its last output "
+                    "line); quiet: only the heartbeat; rawjson: BuildKit's own JSON lines; auto: tty on a "
+                    "terminal, otherwise plain (default: $IMAGEBUILD_PROGRESS, then $BUILDKIT_PROGRESS, then "
+                    "auto). Every stage's full log is in its log file whatever is shown")
     sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
     sp.add_argument("--cache-registry", metavar="HOST:PORT/PREFIX", help="a registry shared by the build nodes: "
                     "stages found there under their key are pulled (verified) instead of built, stages built here "
@@ -732,13 +734,13 @@ def cmd_validate(args) -> int:
             results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
                             "unpinned": []})
             if not args.json:
-                print(exc.render(), file=sys.stderr)
+                print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
     for name in [] if args.images else defn_mod.misnamed_images(root):  # never skipped
         exc = DefinitionError([_misnamed_problem(root, name)], image=_shown_name(name))
         results.append({"image": name, "valid": False, "problems": [p.as_dict() for p in exc.problems],
                         "unpinned": []})
         if not args.json:
-            print(exc.render(), file=sys.stderr)
+            print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
     settings = _validate_settings(root, args.json)
     if args.json:
         common.print_json({"schema": "imagebuild.validate", "version": 1, "results": results, "settings": settings})
@@ -764,7 +766,7 @@ def _validate_settings(root, quiet: bool) -> dict:
     except DefinitionError as exc:
         doc.update(valid=False, problems=[p.as_dict() for p in exc.problems])
         if not quiet:
-            print(exc.render(), file=sys.stderr)
+            print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
     return doc
 
 
@@ -801,6 +803,24 @@ def _red(text: str, stream=None) -> str:
     if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
         return text
     return f"\033[31m{text}\033[0m"
+
+
+_VERDICT_COLOURS = {"PASS": "32", "PASSED": "32", "FAIL": "31", "FAILED": "31", "error:": "31"}
+
+
+def _verdicts(text: str, stream=None) -> str:
+    """``text`` with each line's leading PASS/PASSED (green), FAIL/FAILED or ``error:`` (red) coloured,
+    only when ``stream`` is a terminal and NO_COLOR is not set (a pipe or a log gets plain text)."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
+        return text
+    out = []
+    for ln in text.split("\n"):
+        word = ln.split(" ", 1)[0].rstrip(":") if ln.startswith(("PASS", "FAIL", "error:")) else ""
+        word = "error:" if ln.startswith("error:") else word
+        code = _VERDICT_COLOURS.get(word)
+        out.append(f"\033[{code}m{word}\033[0m{ln[len(word):]}" if code else ln)
+    return "\n".join(out)
 
 
 def _print_plan(plan: plan_mod.Plan) -> None:
@@ -949,7 +969,7 @@ def cmd_gate(args) -> int:
     if args.json:
         common.print_json(receipt.data)
     else:
-        print(gate_mod.render_table(receipt, target.root))
+        print(_verdicts(gate_mod.render_table(receipt, target.root)))
     if not receipt.passed:
         raise gate_mod.failure(receipt)
     return EXIT_OK
@@ -1002,7 +1022,7 @@ def _check_receipt(args) -> int:
     if args.json:
         common.print_json(doc)
     elif found:
-        print(f"PASSED  {ref}  identity {short_digest(ident.digest)}")
+        print(_verdicts(f"PASSED  {ref}  identity {short_digest(ident.digest)}"))
         print(f"        receipt {where}" + ("  (carried by imagebuild sync)" if doc["synced"] else "") +
               f"; gated on {doc['host'] or '?'}" + ("; GPU checks skipped" if doc["gpu_checks_skipped"] else ""))
         if good.signer:
@@ -1501,7 +1521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImagebuildError as exc:
         if args.debug:
             traceback.print_exc()
-        print(exc.render(), file=sys.stderr)
+        print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

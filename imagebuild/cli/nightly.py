@@ -47,7 +47,7 @@ def register(sub, epilog: str) -> None:
     sp.add_argument("--no-gc", action="store_true", help="do not run gc at the end")
     sp.add_argument("--notify", metavar="CMD", default=None,
                     help="run CMD with the report's path as its last argument (default $IMAGEBUILD_NOTIFY)")
-    sp.add_argument("--progress", choices=("auto", "plain", "quiet"), default="auto",
+    sp.add_argument("--progress", choices=("auto", "tty", "plain", "quiet", "rawjson"), default=None,
                     help="the builds' progress on stderr (as for build)")
     sp.add_argument("--json", action="store_true", help="print the report (schema imagebuild.nightly-report, "
                     "version 1)")

@@ -7,7 +7,7 @@ project root, in the spirit of mkosi's ``Context``.
     ctx.state, ctx.stages                 # .imagebuild/ (or $IMAGEBUILD_STATE_DIR), the stage store
     ctx.engine                            # EngineInfo, probed once on first use
     ctx.show(path)                        # a path as the user sees it: relative to the project
-    ctx.progress                          # auto | plain | quiet (build's --progress)
+    ctx.progress                          # auto | tty | plain | quiet | rawjson, or None: the environment's (build's --progress)
 
 Settings are read lazily: ``--version`` and ``list`` never pay for what they do not use.
 """

@@ -174,7 +174,7 @@ KILL_GRACE_S = 10.0
 
 def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None,
            cwd: Path | str | None = None, hint: str | None = None, split_cr: bool = False,
-           die_with_parent: bool = False) -> int:
+           die_with_parent: bool = False, timeout: float | None = None) -> int:
     """Run ``argv``, calling ``on_line(text)`` for each line of its combined output; return its
     exit code.
 
@@ -186,6 +186,7 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
     ``split_cr``: a carriage return also ends a line (progress meters such as rsync's).
     ``die_with_parent``: the child gets SIGKILL when this process dies, even by ``kill -9`` (through
     util-linux ``setpriv --pdeathsig``, when installed): a killed sync leaves no rsync sending on.
+    ``timeout``: the group is killed after that many seconds, silent or not (OperationFailed).
     """
     import signal
     import time
@@ -198,22 +199,39 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     except FileNotFoundError:
         raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
+    timer = None
+    if timeout:
+        import threading
+
+        def expire() -> None:
+            timer.expired = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon, timer.expired = True, False
+        timer.start()
     try:
         assert proc.stdout is not None
         if not split_cr:
             for raw in iter(proc.stdout.readline, b""):
                 on_line(raw.decode("utf-8", "replace"))
-            return proc.wait()
-        buf = b""
-        fd = proc.stdout.fileno()
-        while chunk := os.read(fd, 65536):
-            buf += chunk
-            *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-            for raw in lines:
-                on_line(raw.decode("utf-8", "replace") + "\n")
-        if buf:
-            on_line(buf.decode("utf-8", "replace"))
-        return proc.wait()
+        else:
+            buf = b""
+            fd = proc.stdout.fileno()
+            while chunk := os.read(fd, 65536):
+                buf += chunk
+                *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+                for raw in lines:
+                    on_line(raw.decode("utf-8", "replace") + "\n")
+            if buf:
+                on_line(buf.decode("utf-8", "replace"))
+        rc = proc.wait()
+        if timer is not None and timer.expired:
+            raise OperationFailed(f"command timed out after {timeout:g} s: {shlex.join(argv)}", hint=hint)
+        return rc
     except BaseException:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -230,5 +248,7 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
             proc.wait()
         raise
     finally:
+        if timer is not None:
+            timer.cancel()
         if proc.stdout:
             proc.stdout.close()

@@ -271,8 +271,9 @@ class Mirror:
 
     # -- network ----------------------------------------------------------------------------------
 
-    def _network(self, what: str, argv: Sequence[str], source: str) -> str:
-        """Run a network git command with retries; return its output."""
+    def _network(self, what: str, argv: Sequence[str], source: str, *, watch: bool = False) -> str:
+        """Run a network git command with retries; return its output. ``watch``: git's progress is
+        read as it comes, and a heartbeat names the source, the time and the bytes received so far."""
         if self.cache.offline:
             raise OfflineMissing(f"{source}: --offline: {what} needs the network ({redact(self.url)})",
                                  hint="run without --offline once to fill the cache")
@@ -287,13 +288,16 @@ class Mirror:
             try:
                 # over https a stalled transfer (under 1 kB/s for 60 s) fails and is retried; for
                 # git:// and ssh the per-attempt timeout bounds it
-                r = run_mod.run(["git", "-c", "http.lowSpeedLimit=1000", "-c", "http.lowSpeedTime=60", *argv],
-                                env=_GIT_ENV, timeout=pol.timeout, check=False)
+                full = ["git", "-c", "http.lowSpeedLimit=1000", "-c", "http.lowSpeedTime=60", *argv]
+                if watch:
+                    rc, out = _watched(full, source, redact(self.url), pol.timeout)
+                else:
+                    r = run_mod.run(full, env=_GIT_ENV, timeout=pol.timeout, check=False)
+                    rc, out = r.returncode, r.stdout.decode("utf-8", "replace")
             except OperationFailed as exc:  # timed out
                 last = exc.message
                 continue
-            out = r.stdout.decode("utf-8", "replace")
-            if r.returncode == 0:
+            if rc == 0:
                 return out
             last = out
             if is_permanent(out):
@@ -327,7 +331,7 @@ class Mirror:
                 return
             if unshallow and not want:
                 want = list(dict.fromkeys(shas))
-            argv = ["--git-dir", str(self.path), "fetch", "--quiet", "--no-tags", "--no-recurse-submodules",
+            argv = ["--git-dir", str(self.path), "fetch", "--progress", "--no-tags", "--no-recurse-submodules",
                     "--no-write-fetch-head", "--no-auto-gc"]
             if shallow:
                 argv.append("--depth=1")
@@ -338,7 +342,7 @@ class Mirror:
             self.cache.stats.add("fetch")
             log.info("  %s: fetching %s from %s", source,
                      ", ".join(s[:12] for s in want) + (" + refs" if refspecs else ""), redact(self.url))
-            self._network("fetch", argv, source)
+            self._network("fetch", argv, source, watch=True)
             still = self.missing(want)
             if still:
                 raise RemoteMissing(f"{source}: {redact(self.url)} did not send commit {still[0]}")
@@ -346,6 +350,59 @@ class Mirror:
     def keep(self, sha: str) -> None:
         """Protect a commit already here (e.g. one fetched under another ref)."""
         self.git("update-ref", f"{KEEP}{sha}", sha)
+
+
+HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"  # as for build (docs/prefetch.md)
+DEFAULT_HEARTBEAT_S = 30.0
+
+
+# git's progress meters: "Receiving objects:  45% (1234/2743), 12.30 MiB | 1.20 MiB/s"
+_METER = re.compile(r"(?:remote: )?[A-Z][a-z]+(?: [a-z]+)*: +\d+% \(")
+
+
+def _heartbeat_every() -> float:
+    try:
+        return float(os.environ.get(HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_S)
+    except ValueError:
+        return DEFAULT_HEARTBEAT_S
+
+
+def _watched(argv: list[str], source: str, url: str, timeout: float) -> tuple[int, str]:
+    """Run a ``git fetch --progress``: (exit code, its output less the progress meters). Every
+    ``$IMAGEBUILD_HEARTBEAT_S`` seconds (default 30) a line names the source, the time it has taken
+    and git's last progress line (objects and bytes received, the rate), so a long fetch never looks
+    hung; the attempt is killed after ``timeout`` seconds."""
+    kept: list[str] = []
+    latest = [""]
+    t0 = time.monotonic()
+    stop = threading.Event()
+
+    def on_line(text: str) -> None:
+        text = text.strip()
+        if not text:
+            return
+        if _METER.match(text):
+            latest[0] = text.removeprefix("remote: ").strip()
+            return
+        kept.append(text)
+
+    def beat() -> None:
+        every = _heartbeat_every()
+        while every > 0 and not stop.wait(every):
+            el = int(time.monotonic() - t0)
+            log.info("  %s: still fetching from %s (%d:%02d:%02d): %s", source, url, el // 3600, el // 60 % 60,
+                     el % 60, latest[0] or "nothing received yet")
+
+    th = threading.Thread(target=beat, daemon=True)
+    th.start()
+    try:
+        rc = run_mod.stream(argv, on_line, env=_GIT_ENV, split_cr=True, timeout=timeout)
+    finally:
+        stop.set()
+        th.join(timeout=5)
+    if latest[0]:
+        log.debug("  %s: %s", source, latest[0])
+    return rc, "\n".join(kept) + "\n"
 
 
 def safe_run(fn, *args, **kw):

@@ -34,7 +34,9 @@ VARIABLES: tuple[tuple[str, str], ...] = (
     ("IMAGEBUILD_SERVING_IMAGES", "globs on image references that mark a container serving (default none)"),
     ("MAX_JOBS", "build: replaces the computed MAX_JOBS of the stages that declare it"),
     ("NVCC_THREADS", "build: replaces the computed NVCC_THREADS of the stages that declare it"),
-    ("IMAGEBUILD_HEARTBEAT_S", "seconds between build's heartbeat lines off a terminal (default 60)"),
+    ("IMAGEBUILD_PROGRESS", "build, nightly: default for --progress (auto, tty, plain, quiet, rawjson)"),
+    ("BUILDKIT_PROGRESS", "build, nightly: default for --progress when IMAGEBUILD_PROGRESS is not set (as for buildx)"),
+    ("IMAGEBUILD_HEARTBEAT_S", "seconds between heartbeat lines: build off a terminal and prefetch's git fetches (default 30; 0: none)"),
     ("IMAGEBUILD_GIT_RETRIES", "prefetch: attempts per network git operation (default 5)"),
     ("IMAGEBUILD_RETRY_DELAY", "prefetch: first backoff delay in seconds, doubling (default 1)"),
     ("IMAGEBUILD_GIT_TIMEOUT", "prefetch: seconds per git network attempt (default 1800)"),
@@ -68,6 +70,7 @@ VARIABLES: tuple[tuple[str, str], ...] = (
     ("DOCKER_CONTEXT", "the docker context (as for the docker CLI)"),
     ("DOCKER_CONFIG", "the docker CLI's config folder (current context, registry credentials)"),
     ("NO_COLOR", "no colour in output"),
+    ("TERM", "build: dumb makes --progress auto plain even on a terminal"),
     ("COLUMNS", "width of --help text"),
 )
 SECRET = frozenset({"GITHUB_TOKEN", "GH_TOKEN", "IMAGEBUILD_GITHUB_TOKEN"})

@@ -900,7 +900,10 @@ class _PeerSync:
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats",
                 f"--timeout={max(1, int(step_timeout()))}", "-e", self.conn.rsync_shell(),
                 *comp.args, "--", *files, f"{self.host}:{st.cache}/incoming/"]
-        last: list = [0.0, False]  # when the last line was printed; whether 100% was
+        # when the last line was printed (the start: the first says how far it got after PROGRESS_EVERY_S,
+        # not rsync's opening "16 B ... 0%"); whether 100% was
+        t0 = time.monotonic()
+        last: list = [t0, False]
         stats: dict[str, int] = {}
         tail: list[str] = []
 
@@ -912,6 +915,8 @@ class _PeerSync:
             if m:
                 now = time.monotonic()
                 done_now = m.group(2) == "100"
+                if m.group(2) == "0" and now - t0 < 30:  # rsync's opening line counts its own header bytes
+                    return
                 if (now - last[0] >= PROGRESS_EVERY_S and not last[1]) or (done_now and not last[1]):
                     last[0], last[1] = now, done_now
                     done = int(m.group(1).replace(",", "").replace(".", ""))
@@ -927,7 +932,6 @@ class _PeerSync:
             tail.append(line)
             del tail[:-20]
 
-        t0 = time.monotonic()
         rc = run_mod.stream(argv, on_line, split_cr=True, die_with_parent=True, hint="install rsync")
         self.conn.timings.append(("rsync", round(time.monotonic() - t0, 3)))
         self.res.bytes_sent += stats.get("Total bytes sent", 0)

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 FIXTURE = REPO / "tests" / "fixtures" / "project"
 
 # never on these paths: the docker/test stack, and what only building, gating or logging needs
-HEAVY = {"python_on_whales", "docker", "testinfra", "pytest", "git", "requests", "pydantic",
+HEAVY = {"python_on_whales", "docker", "testinfra", "pytest", "git", "requests", "pydantic", "rich",
          "typing", "packaging", "logging", "subprocess", "tempfile", "shutil",
          "socket", "threading", "platform", "difflib", "imagebuild.core.run", "imagebuild.build.builder", "imagebuild.gate.runner",
          "imagebuild.fetch.prefetch", "imagebuild.ops.doctor"}
@@ -92,3 +92,13 @@ def test_a_command_parser_alone_knows_every_command_name():
     assert set(cli.NIGHTLY_COMMANDS) <= everything
     for command in ("plan", "list", "nightly", "report"):
         assert choices(cli.build_parser(only=command)) == everything, command
+
+
+def test_rich_only_where_the_live_view_is_drawn():
+    """rich (build/live.py) is imported when a build draws on a terminal, not by the builder itself."""
+    for module in ("imagebuild.cli.main", "imagebuild.build.builder", "imagebuild.build.progress",
+                   "imagebuild.ops.nightly"):
+        loaded = _run(f"import sys, {module}; print(sorted(sys.modules))")
+        assert not {m for m in loaded if m == "rich" or m.startswith("rich.")}, module
+    loaded = _run("import sys, imagebuild.build.live; print(sorted(sys.modules))")
+    assert "rich.live" in loaded  # the check can fail
