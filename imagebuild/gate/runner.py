@@ -22,7 +22,6 @@ import logging
 import os
 import platform
 import secrets
-import signal
 import socket
 import tempfile
 import threading
@@ -35,6 +34,7 @@ import pytest
 from imagebuild import __version__
 from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
+from imagebuild.core import interrupts
 from imagebuild.core import run as run_mod
 from imagebuild.core import runs
 from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
@@ -311,19 +311,13 @@ def _clean_pytest_env():
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
-    """SIGTERM (e.g. a CI cancel) ends the gate like Ctrl-C: the container is still removed."""
+    """SIGTERM (e.g. a CI cancel) ends the gate like Ctrl-C: the container is still removed, and a
+    second signal cannot cut that removal short (core/interrupts.py; the CLI has installed it)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
+    with interrupts.as_interrupt():
         yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 # ------------------------------------------------------------------------------------------------ container
