@@ -125,3 +125,15 @@ def test_imagebuild_yaml_problems_are_its_own_and_validate_reads_it(project, kin
     assert r.returncode == 2 and "error: imagebuild.yaml has 1 problem:" in r.stderr, r.stderr
     if before is not None:
         assert tree_state(project) == before
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "Dockerfile.app:1: is empty: no instruction, no FROM"),
+    ("\n# only a comment\n\n", "Dockerfile.app:1: is empty: no instruction, no FROM"),
+    ("\n\nARG X\nRUN true\n", "Dockerfile.app:3: no FROM instruction (the first is ARG on line 3)"),
+])
+def test_a_dockerfile_without_from_is_named_with_a_line(project, text, says):
+    """The empty Dockerfile's error had no line (issue 22)."""
+    (project / TINY / "Dockerfile.app").write_text(text)
+    r = run_cli("--root", str(project), "validate", "tiny")
+    assert r.code == 2 and f"docker-images/tiny/{says}" in r.err, r.err
