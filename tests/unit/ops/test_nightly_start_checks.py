@@ -78,3 +78,17 @@ def test_a_peer_list_from_imagebuild_yaml_is_checked_before_the_first_step(proje
     assert r.code == 2, r.err
     assert "imagebuild.yaml:3" in r.err and "peer_lists.rack" in r.err and "tiny:" not in r.err, r.err
     _nothing_ran(state)
+
+
+@pytest.mark.parametrize("kind", ["a-file", "under-proc"])
+def test_an_unusable_state_folder_is_named_before_the_lock(project, tmp_path, monkeypatch, kind):
+    """The nightly's lock lives in the state folder: an IMAGEBUILD_STATE_DIR that is a file was an
+    internal error (FileExistsError) there."""
+    f = tmp_path / "a-file"
+    f.write_text("not a folder\n")
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(f) if kind == "a-file" else "/proc/imagebuild-x")
+    before = tree_state(project)
+    r = run_cli("--root", str(project), "nightly", "tiny", "--peers", "--no-gc")
+    assert r.code == 2 and "IMAGEBUILD_STATE_DIR" in r.err, r.err
+    assert "internal error" not in r.err and "tiny:" not in r.err, r.err
+    assert tree_state(project) == before and f.read_text() == "not a folder\n"
