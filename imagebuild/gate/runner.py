@@ -351,10 +351,20 @@ def _container_log(name: str) -> str:
 # ------------------------------------------------------------------------------------------------ run
 
 
+def _check_receipts_dir(target: Target) -> None:
+    from imagebuild.core.fsutil import usable_dir
+
+    usable_dir(receipts.receipts_dir(target.root),
+               "IMAGEBUILD_STATE_DIR" if os.environ.get("IMAGEBUILD_STATE_DIR") else "the state folder",
+               hint="IMAGEBUILD_STATE_DIR names a folder this user can write (default <project>/.imagebuild); "
+               "the receipt and the gate's log go under it")
+
+
 def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = None) -> receipts.Receipt:
     """Run the gate for ``target``; write the log and the receipt; return the receipt (pass or fail)."""
     spec = gatespec.load(target.spec_path, display=target.spec_display)  # exit 2 before touching docker
     key = signing.signing_key(context_mod.of(target.root).config)  # a bad key setting too
+    _check_receipts_dir(target)  # and where the receipt goes: not an internal error after the checks ran
     started, t0 = _now(), time.monotonic()
     data = _inspect(target.ref)
     ident = identity_mod.from_inspect(data)
