@@ -110,6 +110,9 @@ def resolve(ctx: context_mod.Context | Path | None, target: str, *, ref: str | N
             spec: str | Path | None = None) -> Target:
     """``IMAGE`` (a definition: its gate spec, ref ``IMAGE:candidate`` unless --ref) or ``REF`` + --spec;
     ``ctx`` None: no project (a bare REF with --spec; its receipt goes under the current folder)."""
+    if spec is not None and not str(spec).strip():  # '' resolved to the current folder
+        raise UsageError("--spec: expected a gate spec file, got an empty name",
+                         hint="imagebuild gate REF --spec FILE (docs/gate.md)")
     ctx = context_mod.maybe(ctx)
     root = ctx.root if ctx is not None else None
     if root is not None and defn_mod.NAME_RE.match(target) and \

@@ -137,3 +137,39 @@ def test_a_dockerfile_without_from_is_named_with_a_line(project, text, says):
     (project / TINY / "Dockerfile.app").write_text(text)
     r = run_cli("--root", str(project), "validate", "tiny")
     assert r.code == 2 and f"docker-images/tiny/{says}" in r.err, r.err
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("fifo", "is not a regular file (a FIFO, socket or device), expected a bundle file"),
+    ("folder", "is a folder, expected a bundle file"),
+    ("empty", "expected a bundle file, got an empty name"),
+])
+def test_unbundle_names_what_is_there_instead_of_a_bundle(project, tmp_path, kind, says):
+    """A FIFO or folder given as the bundle was reported as "no such bundle file"; '' as '.'."""
+    path = {"fifo": tmp_path / "b.tar", "folder": tmp_path / "b.tar", "empty": ""}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    before = tree_state(project)
+    r = cli(project, "unbundle", str(path))
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert "no such bundle file" not in r.stderr
+    assert tree_state(project) == before
+
+
+def test_a_gate_spec_problem_is_titled_by_the_spec_and_a_bad_byte_by_line(tmp_path):
+    spec = tmp_path / "gate.yaml"
+    spec.write_bytes(b"checks:\n  - {id: caf\xe9, kind: command, run: x}\n")
+    r = run_cli("gate", "imagebuild-test/busybox:1", "--spec", str(spec))
+    assert r.code == 2, r.err
+    assert "error: gate spec has 1 problem:" in r.err and "image definition" not in r.err, r.err
+    assert "gate.yaml:2: not valid UTF-8 text (byte 0xe9 at line 2, column 13)" in r.err and "position" not in r.err
+    (tmp_path / "folder").mkdir()
+    r = run_cli("gate", "imagebuild-test/busybox:1", "--spec", str(tmp_path / "folder"))
+    assert r.code == 2 and "gate spec has 1 problem" in r.err and "is a folder, expected a gate spec file" in r.err
+
+
+def test_gate_spec_empty_is_not_the_current_folder(project):
+    r = run_cli("--root", str(project), "gate", "tiny", "--spec", "")
+    assert r.code == 2 and "--spec: expected a gate spec file, got an empty name" in r.err, r.err
