@@ -117,7 +117,7 @@ def nightly(ctx: context_mod.Context | Path, images: list[str], opts: Options) -
             raise UsageError(f"{flag} {v}: expected 1 or more")
     report_dir = Path(opts.report_dir) if opts.report_dir else report_mod.default_dir(ctx)
     _check_peers(ctx, opts)
-    _check_state_dir(ctx)  # the lock lives there
+    _check_folders(ctx)  # the nightly's lock lives in the state folder; the builds write in all three
     lock = guards.BuildLock(ctx.state / LOCK_NAME, "nightly")
     try:
         lock.acquire(command="imagebuild nightly " + " ".join(images))
@@ -146,13 +146,18 @@ def _check_peers(ctx: context_mod.Context, opts: Options) -> None:
         sync_mod.resolve_peers(ctx, list(opts.peers))
 
 
-def _check_state_dir(ctx: context_mod.Context) -> None:
-    """The state folder made and writable (an internal error at the lock otherwise)."""
+def _check_folders(ctx: context_mod.Context) -> None:
+    """The state folder (an internal error at the lock otherwise), the stage store and the build lock
+    folder (each image's build would refuse them, after its prefetch) made and writable."""
     from imagebuild.core.fsutil import usable_dir
 
     env = bool(os.environ.get("IMAGEBUILD_STATE_DIR"))
     usable_dir(ctx.state, "IMAGEBUILD_STATE_DIR" if env else "the state folder",
                hint="IMAGEBUILD_STATE_DIR names a folder this user can write (default <project>/.imagebuild)")
+    usable_dir(state.stages_dir(), state.STAGES_ENV if os.environ.get(state.STAGES_ENV) else "the stage store",
+               hint=f"{state.STAGES_ENV} names a folder this user can write (default "
+               "$XDG_CACHE_HOME/imagebuild/stages)")
+    guards.usable_lock_dir(guards.lock_top())
 
 
 def _check_report_dir(opts: Options, report_dir: Path) -> None:

@@ -80,15 +80,20 @@ def test_a_peer_list_from_imagebuild_yaml_is_checked_before_the_first_step(proje
     _nothing_ran(state)
 
 
+@pytest.mark.parametrize("var", ["IMAGEBUILD_STATE_DIR", "IMAGEBUILD_STAGES", "IMAGEBUILD_LOCK_DIR"])
 @pytest.mark.parametrize("kind", ["a-file", "under-proc"])
-def test_an_unusable_state_folder_is_named_before_the_lock(project, tmp_path, monkeypatch, kind):
+def test_an_unusable_folder_is_named_before_the_first_step(project, tmp_path, monkeypatch, kind, var):
     """The nightly's lock lives in the state folder: an IMAGEBUILD_STATE_DIR that is a file was an
-    internal error (FileExistsError) there."""
+    internal error (FileExistsError) there; the stage store and the lock folder were found by each
+    image's build, after its prefetch."""
     f = tmp_path / "a-file"
     f.write_text("not a folder\n")
-    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(f) if kind == "a-file" else "/proc/imagebuild-x")
+    if var != "IMAGEBUILD_STATE_DIR":
+        monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv(var, str(f) if kind == "a-file" else "/proc/imagebuild-x")
+    monkeypatch.setenv("IMAGEBUILD_GIT_RETRIES", "1")
     before = tree_state(project)
     r = run_cli("--root", str(project), "nightly", "tiny", "--peers", "--no-gc")
-    assert r.code == 2 and "IMAGEBUILD_STATE_DIR" in r.err, r.err
+    assert r.code == 2 and var in r.err, r.err
     assert "internal error" not in r.err and "tiny:" not in r.err, r.err
     assert tree_state(project) == before and f.read_text() == "not a folder\n"
