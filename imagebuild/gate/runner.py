@@ -34,9 +34,8 @@ import pytest
 from imagebuild import __version__
 from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
-from imagebuild.core import interrupts
+from imagebuild.core import interrupts, runs
 from imagebuild.core import run as run_mod
-from imagebuild.core import runs
 from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
 from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 from imagebuild.definition import gatespec

@@ -119,8 +119,11 @@ def test_imagebuild_yaml_problems_are_its_own_and_validate_reads_it(project, kin
     assert "image definition has" not in r.stderr and "position" not in r.stderr and "Traceback" not in r.stderr
     assert "tiny: ok" in r.stdout  # the definitions are still checked and listed
     r = cli(project, "validate", "--json")
-    bad = [x for x in json.loads(r.stdout)["results"] if not x["valid"]]
-    assert r.returncode == 2 and [(x["image"], x["file"]) for x in bad] == [(None, "imagebuild.yaml")], bad
+    doc = json.loads(r.stdout)
+    assert r.returncode == 2 and all(x["valid"] for x in doc["results"]), doc
+    assert doc["settings"]["file"] == "imagebuild.yaml" and doc["settings"]["valid"] is False, doc["settings"]
+    assert CONFIG_CASES[kind].rsplit(": ", 1)[1].replace("'", "") in json.dumps(doc["settings"]["problems"]).replace(
+        "'", ""), doc["settings"]
     r = cli(project, "sync", "--dry-run", "--image", "tiny")  # a command that uses it
     assert r.returncode == 2 and "error: imagebuild.yaml has 1 problem:" in r.stderr, r.stderr
     if before is not None:

@@ -36,7 +36,7 @@ def test_a_report_folder_that_cannot_be_written(project, state, tmp_path, where,
     f = tmp_path / "afile"
     f.write_text("not a folder\n")
     rdir = {"a-file": str(f), "under-a-file": str(f / "reports")}.get(where, where)
-    r = run_cli("--root", str(project), "nightly", "tiny", "--peers", "--no-gc", "--report-dir", rdir)
+    r = run_cli("--root", str(project), "nightly", "tiny", "--no-peers", "--no-gc", "--report-dir", rdir)
     assert r.code == 2, r.err
     assert "--report-dir" in r.err and says in r.err, r.err
     assert "internal error" not in r.err and "Traceback" not in r.err
@@ -48,7 +48,7 @@ def test_a_report_folder_that_cannot_be_written(project, state, tmp_path, where,
 def test_the_default_report_folder_is_checked_too(project, state):
     state.mkdir()
     (state / "nightly").write_text("")  # a file where the folder belongs
-    r = run_cli("--root", str(project), "nightly", "tiny", "--peers", "--no-gc")
+    r = run_cli("--root", str(project), "nightly", "tiny", "--no-peers", "--no-gc")
     assert r.code == 2 and "the nightly report folder" in r.err and "is not a folder" in r.err, r.err
     assert not (state / "builds").exists()
 
@@ -62,7 +62,7 @@ def test_a_peer_sync_would_refuse(project, state, tmp_path, peer, says):
     marker = tmp_path / "ran"
     peer = peer.format(marker=marker)
     r = run_cli("--root", str(project), "nightly", "tiny", "--no-gc", "--report-dir", str(tmp_path / "r"),
-                "--peers", "dgx4", peer)
+                "--peer", "dgx4", f"--peer={peer}")
     assert r.code == 2, r.err
     assert says in r.err and "tiny:" not in r.err, r.err
     assert not marker.exists()
@@ -74,7 +74,7 @@ def test_a_peer_list_from_imagebuild_yaml_is_checked_before_the_first_step(proje
     """--peers @LIST reads imagebuild.yaml at the start: a broken list there is exit 2 naming its line."""
     (project / "imagebuild.yaml").write_text("peers: [dgx4]\npeer_lists:\n  rack: ['-oFoo']\n")
     r = run_cli("--root", str(project), "nightly", "tiny", "--no-gc", "--report-dir", str(tmp_path / "r"),
-                "--peers", "@rack")
+                "--peer", "@rack")
     assert r.code == 2, r.err
     assert "imagebuild.yaml:3" in r.err and "peer_lists.rack" in r.err and "tiny:" not in r.err, r.err
     _nothing_ran(state)
@@ -93,7 +93,7 @@ def test_an_unusable_folder_is_named_before_the_first_step(project, tmp_path, mo
     monkeypatch.setenv(var, str(f) if kind == "a-file" else "/proc/imagebuild-x")
     monkeypatch.setenv("IMAGEBUILD_GIT_RETRIES", "1")
     before = tree_state(project)
-    r = run_cli("--root", str(project), "nightly", "tiny", "--peers", "--no-gc")
+    r = run_cli("--root", str(project), "nightly", "tiny", "--no-peers", "--no-gc")
     assert r.code == 2 and var in r.err, r.err
     assert "internal error" not in r.err and "tiny:" not in r.err, r.err
     assert tree_state(project) == before and f.read_text() == "not a folder\n"
