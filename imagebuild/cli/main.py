@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from imagebuild import __version__
 from imagebuild.cli import common
-from imagebuild.core import lazy
+from imagebuild.core import interrupts, lazy
 from imagebuild.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -1492,22 +1492,8 @@ def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argu
     return {}
 
 
-def _signals_as_interrupt() -> None:
-    """SIGTERM and SIGHUP behave like Ctrl-C: every ``finally`` runs (child processes stopped,
-    temporary files removed, locks released) and the exit code is 130."""
-    import _signal  # the C module: ``signal`` builds its enums at import (~1 ms of every start)
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    for sig in (_signal.SIGTERM, _signal.SIGHUP):
-        try:
-            _signal.signal(sig, handler)
-        except (ValueError, OSError):  # not the main thread (tests call main() in-process from threads)
-            pass
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    entry = argv is None  # the process's own entry point (console script, python -m); tests pass argv
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_command_in(argv))
     if not _command_in(argv) and not any(a in ("-h", "--help", "--version") for a in argv):
@@ -1515,7 +1501,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     args = _parse(parser, argv)
     _setup_logging(args)
-    _signals_as_interrupt()
+    # SIGINT, SIGTERM and SIGHUP end the run like Ctrl-C (every ``finally`` runs, exit 130); the ones
+    # that follow the first are swallowed, so they cannot cut its cleanup short (core/interrupts.py)
+    old_handlers = interrupts.install()
+    try:
+        return _dispatch(args, entry)
+    finally:
+        if not entry:  # an in-process caller gets its own handlers back
+            interrupts.restore(old_handlers)
+
+
+def _dispatch(args: argparse.Namespace, entry: bool) -> int:
     try:
         return args.func(args)
     except ImagebuildError as exc:
@@ -1524,6 +1520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        if entry:  # the cleanup is done: no late signal may turn this 130 into a death by signal
+            interrupts.ignore_until_exit()
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:

@@ -3,6 +3,7 @@
 Takes nothing of the pipeline and knows none of it. Gives:
 - ``errors``: the one exception family, each class with its exit code (the CLI maps them);
 - ``run``: the one place where subprocesses start (``run``, ``Query``, interrupts);
+- ``interrupts``: SIGINT, SIGTERM and SIGHUP end a run as Ctrl-C does, the first one only;
 - ``fsutil``: atomic writes and content digests; ``lazy``: imports made on first use;
 - ``context``: one command's settings (root, state, stage store, engine, output), passed down;
 - ``config``: the project's ``imagebuild.yaml``; ``state``: where imagebuild keeps its state;
@@ -14,4 +15,4 @@ Takes nothing of the pipeline and knows none of it. Gives:
   short digests as people read them.
 """
 
-__all__ = ["config", "context", "engine", "errors", "fsutil", "identity", "lazy", "lock", "registry", "remote", "remote_engine", "run", "runs", "state", "units", "yamlread"]
+__all__ = ["config", "context", "engine", "errors", "fsutil", "identity", "interrupts", "lazy", "lock", "registry", "remote", "remote_engine", "run", "runs", "state", "units", "yamlread"]

@@ -37,29 +37,54 @@ class ProjectConfig:
     receipts: dict[str, Path] | None = None
 
 
+class ConfigError(DefinitionError):
+    """Problems in imagebuild.yaml (exit 2), titled by that file, not as an image definition."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__(problems, what=CONFIG_FILE)
+
+
+def _text(path: Path, shown: str) -> str:
+    """The file as UTF-8 text, its size checked before it is read; a bad byte named by line and column."""
+    try:
+        size = path.stat().st_size
+        if size > yamlread.MAX_BYTES:
+            raise ConfigError([Problem(shown, f"is {size} bytes: larger than {yamlread.MAX_BYTES} bytes (1 MiB), "
+                                       "the limit for a YAML file")])
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([Problem(shown, f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError([Problem(shown, f"not valid UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, "
+                                   f"column {column})", line=line)]) from None
+
+
 def load(root: Path | None) -> ProjectConfig:
     if root is None:
         return ProjectConfig()
     path = Path(root) / CONFIG_FILE
     shown = CONFIG_FILE
     if path.is_symlink() and not inside(path, root):
-        raise DefinitionError([Problem(shown, "is a symlink that leads outside the project: not read",
-                                       hint="keep imagebuild.yaml in the project's root folder")])
-    if path.exists() and not path.is_file():
-        raise DefinitionError([Problem(shown, "is not a file", hint="imagebuild.yaml is a YAML file in the "
-                                       "project's root folder")])
+        raise ConfigError([Problem(shown, "is a symlink that leads outside the project: not read",
+                                   hint="keep imagebuild.yaml in the project's root folder")])
+    if path.exists() and not path.is_file():  # a folder is no file; a FIFO would hang the read
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise ConfigError([Problem(shown, f"is {kind}, expected a file", hint="imagebuild.yaml is a YAML file "
+                                   "in the project's root folder")])
     if not path.is_file():
         return ProjectConfig()
     try:
-        node = yamlread.load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DefinitionError([Problem(shown, f"cannot read: {exc}")]) from None
+        node = yamlread.load(_text(path, shown))
     except yamlread.YamlError as exc:
-        raise DefinitionError([Problem(shown, str(exc), line=exc.line)]) from None
+        raise ConfigError([Problem(shown, str(exc), line=exc.line)]) from None
     if node is None:
         return ProjectConfig(path=path)
     if not isinstance(node.value, dict):
-        raise DefinitionError([Problem(shown, "expected a mapping (e.g. 'peers: [dgx4]')", line=node.line)])
+        raise ConfigError([Problem(shown, "expected a mapping (e.g. 'peers: [dgx4]')", line=node.line)])
     problems = []
     for key, line in (node.key_lines or {}).items():
         if key not in KEYS:
@@ -104,7 +129,7 @@ def load(root: Path | None) -> ProjectConfig:
                 problems.append(Problem(shown, exc.message, line=rn.line, key="registry", hint=exc.hint))
     receipts = _receipts(node.value.get("receipts"), shown, Path(root), problems)
     if problems:
-        raise DefinitionError(problems)
+        raise ConfigError(problems)
     return ProjectConfig(tuple(peers), path, lists, registry, receipts)
 
 

@@ -104,10 +104,11 @@ class DefinitionError(ImagebuildError):
 
     exit_code = EXIT_BAD_INPUT
 
-    def __init__(self, problems: list[Problem], *, image: str | None = None):
+    def __init__(self, problems: list[Problem], *, image: str | None = None, what: str | None = None):
         self.problems = list(problems)
         self.image = image
-        what = f"image definition '{image}'" if image else "image definition"
+        # ``what``: the file when it is no image definition (the project's imagebuild.yaml)
+        what = what or (f"image definition '{image}'" if image else "image definition")
         n = len(self.problems)
         super().__init__(f"{what} has {n} problem{'s' if n != 1 else ''}")
 

@@ -186,7 +186,7 @@ class _Mux:
                 "-o", f"ControlPath={self.control}"]
         if self.port:
             argv += ["-p", self.port]
-        return [*argv, *extra, self.dest]
+        return [*argv, *extra, "--", remote.check_destination(self.dest, "--engine")]
 
     def open(self) -> None:
         try:

@@ -127,8 +127,11 @@ def check_dockerfile(name, parsed, df_disp, env, earlier, inputs, args_out, c, c
         c.err(df_disp, "a '# syntax=' directive makes BuildKit pull a frontend image from a registry",
               line=parsed.syntax_directive, hint="remove the line; the built-in frontend is used")
         ok = False
-    if not parsed.froms:
-        c.err(df_disp, "no FROM instruction", hint="start the stage with: ARG PARENT / FROM ${PARENT}")
+    if not parsed.froms:  # named by a line: the first instruction's, or line 1 of an empty file
+        first = parsed.instructions[0] if parsed.instructions else None
+        c.err(df_disp, f"no FROM instruction (the first is {first.keyword} on line {first.line})" if first else
+              "is empty: no instruction, no FROM", line=first.line if first else 1,
+              hint="start the stage with: ARG PARENT / FROM ${PARENT}")
         return False
     plan_args = {ARG_PARENT, ARG_IMAGE, ARG_STAGE} | {stage_arg(s) for s in earlier}
     declared = parsed.defaults()

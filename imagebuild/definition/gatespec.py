@@ -17,6 +17,13 @@ from imagebuild.core.errors import DefinitionError, Problem, excerpt
 
 difflib = lazy.module("difflib")  # error hints only
 
+
+class SpecError(DefinitionError):
+    """Problems in a gate spec (exit 2), titled by what it is: a ``--spec`` file is no image definition."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__(problems, what="gate spec")
+
 SPEC_VERSION = 1
 TOP_KEYS = ("version", "description", "python", "timeout", "checks")
 COMMON_KEYS = ("id", "kind", "description", "requires", "severity", "when")
@@ -119,19 +126,25 @@ def load(path: Path, *, display: str | None = None) -> GateSpec:
     path = Path(path)
     shown = display or str(path)
     if path.exists() and not path.is_file():  # a FIFO would hang the read
-        raise DefinitionError([Problem(shown, f"is {'a folder' if path.is_dir() else 'not a regular file'}, "
+        raise SpecError([Problem(shown, f"is {'a folder' if path.is_dir() else 'not a regular file'}, "
                                        "expected a gate spec file")])
     try:
         if path.stat().st_size > yamlread.MAX_BYTES:  # refused before it is read whole
-            raise DefinitionError([Problem(shown, f"is {path.stat().st_size} bytes: larger than {yamlread.MAX_BYTES} "
+            raise SpecError([Problem(shown, f"is {path.stat().st_size} bytes: larger than {yamlread.MAX_BYTES} "
                                            "bytes (1 MiB), the limit for a gate spec")])
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise DefinitionError([Problem(shown, "gate spec not found",
+        raise SpecError([Problem(shown, "gate spec not found",
                                        hint="create it (docs/gate.md) or point image.yaml's `gate:` at it")]
                               ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DefinitionError([Problem(shown, f"cannot read gate spec: {exc}")]) from None
+    except OSError as exc:
+        raise SpecError([Problem(shown, f"cannot read gate spec: {exc.strerror or exc}")]) from None
+    from imagebuild.definition import textfile
+
+    try:
+        text = textfile.decode(data)
+    except textfile.TextError as exc:  # by line and column, not "position 11"
+        raise SpecError([Problem(shown, exc.message, line=exc.line)]) from None
     return parse(text, shown, path)
 
 
@@ -145,10 +158,10 @@ def _parse(text: str, file: str, path: Path | None) -> GateSpec:
     try:
         root = yamlread.load(text)
     except yamlread.YamlError as exc:
-        raise DefinitionError([Problem(file, str(exc), line=exc.line,
+        raise SpecError([Problem(file, str(exc), line=exc.line,
                                        hint="check the indentation and quoting near that line")]) from None
     if root is None or not isinstance(root.value, dict):
-        raise DefinitionError([Problem(file, "expected a mapping with a `checks:` list",
+        raise SpecError([Problem(file, "expected a mapping with a `checks:` list",
                                        line=root.line if root else 1, hint="see docs/gate.md")])
     m: dict[str, yamlread.Node] = root.value
     kl = root.key_lines or {}
@@ -201,7 +214,7 @@ def _parse(text: str, file: str, path: Path | None) -> GateSpec:
                 seen[c.id] = c.line
                 checks.append(c)
     if p.items:
-        raise DefinitionError(p.items)
+        raise SpecError(p.items)
     return GateSpec(file, Path(path) if path else Path(file), python, timeout, description, tuple(checks))
 
 

@@ -307,7 +307,7 @@ def unknown_keys(node: yamlread.Node, allowed: tuple[str, ...], file: str, where
 
 # no definition text is read past this (a YAML file has its own 1 MiB limit, yamlread.MAX_BYTES); it
 # leaves room for versions.env's own limit on build args (1 MiB in all), which then names the keys
-DEFINITION_MAX_BYTES = 8 << 20
+DEFINITION_MAX_BYTES = textfile.MAX_BYTES
 
 
 def read_text(path: Path, display: str, c: Collector) -> str | None:

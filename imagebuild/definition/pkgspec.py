@@ -349,7 +349,20 @@ def stage_apt(node, yfile: str, where: str, safe_path, display, err, note=None) 
 
 
 def _read(path: Path, node, yfile, key, display, err) -> bytes | None:
+    from imagebuild.definition import textfile
+
+    kind = textfile.unreadable_kind(path)
+    if kind:  # never read: a FIFO would hang validate
+        err(yfile, f"{node.value!r} is {kind}, expected a file ({display(path)})", line=node.line, key=key)
+        return None
     try:
+        if path.is_dir():
+            err(yfile, f"{node.value!r} is a folder, expected a file ({display(path)})", line=node.line, key=key)
+            return None
+        if path.is_file() and path.stat().st_size > textfile.MAX_BYTES:
+            err(yfile, f"{node.value!r} is {path.stat().st_size} bytes: larger than {textfile.MAX_BYTES} bytes "
+                "(8 MiB), the limit for a definition file", line=node.line, key=key)
+            return None
         data = path.read_bytes()
     except FileNotFoundError:
         err(yfile, f"{node.value!r} not found ({display(path)})", line=node.line, key=key)

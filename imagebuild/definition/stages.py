@@ -141,7 +141,15 @@ def _dockerfile(e: _Entry):
     if df_path is None:
         return None, str(df_decl), b"", None
     df_disp = display_path(e.root, df_path)
+    kind = textfile.unreadable_kind(df_path)
+    if kind:  # never read: a FIFO would hang validate
+        e.err(f"stage {e.name!r}: {df_disp} is {kind}, not a Dockerfile", line=df_line, key="dockerfile")
+        return df_path, df_disp, b"", None
     try:
+        if df_path.is_file() and df_path.stat().st_size > textfile.MAX_BYTES:
+            e.c.err(df_disp, f"is {df_path.stat().st_size} bytes: larger than {textfile.MAX_BYTES} bytes (8 MiB), "
+                    "the limit for a definition file")
+            return df_path, df_disp, b"", None
         df_bytes = df_path.read_bytes()
         return df_path, df_disp, df_bytes, dockerfile_mod.parse(textfile.decode(df_bytes))
     except textfile.TextError as exc:
@@ -241,6 +249,11 @@ def _input(item, kind, root: Path, d: Path, yfile: str, key: str, c: Collector) 
         return None
     if not full.exists():
         c.err(yfile, f"{value!r} not found ({display_path(root, full)})", line=item.line, key=key)
+        return None
+    kind_of = textfile.unreadable_kind(full)
+    if kind_of:  # plan and build would refuse it (context_stream.py); validate says so too
+        c.err(yfile, f"{value!r} is {kind_of}: a build context holds files, folders and symbolic links only",
+              line=item.line, key=key, hint="remove it from the declared files")
         return None
     if not os.access(full, os.R_OK) or (full.is_dir() and not os.access(full, os.X_OK)):
         c.err(yfile, f"{value!r} is not readable", line=item.line, key=key, hint="check its permissions")

@@ -268,9 +268,13 @@ def unbundle(ctx: context_mod.Context | Path, file: Path) -> Result:
     while they stream into a temporary folder, checked against the bundled lock, the definition is
     validated with the bundle's versions.env, and only then is anything moved into place."""
     t0 = time.monotonic()
+    if not str(file).strip():
+        raise UsageError("unbundle: expected a bundle file, got an empty name")
     file = Path(file)
-    if not file.is_file():
-        raise UsageError(f"{file}: no such bundle file")
+    if not file.is_file():  # a FIFO would hang the read; a folder is no bundle; neither is "missing"
+        what = ("is a folder" if file.is_dir() else "is not a regular file (a FIFO, socket or device)"
+                if file.exists() else "no such bundle file")
+        raise UsageError(f"{file}: {what}" + (", expected a bundle file" if file.exists() else ""))
     root = context_mod.of(ctx).root
     try:
         tf = tarfile.open(file, mode="r:", tarinfo=_Header)

@@ -22,7 +22,6 @@ import logging
 import os
 import platform
 import secrets
-import signal
 import socket
 import tempfile
 import threading
@@ -35,8 +34,8 @@ import pytest
 from imagebuild import __version__
 from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
+from imagebuild.core import interrupts, runs
 from imagebuild.core import run as run_mod
-from imagebuild.core import runs
 from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
 from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
 from imagebuild.definition import gatespec
@@ -110,6 +109,9 @@ def resolve(ctx: context_mod.Context | Path | None, target: str, *, ref: str | N
             spec: str | Path | None = None) -> Target:
     """``IMAGE`` (a definition: its gate spec, ref ``IMAGE:candidate`` unless --ref) or ``REF`` + --spec;
     ``ctx`` None: no project (a bare REF with --spec; its receipt goes under the current folder)."""
+    if spec is not None and not str(spec).strip():  # '' resolved to the current folder
+        raise UsageError("--spec: expected a gate spec file, got an empty name",
+                         hint="imagebuild gate REF --spec FILE (docs/gate.md)")
     ctx = context_mod.maybe(ctx)
     root = ctx.root if ctx is not None else None
     if root is not None and defn_mod.NAME_RE.match(target) and \
@@ -311,19 +313,13 @@ def _clean_pytest_env():
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
-    """SIGTERM (e.g. a CI cancel) ends the gate like Ctrl-C: the container is still removed."""
+    """SIGTERM (e.g. a CI cancel) ends the gate like Ctrl-C: the container is still removed, and a
+    second signal cannot cut that removal short (core/interrupts.py; the CLI has installed it)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
+    with interrupts.as_interrupt():
         yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 # ------------------------------------------------------------------------------------------------ container
@@ -357,10 +353,20 @@ def _container_log(name: str) -> str:
 # ------------------------------------------------------------------------------------------------ run
 
 
+def _check_receipts_dir(target: Target) -> None:
+    from imagebuild.core.fsutil import usable_dir
+
+    usable_dir(receipts.receipts_dir(target.root),
+               "IMAGEBUILD_STATE_DIR" if os.environ.get("IMAGEBUILD_STATE_DIR") else "the state folder",
+               hint="IMAGEBUILD_STATE_DIR names a folder this user can write (default <project>/.imagebuild); "
+               "the receipt and the gate's log go under it")
+
+
 def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = None) -> receipts.Receipt:
     """Run the gate for ``target``; write the log and the receipt; return the receipt (pass or fail)."""
     spec = gatespec.load(target.spec_path, display=target.spec_display)  # exit 2 before touching docker
     key = signing.signing_key(context_mod.of(target.root).config)  # a bad key setting too
+    _check_receipts_dir(target)  # and where the receipt goes: not an internal error after the checks ran
     started, t0 = _now(), time.monotonic()
     data = _inspect(target.ref)
     ident = identity_mod.from_inspect(data)

@@ -116,6 +116,8 @@ def nightly(ctx: context_mod.Context | Path, images: list[str], opts: Options) -
         if v < 1:
             raise UsageError(f"{flag} {v}: expected 1 or more")
     report_dir = Path(opts.report_dir) if opts.report_dir else report_mod.default_dir(ctx)
+    _check_peers(ctx, opts)
+    _check_folders(ctx)  # the nightly's lock lives in the state folder; the builds write in all three
     lock = guards.BuildLock(ctx.state / LOCK_NAME, "nightly")
     try:
         lock.acquire(command="imagebuild nightly " + " ".join(images))
@@ -124,9 +126,47 @@ def nightly(ctx: context_mod.Context | Path, images: list[str], opts: Options) -
         raise GuardRefused(f"another imagebuild nightly is running: pid {h.get('pid')} on {h.get('host')} "
                            f"({h.get('command')})", hint=f"runs never overlap; the lock is {lock.path}") from None
     try:
+        _check_report_dir(opts, report_dir)  # with the lock held: a refused second run makes no folder
         return _run(ctx, images, opts, report_dir)
     finally:
         lock.release()
+
+
+# What the run's last steps need is checked before its first (issue 22): else a report folder that
+# cannot be written loses the report of a run of hours at its end, and a peer sync refuses is found
+# only after prefetch, build and gate. Each is a UsageError (exit 2) naming the flag or file.
+
+
+def _check_peers(ctx: context_mod.Context, opts: Options) -> None:
+    """Every peer an SSH destination, every ``@LIST`` one ``imagebuild.yaml`` names (as sync will
+    resolve them). Whether a peer answers is found at its sync: it may be up by then."""
+    from imagebuild.ship import sync as sync_mod
+
+    if opts.peers:
+        sync_mod.resolve_peers(ctx, list(opts.peers))
+
+
+def _check_folders(ctx: context_mod.Context) -> None:
+    """The state folder (an internal error at the lock otherwise), the stage store and the build lock
+    folder (each image's build would refuse them, after its prefetch) made and writable."""
+    from imagebuild.core.fsutil import usable_dir
+
+    env = bool(os.environ.get("IMAGEBUILD_STATE_DIR"))
+    usable_dir(ctx.state, "IMAGEBUILD_STATE_DIR" if env else "the state folder",
+               hint="IMAGEBUILD_STATE_DIR names a folder this user can write (default <project>/.imagebuild)")
+    usable_dir(state.stages_dir(), state.STAGES_ENV if os.environ.get(state.STAGES_ENV) else "the stage store",
+               hint=f"{state.STAGES_ENV} names a folder this user can write (default "
+               "$XDG_CACHE_HOME/imagebuild/stages)")
+    guards.usable_lock_dir(guards.lock_top())
+
+
+def _check_report_dir(opts: Options, report_dir: Path) -> None:
+    """The report folder made and writable (a real probe)."""
+    from imagebuild.core.fsutil import usable_dir
+
+    usable_dir(report_dir, "--report-dir" if opts.report_dir else "the nightly report folder",
+               hint="--report-dir names a folder this user can write (default .imagebuild/nightly, or "
+               "nightly/ under IMAGEBUILD_STATE_DIR)")
 
 
 def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir: Path) -> tuple[dict, report_mod.Stored]:

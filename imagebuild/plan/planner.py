@@ -22,6 +22,7 @@ The build id names one build's inputs: the lock, every stage key, and the releas
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,14 @@ from imagebuild.core import lock as lock_mod
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
 from imagebuild.definition import reader as d
 from imagebuild.plan import context_stream, package_inputs, provenance, source_mounts
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def _without_userinfo(value: str) -> str:
+    """``value`` with any ``user[:password]@`` after a ``scheme://`` removed."""
+    return _USERINFO.sub("", value) if "://" in value and "@" in value else value
+
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 2
@@ -334,7 +343,10 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
         stage_contexts: dict[str, str] = {}
         for a in st.args:
             if a.origin == "versions.env":
-                value = defn.env.get(a.name) or ""
+                # a credential in a URL (https://user:TOKEN@host/...) is for prefetch's git only: a stage
+                # (offline) has no use for it, and a build arg lands in the plan, the record and the
+                # image's history (issue 22, security 3); the lock records the URL the same way
+                value = _without_userinfo(defn.env.get(a.name) or "")
                 key_value = value
             elif a.origin == "default":
                 value = key_value = a.default or ""

@@ -24,12 +24,17 @@ IMAGE = "slow"
 REPO = Path(__file__).resolve().parents[3]
 
 
-def slow_project(root: Path, sleep: int = 60) -> Path:
+def slow_project(root: Path, sleep: int = 60, bulk: int = 0) -> Path:
+    """``bulk``: that many small files in the napper stage's context (a temp folder that takes a
+    while to remove)."""
     d = root / "docker-images" / IMAGE
     d.mkdir(parents=True)
     (d / "versions.env").write_text(f"BASE_IMAGE=imagebuild-test/busybox:1\nSLEEP={sleep}\n")
     (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: first\n    from: BASE_IMAGE\n"
-                                  "  - name: napper\n    from: first\n")
+                                  "  - name: napper\n    from: first\n" + ("    files: [bulk]\n" if bulk else ""))
+    for i in range(bulk):
+        (d / "bulk" / f"{i // 100}").mkdir(parents=True, exist_ok=True)
+        (d / "bulk" / f"{i // 100}" / f"f{i}").write_text(f"{i}\n")
     (d / "Dockerfile.first").write_text("ARG PARENT\nFROM ${PARENT}\nRUN echo first > /first\n")
     (d / "Dockerfile.napper").write_text("ARG PARENT\nFROM ${PARENT}\nARG SLEEP\n"
                                          "RUN echo start-napping-$SLEEP && sleep $SLEEP && echo done > /napped\n")
@@ -106,6 +111,54 @@ def test_a_signal_stops_buildx_and_removes_the_run_temp(slow, sig):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _leftovers(root: Path) -> list[Path]:
+    """What a run may leave only when its cleanup was cut short: its temp folder, a half-written
+    record's temp file."""
+    state = root / ".imagebuild"
+    return sorted([*(state / "tmp").glob("*"), *state.rglob("*.tmp"), *state.rglob(".*.tmp")])
+
+
+BURSTS = {
+    "SIGINT,SIGINT,SIGTERM/50ms": ([signal.SIGINT, signal.SIGINT, signal.SIGTERM], 0.05),
+    "20xSIGINT/10ms": ([signal.SIGINT] * 20, 0.01),
+}
+
+
+@pytest.mark.parametrize("burst", list(BURSTS), ids=list(BURSTS))
+def test_signals_after_the_first_do_not_cut_its_cleanup_short(tmp_path, engine_info, burst):
+    """Issue 22: the second (and twentieth) signal arrives while the first one's cleanup runs. It
+    must not break that cleanup (buildx stopped, temp folder gone, record ``interrupted``) nor
+    turn the exit into a death by signal (143, -2): the first signal's 130 stands."""
+    sigs, gap = BURSTS[burst]
+    # a context of 6000 files: the temp folder takes longer to remove than the burst takes to arrive
+    slow = slow_project(tmp_path / "p", bulk=6000)
+    # its own lock folder: another checkout's suite may be building an image named "slow" on this engine
+    proc = _start(slow, "--no-cache", "--progress", "plain", env={"IMAGEBUILD_LOCK_DIR": str(tmp_path / "locks")})
+    try:
+        _wait_for(proc, "start-napping")
+        kids = [(p, a) for p, a in _children(proc.pid) if "buildx" in a]
+        assert kids and list((slow / ".imagebuild" / "tmp").glob("build-slow-*"))
+        for sig in sigs:
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:  # already gone: the rest of the burst reaches nobody
+                break
+            time.sleep(gap)
+        rc = proc.wait(timeout=30)
+        err = proc.stderr.read()
+        assert rc == 130, (rc, err)
+        assert err.rstrip().endswith("interrupted"), err
+        assert "Traceback" not in err and "internal error" not in err, err
+        assert not any(_alive(p) for p, _ in kids), "docker buildx build survived the signals"
+        assert _leftovers(slow) == []
+        rec = json.loads(next((slow / ".imagebuild" / "builds" / IMAGE).glob("*/record.json")).read_text())
+        assert rec["status"] == "interrupted"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        remove_images(f"imagebuild/{IMAGE}", IMAGE)
 
 
 def test_after_kill_9_the_next_build_removes_what_the_dead_run_left(slow):

@@ -434,6 +434,39 @@ def test_a_gate_killed_with_9_leaves_a_container_the_next_command_reaps(gate_ima
             subprocess.run(["docker", "rm", "-f", c], capture_output=True)
 
 
+def test_a_burst_of_signals_still_removes_the_container(gate_image, state, tmp_path):
+    """Issue 22: SIGINT, then SIGINT and SIGTERM every 10 ms until the process ends: the container's
+    removal, which the first signal started, still finishes, and the exit is that signal's 130."""
+    spec = _write(tmp_path, "gate.yaml", "checks:\n  - {id: slow, kind: command, run: 'sleep 60'}\n")
+    env = dict(os.environ, IMAGEBUILD_STATE_DIR=str(state))
+    proc = subprocess.Popen([sys.executable, "-m", "imagebuild", "gate", gate_image, "--spec", str(spec)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not _gate_containers(proc.pid):
+            time.sleep(0.2)
+        assert _gate_containers(proc.pid), "the gate container never started"
+        time.sleep(1.0)  # let the check start inside it
+        deadline, n = time.monotonic() + 30, 0
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                proc.send_signal((signal.SIGINT, signal.SIGTERM)[n % 2 if n else 0])
+            except ProcessLookupError:
+                break
+            n += 1
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=60)
+        assert n > 3, "the burst never reached the cleanup"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    assert _gate_containers(proc.pid) == []
+
+
 def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_path, monkeypatch):
     """docker-images/example/gate.yaml against the example image built here, stage by stage."""
     monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "state"))

@@ -76,6 +76,20 @@ def test_unusable_folder_settings(project, tmp_path, monkeypatch, var, kind):
     assert f.read_text() == "not a folder\n"
 
 
+@pytest.mark.parametrize("kind", ["a-file", "under-proc"])
+def test_gate_with_an_unusable_state_folder_runs_nothing(tmp_path, monkeypatch, kind):
+    """The receipt goes under the state folder: it was an internal error after every check had run."""
+    f = tmp_path / "a-file"
+    f.write_text("not a folder\n")
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(f) if kind == "a-file" else "/proc/imagebuild-x")
+    spec = tmp_path / "gate.yaml"
+    spec.write_text(f"checks:\n  - {{id: ran, kind: command, run: 'touch /tmp/{tmp_path.name}'}}\n")
+    r = run_cli("gate", "imagebuild-test/busybox:1", "--spec", str(spec))
+    _clear(r, 2, "IMAGEBUILD_STATE_DIR")
+    assert "starting container" not in r.err
+    assert f.read_text() == "not a folder\n"
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", LONG], ["validate", LONG], ["build", LONG], ["log", LONG], ["bundle", LONG, "-o", "x.tar"],
     ["prefetch", LONG], ["df", LONG], ["gc", LONG, "--dry-run"], ["patch", LONG, "--src", "."],

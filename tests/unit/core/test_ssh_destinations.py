@@ -62,3 +62,18 @@ def test_build_engine_flag_refuses_them(project, spec):
     res = run_cli("--root", str(project), "build", "tiny", "--engine", spec, "--dry-run")
     assert res.code == 2, res
     assert "--engine" in res.err and "Traceback" not in res.err
+
+
+@pytest.mark.parametrize("spec, dest", [("ssh://dgx4", "dgx4"), ("ssh://root@10.0.0.5:2222", "root@10.0.0.5")])
+def test_the_engine_master_connection_puts_a_double_dash_before_the_destination(spec, dest, tmp_path, monkeypatch):
+    """The build's shared ssh connection to an ``--engine ssh://`` node (open and close): ``--`` before
+    the destination, as on every other ssh command line."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its wrapper script goes under the temp folder
+    mux = remote_engine._Mux(remote_engine.resolve(spec))
+    for argv in (mux._argv("-N", "-f"), mux._argv("-O", "exit")):
+        assert argv[-2:] == ["--", dest], argv
+    mux.dest = "-oProxyCommand=x"  # never reaches ssh, even past the check in resolve
+    with pytest.raises(UsageError):
+        mux._argv("-O", "exit")
