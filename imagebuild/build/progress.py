@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from imagebuild.core import lazy, units
 from imagebuild.core.errors import UsageError
+from imagebuild.core.secrets import redact_text, secrets_in_env
 
 log = logging.getLogger("imagebuild")
 
@@ -190,10 +191,12 @@ class Decoder:
         self._logged_done: set[str] = set()
         self._headed: set[str] = set()
         self._statuses_done: set[tuple[str, str]] = set()
+        self._secrets = secrets_in_env()  # a RUN that prints a token: not in the log, nor on screen
 
     def feed(self, line: str) -> str:
         text = line.strip()
         if not text.startswith("{"):
+            line = redact_text(line, self._secrets)
             return strip_ansi(line) if line.endswith("\n") else strip_ansi(line) + ("\n" if line else "")
         try:
             doc = json.loads(text)
@@ -232,7 +235,8 @@ class Decoder:
         digest = v.get("digest")
         if not isinstance(digest, str):
             return
-        st = self._step(digest, v.get("name") if isinstance(v.get("name"), str) else None)
+        name = v.get("name")
+        st = self._step(digest, redact_text(name, self._secrets) if isinstance(name, str) else None)
         if digest not in self._headed and (v.get("started") or v.get("completed") or v.get("cached")):
             self._headed.add(digest)  # as buildx's plain: a step's header when it starts
             out.append(f"\n#{st.number} {st.name}\n")
@@ -288,7 +292,7 @@ class Decoder:
         if not isinstance(digest, str):
             return
         st = self._step(digest)
-        data = strip_ansi(st.partial + _b64(lg.get("data")))
+        data = redact_text(strip_ansi(st.partial + _b64(lg.get("data"))), self._secrets)
         *full, st.partial = data.split("\n")
         for ln in full:
             self._emit(st, ln, out, lg.get("timestamp"))
@@ -307,7 +311,7 @@ class Decoder:
         self.lines += 1
 
     def _warning(self, w: dict, out: list[str]) -> None:
-        short = strip_ansi(_b64(w.get("short"))).strip()
+        short = redact_text(strip_ansi(_b64(w.get("short"))), self._secrets).strip()
         if not short:
             return
         self.warnings.append(short)

@@ -17,21 +17,19 @@ an error message from a child process carried it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import context as context_mod
 from imagebuild.core.errors import UsageError
 from imagebuild.core.fsutil import atomic_write_text
+from imagebuild.core.secrets import REDACTED, SECRET_ENV, redact_text, secrets_in_env  # noqa: F401 (names of this module)
 from imagebuild.ops.imagediff import human
 from imagebuild.ops.imagediff import render as render_diff
 
 SCHEMA = "imagebuild.nightly-report"
 VERSION = 1
 DEFAULT_KEEP_REPORTS = 14
-SECRET_ENV = ("GITHUB_TOKEN", "GH_TOKEN", "IMAGEBUILD_GITHUB_TOKEN")
-REDACTED = "[redacted]"
 
 
 def default_dir(ctx: context_mod.Context | Path) -> Path:
@@ -42,19 +40,13 @@ def default_dir(ctx: context_mod.Context | Path) -> Path:
 # --------------------------------------------------------------------------------------------- secrets
 
 
-def secrets_in_env() -> list[str]:
-    return [v for k in SECRET_ENV if (v := os.environ.get(k)) and len(v) >= 4]
-
-
 def redact(obj, secrets: list[str] | None = None):
     """``obj`` with every secret value replaced (strings anywhere inside dicts and lists)."""
     secrets = secrets_in_env() if secrets is None else secrets
     if not secrets:
         return obj
     if isinstance(obj, str):
-        for s in secrets:
-            obj = obj.replace(s, REDACTED)
-        return obj
+        return redact_text(obj, secrets)
     if isinstance(obj, dict):
         return {redact(k, secrets): redact(v, secrets) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

@@ -221,3 +221,22 @@ def test_a_failed_stage_shows_its_failing_step_and_last_lines():
 
 def test_the_timer_reads_at_a_glance():
     assert [progress_mod.clock(s) for s in (3.14, 42, 187, 7507)] == ["3.1s", "42s", "3m07s", "2h05m07s"]
+
+
+def test_a_token_a_run_prints_reaches_neither_the_log_nor_the_display(monkeypatch):
+    """A secret of the environment (GITHUB_TOKEN, ...) that a step prints, names or warns about is
+    replaced in the log text, the step's last lines (live view, heartbeat) and its name."""
+    token = "ghp_" + "Z" * 36
+    monkeypatch.setenv("GITHUB_TOKEN", token)
+    dec = progress_mod.Decoder()
+    v = "sha256:" + "cd" * 32
+    dec.feed(json.dumps({"vertexes": [{"digest": v, "name": f"[1/1] RUN echo {token}",
+                                       "started": "2026-12-01T15:27:55.000000001Z"}]}) + "\n")
+    text = dec.feed(json.dumps({"logs": [{"vertex": v, "stream": 1, "timestamp": "2026-12-01T15:27:55.5Z",
+                                          "data": base64.b64encode(f"the token is {token}\n".encode()).decode()}]}) + "\n")
+    text += dec.feed(json.dumps({"warnings": [{"vertex": v, "short": base64.b64encode(f"w {token}".encode()).decode()}]}) + "\n")
+    text += dec.feed(f"ERROR: failed to solve: {token}\n")
+    st = dec.order[0]
+    seen = text + st.name + st.last_line() + " ".join(dec.warnings)
+    assert token not in seen, seen
+    assert "the token is [redacted]" in text and "[redacted]" in st.name and "w [redacted]" in dec.warnings
