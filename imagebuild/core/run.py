@@ -143,8 +143,9 @@ def output(argv: Sequence[str], **kw) -> str:
 
 
 def popen(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | str | None = None,
-          stdin: bool = True, hint: str | None = None) -> subprocess.Popen:
-    """Start ``argv`` with pipes (stdin optional, stdout binary, stderr captured) for streaming.
+          stdin: bool = True, hint: str | None = None, merge_stderr: bool = False) -> subprocess.Popen:
+    """Start ``argv`` with pipes (stdin optional, stdout binary, stderr captured, or into stdout with
+    ``merge_stderr``) for streaming.
 
     The caller reads/writes the pipes, then calls ``check_popen`` to reap it and raise
     ``CommandFailed`` on a non-zero exit.
@@ -152,9 +153,41 @@ def popen(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Pat
     argv = _announce(argv)
     try:
         return subprocess.Popen(argv, cwd=cwd, env=_environ(env), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
     except FileNotFoundError:
         raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
+
+
+def communicate(proc: subprocess.Popen, *, timeout: float, data: bytes | None = None) -> tuple[int | None, bytes, bytes]:
+    """Feed ``data`` to a process started by ``popen`` and wait for it: (exit code, stdout, stderr);
+    the exit code is None when it did not end within ``timeout`` seconds (it is then killed)."""
+    try:
+        out, err = proc.communicate(data, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return None, out or b"", err or b""
+    return proc.returncode, out or b"", err or b""
+
+
+def detach(argv: Sequence[str], *, timeout: float, hint: str | None = None) -> tuple[int | None, str]:
+    """Run ``argv`` that puts itself in the background once it is ready (``ssh -f``: a master
+    connection, a tunnel): in its own session, no stdin or stdout, its stderr into a file (never a
+    pipe that anyone waits on: the background part outlives this call). Returns (exit code, stderr);
+    the exit code is None when it did not get ready within ``timeout`` seconds."""
+    import tempfile
+
+    argv = _announce(argv)
+    with tempfile.TemporaryFile() as errf:
+        try:
+            rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errf,
+                                env=_environ(None), timeout=timeout, start_new_session=True).returncode
+        except FileNotFoundError:
+            raise OperationFailed(f"{argv[0]}: command not found", hint=hint or f"install {argv[0]}") from None
+        except subprocess.TimeoutExpired:
+            rc = None
+        errf.seek(0)
+        return rc, errf.read().decode("utf-8", "replace").strip()
 
 
 def check_popen(proc: subprocess.Popen, *, hint: str | None = None) -> None:

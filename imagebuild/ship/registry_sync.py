@@ -31,7 +31,6 @@ import os
 import re
 import secrets
 import shlex
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from pathlib import Path
 from imagebuild.build import registry_release
 from imagebuild.core import registry as reg_mod
 from imagebuild.core import remote
+from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
 from imagebuild.ship import peer as peer_mod
 from imagebuild.ship import peer_agent
@@ -141,36 +141,35 @@ class Tunnel:
         rhost = rhost.strip("[]")
         argv = [*self._base(), "-f", "-N", "-M", "-o", "ControlPersist=no", "-o", "ExitOnForwardFailure=yes",
                 "--", remote.check_destination(self.host)]
-        log.debug("+ %s", shlex.join(argv))
-        with tempfile.TemporaryFile() as errf:
-            try:
-                rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errf,
-                                    timeout=60, start_new_session=True).returncode
-            except subprocess.TimeoutExpired:
-                raise OperationFailed(f"cannot open an ssh tunnel to {self.host}: no answer within 60 s") from None
-            errf.seek(0)
-            err = errf.read().decode("utf-8", "replace").strip()
+        rc, err = run_mod.detach(argv, timeout=60, hint="install an ssh client")
+        if rc is None:
+            raise OperationFailed(f"cannot open an ssh tunnel to {self.host}: no answer within 60 s")
         if rc != 0:
             raise OperationFailed(f"cannot open an ssh tunnel to {self.host}: {err[-300:] or f'ssh exit {rc}'}",
                                   hint=f"check `ssh {self.host} true`")
         # the registry's own port on the peer's loopback when free there (a docker login of it keeps
         # working), else one the peer's sshd picks
         for want in (rport, "0"):
-            r = subprocess.run([*self._base(), "-O", "forward", "-R", f"127.0.0.1:{want}:{rhost}:{rport}", "--",
-                                self.host],
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
-            if r.returncode == 0:
-                got = r.stdout.strip() if want == "0" else want
+            rc, out, err = self._control("-O", "forward", "-R", f"127.0.0.1:{want}:{rhost}:{rport}")
+            if rc == 0:
+                got = out if want == "0" else want
                 if got.isdigit():
                     self.port = int(got)
                     return f"127.0.0.1:{self.port}"
         raise OperationFailed(f"cannot forward the registry {self.reg} to {self.host}'s loopback over ssh: "
-                              f"{(r.stderr or r.stdout).strip()[-300:]}",
+                              f"{(err or out)[-300:]}",
                               hint="the peer's sshd must allow remote forwarding (AllowTcpForwarding yes)")
 
+    def _control(self, *op: str) -> tuple[int | None, str, str]:
+        """A control command to the tunnel's master (``ssh -O ...``): (exit code, stdout, stderr),
+        the exit code None when the master did not answer within 60 s."""
+        rc, out, err = run_mod.communicate(run_mod.popen([*self._base(), *op, "--", self.host], stdin=False),
+                                           timeout=60)
+        return rc, out.decode("utf-8", "replace").strip(), err.decode("utf-8", "replace").strip() or \
+            ("no answer within 60 s" if rc is None else "")
+
     def close(self) -> None:
-        subprocess.run([*self._base(), "-O", "exit", "--", self.host], stdin=subprocess.DEVNULL, capture_output=True,
-                       timeout=60)
+        self._control("-O", "exit")
         for p in self.dir.iterdir():
             p.unlink(missing_ok=True)
         self.dir.rmdir()
