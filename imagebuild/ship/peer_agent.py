@@ -198,6 +198,8 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   rm -rf "$t"
   ib_sect incoming
   ib_list_files "$CACHE/incoming"
+  ib_sect partial
+  [ "${6:--}" != - ] && ib_list_files "$CACHE/partial/$6"
   ib_sect records
   ib_cat_json "$CACHE/records"
   ib_sect pending
@@ -267,14 +269,64 @@ ib_receipt_carry() {  # $1 receipt path under $CACHE, $2 identity hex, $3 spec h
   ib_sect end
 }
 
-ib_prepare() {  # $1 run id (after ib_lock and the puts of pending/$1.json and pending/$1.blobs)
-  # a file longer than its blob cannot be a partial of it: rsync --append would skip it
-  while read -r hex size; do
-    f="$CACHE/incoming/$hex"
-    [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt "$size" ] && rm -f "$f"
-  done < "$CACHE/pending/$1.blobs"
+ib_prepare() {  # $1 run id, $2 the image's sync lock name (after ib_lock and the puts of pending/$1.json and
+                # pending/$1.blobs). rsync writes into partial/$2/ only: a folder of this image's syncs, which
+                # its sync lock (ib_hold) gives to one session at a time; so syncs of other images that share a
+                # blob never write the same file. Says "have HEX" for each blob already in incoming/ (whole,
+                # verified when it was moved there): those are not sent again
+  case "$2" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  p="$CACHE/partial/$2"
+  mkdir -p "$p" || ib_fail io "cannot create $p"
   ib_sect prepared
   printf 'cache %s\n' "$CACHE"
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    f="$CACHE/incoming/$hex"
+    if [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; then
+      rm -f "$p/$hex"; echo "have $hex"; continue
+    fi
+    # a file longer than its blob cannot be a partial of it: rsync --append would skip it
+    [ -f "$p/$hex" ] && [ "$(stat -c %s "$p/$hex")" -gt "$size" ] && rm -f "$p/$hex"
+  done < "$CACHE/pending/$1.blobs"
+  return 0
+}
+
+ib_settle() {  # $1 run id, $2 lock name: each blob rsync wrote to partial/$2/ is hashed (outside the cache
+               # lock: the folder is this session's) and, only when its content is its name, moved into
+               # incoming/ (under the lock, with mv: atomic); a blob another sync put there meanwhile is reused
+  case "$2" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  p="$CACHE/partial/$2"
+  t=$(mktemp -d "${TMPDIR:-/tmp}/imagebuild-settle.XXXXXX") || ib_fail io "cannot create a temporary folder"
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    [ -f "$p/$hex" ] || continue
+    [ "$(stat -c %s "$p/$hex")" = "$size" ] || continue
+    { sha256sum "$p/$hex" | cut -d' ' -f1 > "$t/$hex"; } &
+  done < "$CACHE/pending/$1.blobs"
+  wait
+  ib_lock
+  ib_sect settled
+  bad=""
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    f="$CACHE/incoming/$hex"
+    if [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; then
+      rm -f "$p/$hex"; echo "reused $hex"; continue
+    fi
+    if [ ! -f "$t/$hex" ]; then
+      rm -rf "$t"; ib_fail missing "blob sha256:$hex did not arrive whole in $p ($(stat -c %s "$p/$hex" 2>/dev/null || echo 0) of $size bytes)"
+    fi
+    got=$(cat "$t/$hex")
+    if [ "$got" != "$hex" ]; then
+      rm -f "$p/$hex"; bad="$bad $hex:$got"; continue
+    fi
+    mv -f "$p/$hex" "$f" || { rm -rf "$t"; ib_fail io "cannot move sha256:$hex into $CACHE/incoming"; }
+    echo "moved $hex"
+  done < "$CACHE/pending/$1.blobs"
+  rm -rf "$t"
+  rmdir "$p" 2>/dev/null
+  [ -z "$bad" ] || ib_fail digest "blob(s) arrived with other content than their digest (removed):$bad"
+  ib_sect end
 }
 
 ib_load() {  # $1 run id, $2 staging ref. stage/$1/ holds the JSON files; stage/$1.layers "hex size" lines
@@ -399,6 +451,7 @@ ib_gc_list() {  # read only: what the peer cache holds
   now=$(date +%s); echo "now $now"
   ib_sect incoming
   ib_list_files "$CACHE/incoming"
+  [ -d "$CACHE/partial" ] && for d in "$CACHE"/partial/*; do [ -d "$d" ] && ib_list_files "$d"; done
   ib_sect stage
   [ -d "$CACHE/stage" ] && for f in "$CACHE"/stage/*; do [ -e "$f" ] && printf '%s %s\n' "$(du -sk "$f" | cut -f1)" "$f"; done
   ib_sect tmp
@@ -446,13 +499,14 @@ ib_gc_apply() {  # the actions, one a line: "rm PATH" (under $CACHE), "untag REF
         if ls "$CACHE"/pending/*.blobs >/dev/null 2>&1 && grep -q "^$b " "$CACHE"/pending/*.blobs 2>/dev/null; then
           echo "kept $a (a sync started meanwhile needs it)"
         else
-          case "$a" in "$CACHE"/incoming/*) rm -f "$a" && echo "removed $a" ;; esac
+          case "$a" in "$CACHE"/incoming/*|"$CACHE"/partial/*) rm -f "$a" && echo "removed $a" ;; esac
         fi ;;
       untag) ib_untag "$a" && echo "untagged $a" ;;
       lease) ctr -a "$a" -n moby leases rm --sync "$b" </dev/null >/dev/null 2>&1 && echo "lease $b" || echo "lease-failed $b" ;;
     esac
   done < "$CACHE/tmp/gc.actions"
   rm -f "$CACHE/tmp/gc.actions"
+  [ -d "$CACHE/partial" ] && for d in "$CACHE"/partial/*; do [ -d "$d" ] && rmdir "$d" 2>/dev/null; done
   ib_sect end
 }
 """

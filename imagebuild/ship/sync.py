@@ -8,8 +8,9 @@ Per peer (several in parallel, ``jobs``), in this order; nothing on the peer cha
    exist); running containers on the tag that would move; free disk for the transfer and the load.
    A peer whose tag already holds the identity is skipped ("unchanged").
 2. **Transfer** of only the missing layer blobs, by digest, with rsync into the peer's cache
-   (``$CACHE/incoming/<hex>``): ``--partial --append-verify``, so an interrupted transfer resumes
-   where it stopped and the resumed file is checked whole. The blobs are read where they already
+   (the image's own ``$CACHE/partial/<lock>/<hex>``, then hashed and moved to ``incoming/<hex>``):
+   ``--partial --append-verify``, so an interrupted transfer resumes where it stopped and the resumed
+   file is checked whole; syncs of other images never write the same file. The blobs are read where they already
    are on this host (localblobs.py), never exported first.
 3. **Load** on the peer: an OCI layout (index.json, manifest.json for the classic store) holding
    the image's manifest and config and only the missing layers, hard-linked from the cache, piped
@@ -741,9 +742,9 @@ class _PeerSync:
         # small blobs travel inside the load call; large ones with rsync (resumable)
         inline = sum(la.size for la in need) <= INLINE_LAYERS_MAX
         if not inline:
-            self._prepare(need)
+            have = self._prepare(need)
             s.pause("transfer", self.host)
-            self._transfer(st, need)
+            self._transfer(st, need, have)
         else:
             s.verify_files(need)
         s.pause("load", self.host)
@@ -755,7 +756,7 @@ class _PeerSync:
             s.verify_files([la for la in need if _hexof(la.digest) in bad])  # a bad local file: say so
             self.say("%d blob(s) in the peer's cache did not match their digest (%s): sending them again",
                      len(bad), ", ".join(b[:12] for b in bad))
-            self._transfer(st, need)
+            self._transfer(st, need, self._prepare(need))
             got = self._load(need, False)
             if got is None:
                 raise OperationFailed(self._mismatch or "the loaded image failed verification")
@@ -872,23 +873,42 @@ class _PeerSync:
                             timeout=step_timeout(), what="writing the receipt")
         self._signer(r)
 
-    def _prepare(self, need) -> None:
+    def _prepare(self, need) -> set[str]:
+        """The pending record, and this image's partial folder on the peer; the blobs (hex) the peer's
+        incoming/ already holds whole (another image's sync put them there): those are not sent."""
         s = self.s
         blobs = "".join(f"{_hexof(la.digest)} {la.size}\n" for la in need)
         pending = {"schema": "imagebuild.peer-pending", "version": 1, "run": self.run_id, "ref": s.ref,
                    "identity": s.identity, "started": _now(), "from": socket.gethostname(),
                    "blobs": [la.digest for la in need]}
-        self.conn.agent("ib_lock\n", peer_agent.heredoc(f"pending/{self.run_id}.json", json.dumps(pending)),
-                        peer_agent.heredoc(f"pending/{self.run_id}.blobs", blobs or "\n"),
-                        peer_agent.call("ib_prepare", self.run_id), timeout=step_timeout(), what="prepare")
+        r = self.conn.agent("ib_lock\n", peer_agent.heredoc(f"pending/{self.run_id}.json", json.dumps(pending)),
+                            peer_agent.heredoc(f"pending/{self.run_id}.blobs", blobs or "\n"),
+                            peer_agent.call("ib_prepare", self.run_id, self.lock_name), timeout=step_timeout(),
+                            what="prepare")
+        return {ln.split()[1] for ln in r.lines("prepared") if ln.startswith("have ")}
 
-    def _transfer(self, st: peer_mod.PeerState, need) -> None:
+    def _transfer(self, st: peer_mod.PeerState, need, have: set[str] = frozenset()) -> None:
+        """rsync the blobs into this image's own folder on the peer (``partial/<lock name>/``, one session
+        at a time: the image's sync lock), then have the peer hash each and move it into ``incoming/``
+        (``ib_settle``): syncs of different images that share a blob never write the same file."""
+        send = [la for la in need if _hexof(la.digest) not in have]
         if not need:
             return
         # the local files are not hashed first: the content store wrote each under its digest only after
-        # checking it, the spool too, and the peer's load checks every blob again (the containerd store
-        # by digest, the classic store by diff id); a blob the peer finds wrong is traced back below
-        self._rsync(st, need)
+        # checking it, the spool too, and the peer checks every blob before it moves into incoming/ (and the
+        # load checks it again); a blob the peer finds wrong is traced back (_deliver)
+        if send:
+            self._rsync(st, send)
+        try:
+            self.conn.agent(peer_agent.call("ib_settle", self.run_id, self.lock_name),
+                            timeout=load_timeout(sum(la.size for la in send)), what="checking the blobs sent")
+        except peer_mod.AgentFailed as exc:
+            if exc.code != "digest":
+                raise
+            s = self.s
+            s.verify_files([la for la in send if _hexof(la.digest) in exc.detail])  # a bad local file: say so
+            raise OperationFailed(f"{exc.detail}; rerun: they are sent again",
+                                  hint="the link or the peer's disk changed bytes on the way") from None
 
     def _rsync(self, st: peer_mod.PeerState, need) -> None:
         s = self.s
@@ -899,7 +919,7 @@ class _PeerSync:
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats",
                 f"--timeout={max(1, int(step_timeout()))}", "-e", self.conn.rsync_shell(),
-                *comp.args, "--", *files, f"{self.host}:{st.cache}/incoming/"]
+                *comp.args, "--", *files, f"{self.host}:{st.cache}/partial/{self.lock_name}/"]
         last: list = [0.0, False]  # when the last line was printed; whether 100% was
         stats: dict[str, int] = {}
         tail: list[str] = []
@@ -938,7 +958,7 @@ class _PeerSync:
         if rc != 0:
             msg = "\n".join(ln for ln in tail if not ln.startswith(("Number of", "Total", "Literal", "Matched",
                                                                     "File list", "sent ", "total size")))[-800:]
-            raise OperationFailed(f"rsync to {st.cache}/incoming/ failed (exit {rc}): {msg}",
+            raise OperationFailed(f"rsync to {st.cache}/partial/{self.lock_name}/ failed (exit {rc}): {msg}",
                                   hint="rerun: the transfer resumes where it stopped")
 
     def _load_lines(self, need, inline: bool) -> list[str]:
