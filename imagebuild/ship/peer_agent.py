@@ -324,6 +324,7 @@ ib_settle() {  # $1 run id, $2 lock name: each blob rsync wrote to partial/$2/ i
     echo "moved $hex"
   done < "$CACHE/pending/$1.blobs"
   rm -rf "$t"
+  rm -f "$p"/*.done
   rmdir "$p" 2>/dev/null
   [ -z "$bad" ] || ib_fail digest "blob(s) arrived with other content than their digest (removed):$bad"
   ib_sect end
@@ -355,6 +356,62 @@ ib_load() {  # $1 run id, $2 staging ref. stage/$1/ holds the JSON files; stage/
   cat "$d.log"
   printf 'rc %s tar %s\n' "$rc" "$trc"
   rm -rf "$d" "$d.layers" "$d.tarrc" "$d.log"
+  [ "$st" = ok ] || ib_fail load "docker load failed (exit $rc, tar $trc)"
+  ib_verify "$2"
+  ib_sect end
+}
+
+ib_feed() {  # $1 stage dir, $2 partial dir, $3 stall seconds: the names tar -T reads, each blob once rsync is
+            # done with it (its file whole and its marker $2/HEX.done, which rsync sends right after it), then
+            # the image's index, manifests and config, and the layout's files (containerd's import takes the
+            # blobs in as they come and reads index.json at the end). A blob that stops growing for $3 s (a
+            # cut link) ends the list: the load then fails, and the rerun takes the present path
+  meta=$(ls "$1/blobs/sha256")
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    f="$CACHE/incoming/$hex"
+    if ! { [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; }; then
+      f="$2/$hex"; last=-1; quiet=0
+      until [ -e "$2/$hex.done" ] && [ "$(stat -c %s "$f" 2>/dev/null)" = "$size" ]; do
+        now=$(stat -c %s "$f" 2>/dev/null || echo 0)
+        if [ "$now" = "$last" ]; then quiet=$((quiet + 1)); else quiet=0; last=$now; fi
+        if [ "$quiet" -ge $(($3 * 5)) ]; then echo "sha256:$hex stopped at $now of $size bytes" > "$1.stall"; return 0; fi
+        sleep 0.2
+      done
+    fi
+    ln -f "$f" "$1/blobs/sha256/$hex" 2>/dev/null || cp "$f" "$1/blobs/sha256/$hex" || return 0
+    printf 'blobs/sha256/%s\n' "$hex"
+  done < "$1.layers"
+  for x in $meta; do printf 'blobs/sha256/%s\n' "$x"; done
+  printf 'oci-layout\nindex.json\nmanifest.json\n'
+}
+
+ib_load_stream() {  # $1 run id, $2 staging ref, $3 lock name, $4 stall seconds: like ib_load, but docker load
+                    # starts while rsync still writes the blobs into partial/$3/ (stage/$1.layers: their order)
+  case "$3" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  d="$CACHE/stage/$1"; p="$CACHE/partial/$3"
+  mkdir -p "$d/blobs/sha256" "$p" || ib_fail io "cannot create $d"
+  printf '{"imageLayoutVersion":"1.0.0"}' > "$d/oci-layout"
+  a="$CACHE/attempts/$1.json"
+  t0=$(date +%s)
+  printf '{"run":"%s","started":%s,"finished":null,"status":"running"}\n' "$1" "$t0" > "$a"
+  { ib_feed "$d" "$p" "$4" | (cd "$d" && tar -cf - --no-recursion -T -); echo "$?" > "$d.tarrc"; } | docker load -q > "$d.log" 2>&1
+  rc=$?
+  trc=$(cat "$d.tarrc" 2>/dev/null || echo 1)
+  st=ok; { [ "$rc" = 0 ] && [ "$trc" = 0 ]; } || st=failed
+  grep -qi '^error' "$d.log" && st=failed
+  [ -f "$d.stall" ] && st=failed
+  printf '{"run":"%s","started":%s,"finished":%s,"status":"%s"}\n' "$1" "$t0" "$(date +%s)" "$st" > "$a"
+  ib_sect load
+  cat "$d.log"
+  [ -f "$d.stall" ] && printf 'stalled %s\n' "$(cat "$d.stall")"
+  printf 'rc %s tar %s\n' "$rc" "$trc"
+  rm -f "$p"/*.done
+  if [ "$st" = ok ]; then  # the engine holds the blobs now (its content store checked each digest)
+    while read -r hex size; do [ -n "$hex" ] && rm -f "$p/$hex"; done < "$d.layers"
+    rmdir "$p" 2>/dev/null
+  fi
+  rm -rf "$d" "$d.layers" "$d.tarrc" "$d.log" "$d.stall"
   [ "$st" = ok ] || ib_fail load "docker load failed (exit $rc, tar $trc)"
   ib_verify "$2"
   ib_sect end

@@ -741,14 +741,23 @@ class _PeerSync:
         s = self.s
         # small blobs travel inside the load call; large ones with rsync (resumable)
         inline = sum(la.size for la in need) <= INLINE_LAYERS_MAX
+        got = None
         if not inline:
             have = self._prepare(need)
             s.pause("transfer", self.host)
-            self._transfer(st, need, have)
+            streamed = self._can_stream(st, need, have)
+            if streamed:
+                s.pause("load", self.host)
+                got = self._stream(st, need, have)
+                if got is not None:
+                    return got
+            self._transfer(st, need, have)  # (after a failed streamed load: what arrived, hashed, into incoming/)
         else:
+            streamed = False
             s.verify_files(need)
-        s.pause("load", self.host)
-        got = self._load(need, inline)
+        if not streamed:
+            s.pause("load", self.host)
+            got = self._load(need, inline)
         if got is None:  # the loaded image is not the source's: find bad blobs, send them again, once
             bad = self._check_incoming()
             if not bad:
@@ -910,7 +919,63 @@ class _PeerSync:
             raise OperationFailed(f"{exc.detail}; rerun: they are sent again",
                                   hint="the link or the peer's disk changed bytes on the way") from None
 
-    def _rsync(self, st: peer_mod.PeerState, need) -> None:
+    def _can_stream(self, st: peer_mod.PeerState, need, have: set[str]) -> bool:
+        """The load starts with the transfer (``_stream``) on a containerd-store peer (its import takes the
+        blobs in as they arrive) for a transfer that starts from nothing; a resumed one (a cut link before)
+        takes the present path. IMAGEBUILD_SYNC_STREAM=0 turns it off."""
+        if os.environ.get("IMAGEBUILD_SYNC_STREAM", "1") == "0" or not st.containerd_store:
+            return False
+        send = [la for la in need if _hexof(la.digest) not in have]
+        return bool(send) and not any(st.incoming.get(_hexof(la.digest), 0) for la in send)
+
+    def _stream(self, st: peer_mod.PeerState, need, have: set[str]) -> str | None:
+        """rsync the blobs while the peer's ``docker load`` already reads them (``ib_load_stream``: each
+        blob once rsync is done with it, marked by an empty ``HEX.done`` that rsync sends right after it);
+        the verified image id, or None (``_mismatch``): then the present path (hash, incoming/, load)."""
+        import tempfile
+        import threading
+
+        s = self.s
+        send = sorted((la for la in need if _hexof(la.digest) not in have), key=lambda la: _hexof(la.digest))
+        order = [la for la in need if _hexof(la.digest) in have] + send  # rsync sends by name
+        stall = max(5, int(min(60, step_timeout())))
+        lines = self._load_lines(order, False, call=("ib_load_stream", self.run_id, s.staging, self.lock_name,
+                                                     str(stall)))
+        out: dict = {}
+
+        def load() -> None:
+            try:
+                out["r"] = self.conn.agent(*lines, timeout=load_timeout(sum(la.size for la in need)),
+                                           what="the load", heartbeat=self.heartbeat("loading"))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
+                out["exc"] = exc
+        self.say("sending while the peer loads (docker load started with the transfer: %d layer blob(s))", len(need))
+        t = threading.Thread(target=load, daemon=True, name=f"load-{self.host}")
+        t.start()
+        with tempfile.TemporaryDirectory(prefix="imagebuild-marks-") as marks:
+            extra = []
+            for la in send:
+                m = Path(marks) / f"{_hexof(la.digest)}.done"
+                m.touch()
+                extra.append(str(m))
+            try:
+                self._rsync(st, send, extra)
+            except OperationFailed:
+                self.conn._kill()  # the peer's load ends once the blob stops growing; the rerun resumes
+                t.join(30)
+                raise
+        self.say("loading on the peer (the rest of the docker load of %d layer blob(s))", len(need))
+        t.join()
+        if "exc" in out:
+            exc = out["exc"]
+            if isinstance(exc, peer_mod.AgentFailed) and exc.code == "load":
+                self._mismatch = f"docker load failed on the peer: {_load_log(exc.output)}"
+                return None
+            raise exc
+        self.res.details["load"] = "streamed"
+        return self._verified(out["r"])
+
+    def _rsync(self, st: peer_mod.PeerState, need, extra: list[str] = ()) -> None:
         s = self.s
         files = [str(s.img.files[la.digest]) for la in need]
         comp = choose_compression(self.conn, st, need, s.img.files)
@@ -919,7 +984,7 @@ class _PeerSync:
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats",
                 f"--timeout={max(1, int(step_timeout()))}", "-e", self.conn.rsync_shell(),
-                *comp.args, "--", *files, f"{self.host}:{st.cache}/partial/{self.lock_name}/"]
+                *comp.args, "--", *files, *extra, f"{self.host}:{st.cache}/partial/{self.lock_name}/"]
         last: list = [0.0, False]  # when the last line was printed; whether 100% was
         stats: dict[str, int] = {}
         tail: list[str] = []
@@ -961,7 +1026,7 @@ class _PeerSync:
             raise OperationFailed(f"rsync to {st.cache}/partial/{self.lock_name}/ failed (exit {rc}): {msg}",
                                   hint="rerun: the transfer resumes where it stopped")
 
-    def _load_lines(self, need, inline: bool) -> list[str]:
+    def _load_lines(self, need, inline: bool, call: tuple[str, ...] = ()) -> list[str]:
         s, img = self.s, self.s.img
         d = f"stage/{self.run_id}"
         lines = ["ib_lock\n", "ib_docker_ok\n",
@@ -977,7 +1042,7 @@ class _PeerSync:
         listed = [] if inline else need
         lines.append(peer_agent.heredoc(f"{d}.layers", "".join(f"{_hexof(la.digest)} {la.size}\n" for la in listed)
                                         or "\n"))
-        lines.append(peer_agent.call("ib_load", self.run_id, s.staging))
+        lines.append(peer_agent.call(*(call or ("ib_load", self.run_id, s.staging))))
         return lines
 
     _mismatch: str | None = None

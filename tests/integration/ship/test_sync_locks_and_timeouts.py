@@ -343,3 +343,41 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
                 p.wait()
         imgs.set_local(imgs.v1)
         reset(peer)
+
+
+def test_on_a_containerd_peer_the_load_starts_while_the_blobs_still_arrive(sync_images, peer):
+    """The peer's docker load of a fresh image starts with the transfer (its load attempt is recorded
+    while the 300 MB layer is still partial on the peer), and the image is the source's."""
+    from imagebuild.ship import localblobs
+
+    imgs = sync_images
+    big = max(localblobs.load(imgs.big).layers, key=lambda la: la.size)
+    hexname = big.digest.split(":")[1]
+    reset(peer)
+    imgs.set_local(imgs.big)
+    base = Path(peer.cache)
+    seen = []
+
+    def loading_while_partial():
+        got = sum(p.stat().st_size for p in _blob_files(peer, hexname) if p.exists())
+        if any(base.glob("attempts/*.json")) and 0 < got < big.size:
+            seen.append(got)
+        return bool(seen)
+
+    p = sync_proc(imgs, peer, peer.addr)
+    err = _Stderr(p)
+    try:
+        wait_for(lambda: loading_while_partial() or p.poll() is not None, timeout=180, every=0.002)
+        rc, doc = _finish(p, err)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        imgs.set_local(imgs.v1)
+    assert seen, err.text()
+    assert rc == 0 and doc["peers"][0]["status"] == "synced", err.text()
+    assert doc["peers"][0]["details"]["load"] == "streamed"
+    assert peer_identity(peer, imgs.local) == identity.inspect(imgs.big).digest
+    assert runs(peer, imgs.local) == "version 1"
+    assert cache_files(peer) == []
+    reset(peer)
