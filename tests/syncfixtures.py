@@ -174,7 +174,7 @@ def runs(peer: Peer, ref: str) -> str:
 def cache_files(peer: Peer, *subdirs: str) -> list[str]:
     base = Path(peer.cache)
     out = []
-    for sub in subdirs or ("incoming", "stage", "pending", "tmp", "attempts"):
+    for sub in subdirs or ("incoming", "partial", "stage", "pending", "tmp", "attempts"):
         d = base / sub
         if d.is_dir():
             out += [str(p.relative_to(base)) for p in d.rglob("*")]

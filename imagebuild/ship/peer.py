@@ -401,7 +401,7 @@ class PeerState:
     target: dict | None = None  # docker image inspect of the target ref
     staging: dict | None = None
     containers: list[dict] = field(default_factory=list)  # running: id, image (id), config_image, name
-    incoming: dict[str, int] = field(default_factory=dict)  # hex -> size of files in incoming/
+    incoming: dict[str, int] = field(default_factory=dict)  # hex -> size in incoming/ or this image's partial/
     records: list[dict] = field(default_factory=list)
     pending: list[dict] = field(default_factory=list)
     has_receipt: bool = False
@@ -537,6 +537,11 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
         parts = line.split(" ", 2)
         if len(parts) == 3 and parts[0].isdigit():
             st.incoming[os.path.basename(parts[2])] = int(parts[0])
+    for line in res.lines("partial"):  # this image's own partial blobs (a cut transfer): what a rerun resumes
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[0].isdigit():
+            name = os.path.basename(parts[2])
+            st.incoming[name] = max(st.incoming.get(name, 0), int(parts[0]))
     st.records = [r for r in (_json_or_none(ln.split(" ", 1)[1]) for ln in res.lines("records") if " " in ln)
                   if isinstance(r, dict)]
     st.pending = [r for r in (_json_or_none(ln.split(" ", 1)[1]) for ln in res.lines("pending") if " " in ln)

@@ -198,6 +198,8 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   rm -rf "$t"
   ib_sect incoming
   ib_list_files "$CACHE/incoming"
+  ib_sect partial
+  [ "${6:--}" != - ] && ib_list_files "$CACHE/partial/$6"
   ib_sect records
   ib_cat_json "$CACHE/records"
   ib_sect pending
@@ -267,14 +269,65 @@ ib_receipt_carry() {  # $1 receipt path under $CACHE, $2 identity hex, $3 spec h
   ib_sect end
 }
 
-ib_prepare() {  # $1 run id (after ib_lock and the puts of pending/$1.json and pending/$1.blobs)
-  # a file longer than its blob cannot be a partial of it: rsync --append would skip it
-  while read -r hex size; do
-    f="$CACHE/incoming/$hex"
-    [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt "$size" ] && rm -f "$f"
-  done < "$CACHE/pending/$1.blobs"
+ib_prepare() {  # $1 run id, $2 the image's sync lock name (after ib_lock and the puts of pending/$1.json and
+                # pending/$1.blobs). rsync writes into partial/$2/ only: a folder of this image's syncs, which
+                # its sync lock (ib_hold) gives to one session at a time; so syncs of other images that share a
+                # blob never write the same file. Says "have HEX" for each blob already in incoming/ (whole,
+                # verified when it was moved there): those are not sent again
+  case "$2" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  p="$CACHE/partial/$2"
+  mkdir -p "$p" || ib_fail io "cannot create $p"
   ib_sect prepared
   printf 'cache %s\n' "$CACHE"
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    f="$CACHE/incoming/$hex"
+    if [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; then
+      rm -f "$p/$hex"; echo "have $hex"; continue
+    fi
+    # a file longer than its blob cannot be a partial of it: rsync --append would skip it
+    [ -f "$p/$hex" ] && [ "$(stat -c %s "$p/$hex")" -gt "$size" ] && rm -f "$p/$hex"
+  done < "$CACHE/pending/$1.blobs"
+  return 0
+}
+
+ib_settle() {  # $1 run id, $2 lock name: each blob rsync wrote to partial/$2/ is hashed (outside the cache
+               # lock: the folder is this session's) and, only when its content is its name, moved into
+               # incoming/ (under the lock, with mv: atomic); a blob another sync put there meanwhile is reused
+  case "$2" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  p="$CACHE/partial/$2"
+  t=$(mktemp -d "${TMPDIR:-/tmp}/imagebuild-settle.XXXXXX") || ib_fail io "cannot create a temporary folder"
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    [ -f "$p/$hex" ] || continue
+    [ "$(stat -c %s "$p/$hex")" = "$size" ] || continue
+    { sha256sum "$p/$hex" | cut -d' ' -f1 > "$t/$hex"; } &
+  done < "$CACHE/pending/$1.blobs"
+  wait
+  ib_lock
+  ib_sect settled
+  bad=""
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    f="$CACHE/incoming/$hex"
+    if [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; then
+      rm -f "$p/$hex"; echo "reused $hex"; continue
+    fi
+    if [ ! -f "$t/$hex" ]; then
+      rm -rf "$t"; ib_fail missing "blob sha256:$hex did not arrive whole in $p ($(stat -c %s "$p/$hex" 2>/dev/null || echo 0) of $size bytes)"
+    fi
+    got=$(cat "$t/$hex")
+    if [ "$got" != "$hex" ]; then
+      rm -f "$p/$hex"; bad="$bad $hex:$got"; continue
+    fi
+    mv -f "$p/$hex" "$f" || { rm -rf "$t"; ib_fail io "cannot move sha256:$hex into $CACHE/incoming"; }
+    echo "moved $hex"
+  done < "$CACHE/pending/$1.blobs"
+  rm -rf "$t"
+  rm -f "$p"/*.done
+  rmdir "$p" 2>/dev/null
+  [ -z "$bad" ] || ib_fail digest "blob(s) arrived with other content than their digest (removed):$bad"
+  ib_sect end
 }
 
 ib_load() {  # $1 run id, $2 staging ref. stage/$1/ holds the JSON files; stage/$1.layers "hex size" lines
@@ -303,6 +356,62 @@ ib_load() {  # $1 run id, $2 staging ref. stage/$1/ holds the JSON files; stage/
   cat "$d.log"
   printf 'rc %s tar %s\n' "$rc" "$trc"
   rm -rf "$d" "$d.layers" "$d.tarrc" "$d.log"
+  [ "$st" = ok ] || ib_fail load "docker load failed (exit $rc, tar $trc)"
+  ib_verify "$2"
+  ib_sect end
+}
+
+ib_feed() {  # $1 stage dir, $2 partial dir, $3 stall seconds: the names tar -T reads, each blob once rsync is
+            # done with it (its file whole and its marker $2/HEX.done, which rsync sends right after it), then
+            # the image's index, manifests and config, and the layout's files (containerd's import takes the
+            # blobs in as they come and reads index.json at the end). A blob that stops growing for $3 s (a
+            # cut link) ends the list: the load then fails, and the rerun takes the present path
+  meta=$(ls "$1/blobs/sha256")
+  while read -r hex size; do
+    [ -n "$hex" ] || continue
+    f="$CACHE/incoming/$hex"
+    if ! { [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; }; then
+      f="$2/$hex"; last=-1; quiet=0
+      until [ -e "$2/$hex.done" ] && [ "$(stat -c %s "$f" 2>/dev/null)" = "$size" ]; do
+        now=$(stat -c %s "$f" 2>/dev/null || echo 0)
+        if [ "$now" = "$last" ]; then quiet=$((quiet + 1)); else quiet=0; last=$now; fi
+        if [ "$quiet" -ge $(($3 * 5)) ]; then echo "sha256:$hex stopped at $now of $size bytes" > "$1.stall"; return 0; fi
+        sleep 0.2
+      done
+    fi
+    ln -f "$f" "$1/blobs/sha256/$hex" 2>/dev/null || cp "$f" "$1/blobs/sha256/$hex" || return 0
+    printf 'blobs/sha256/%s\n' "$hex"
+  done < "$1.layers"
+  for x in $meta; do printf 'blobs/sha256/%s\n' "$x"; done
+  printf 'oci-layout\nindex.json\nmanifest.json\n'
+}
+
+ib_load_stream() {  # $1 run id, $2 staging ref, $3 lock name, $4 stall seconds: like ib_load, but docker load
+                    # starts while rsync still writes the blobs into partial/$3/ (stage/$1.layers: their order)
+  case "$3" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  d="$CACHE/stage/$1"; p="$CACHE/partial/$3"
+  mkdir -p "$d/blobs/sha256" "$p" || ib_fail io "cannot create $d"
+  printf '{"imageLayoutVersion":"1.0.0"}' > "$d/oci-layout"
+  a="$CACHE/attempts/$1.json"
+  t0=$(date +%s)
+  printf '{"run":"%s","started":%s,"finished":null,"status":"running"}\n' "$1" "$t0" > "$a"
+  { ib_feed "$d" "$p" "$4" | (cd "$d" && tar -cf - --no-recursion -T -); echo "$?" > "$d.tarrc"; } | docker load -q > "$d.log" 2>&1
+  rc=$?
+  trc=$(cat "$d.tarrc" 2>/dev/null || echo 1)
+  st=ok; { [ "$rc" = 0 ] && [ "$trc" = 0 ]; } || st=failed
+  grep -qi '^error' "$d.log" && st=failed
+  [ -f "$d.stall" ] && st=failed
+  printf '{"run":"%s","started":%s,"finished":%s,"status":"%s"}\n' "$1" "$t0" "$(date +%s)" "$st" > "$a"
+  ib_sect load
+  cat "$d.log"
+  [ -f "$d.stall" ] && printf 'stalled %s\n' "$(cat "$d.stall")"
+  printf 'rc %s tar %s\n' "$rc" "$trc"
+  rm -f "$p"/*.done
+  if [ "$st" = ok ]; then  # the engine holds the blobs now (its content store checked each digest)
+    while read -r hex size; do [ -n "$hex" ] && rm -f "$p/$hex"; done < "$d.layers"
+    rmdir "$p" 2>/dev/null
+  fi
+  rm -rf "$d" "$d.layers" "$d.tarrc" "$d.log" "$d.stall"
   [ "$st" = ok ] || ib_fail load "docker load failed (exit $rc, tar $trc)"
   ib_verify "$2"
   ib_sect end
@@ -399,6 +508,7 @@ ib_gc_list() {  # read only: what the peer cache holds
   now=$(date +%s); echo "now $now"
   ib_sect incoming
   ib_list_files "$CACHE/incoming"
+  [ -d "$CACHE/partial" ] && for d in "$CACHE"/partial/*; do [ -d "$d" ] && ib_list_files "$d"; done
   ib_sect stage
   [ -d "$CACHE/stage" ] && for f in "$CACHE"/stage/*; do [ -e "$f" ] && printf '%s %s\n' "$(du -sk "$f" | cut -f1)" "$f"; done
   ib_sect tmp
@@ -446,13 +556,14 @@ ib_gc_apply() {  # the actions, one a line: "rm PATH" (under $CACHE), "untag REF
         if ls "$CACHE"/pending/*.blobs >/dev/null 2>&1 && grep -q "^$b " "$CACHE"/pending/*.blobs 2>/dev/null; then
           echo "kept $a (a sync started meanwhile needs it)"
         else
-          case "$a" in "$CACHE"/incoming/*) rm -f "$a" && echo "removed $a" ;; esac
+          case "$a" in "$CACHE"/incoming/*|"$CACHE"/partial/*) rm -f "$a" && echo "removed $a" ;; esac
         fi ;;
       untag) ib_untag "$a" && echo "untagged $a" ;;
       lease) ctr -a "$a" -n moby leases rm --sync "$b" </dev/null >/dev/null 2>&1 && echo "lease $b" || echo "lease-failed $b" ;;
     esac
   done < "$CACHE/tmp/gc.actions"
   rm -f "$CACHE/tmp/gc.actions"
+  [ -d "$CACHE/partial" ] && for d in "$CACHE"/partial/*; do [ -d "$d" ] && rmdir "$d" 2>/dev/null; done
   ib_sect end
 }
 """

@@ -2,7 +2,8 @@
 
 What the cache holds and what gc does with it:
 
-- ``incoming/<hex>`` (blobs sent, whole or partial) and rsync's temporary ``.<hex>.*`` files: kept
+- ``incoming/<hex>`` (verified blobs), ``partial/<lock>/<hex>`` (blobs rsync writes, whole or partial)
+  and rsync's temporary ``.<hex>.*`` files: kept
   while a pending sync names them and is younger than a day (a rerun resumes it); removed otherwise
   (a finished sync removes its own at once);
 - ``pending/<run>.json|.blobs``: the sync that started them; removed after a day;

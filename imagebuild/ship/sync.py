@@ -8,8 +8,9 @@ Per peer (several in parallel, ``jobs``), in this order; nothing on the peer cha
    exist); running containers on the tag that would move; free disk for the transfer and the load.
    A peer whose tag already holds the identity is skipped ("unchanged").
 2. **Transfer** of only the missing layer blobs, by digest, with rsync into the peer's cache
-   (``$CACHE/incoming/<hex>``): ``--partial --append-verify``, so an interrupted transfer resumes
-   where it stopped and the resumed file is checked whole. The blobs are read where they already
+   (the image's own ``$CACHE/partial/<lock>/<hex>``, then hashed and moved to ``incoming/<hex>``):
+   ``--partial --append-verify``, so an interrupted transfer resumes where it stopped and the resumed
+   file is checked whole; syncs of other images never write the same file. The blobs are read where they already
    are on this host (localblobs.py), never exported first.
 3. **Load** on the peer: an OCI layout (index.json, manifest.json for the classic store) holding
    the image's manifest and config and only the missing layers, hard-linked from the cache, piped
@@ -740,14 +741,23 @@ class _PeerSync:
         s = self.s
         # small blobs travel inside the load call; large ones with rsync (resumable)
         inline = sum(la.size for la in need) <= INLINE_LAYERS_MAX
+        got = None
         if not inline:
-            self._prepare(need)
+            have = self._prepare(need)
             s.pause("transfer", self.host)
-            self._transfer(st, need)
+            streamed = self._can_stream(st, need, have)
+            if streamed:
+                s.pause("load", self.host)
+                got = self._stream(st, need, have)
+                if got is not None:
+                    return got
+            self._transfer(st, need, have)  # (after a failed streamed load: what arrived, hashed, into incoming/)
         else:
+            streamed = False
             s.verify_files(need)
-        s.pause("load", self.host)
-        got = self._load(need, inline)
+        if not streamed:
+            s.pause("load", self.host)
+            got = self._load(need, inline)
         if got is None:  # the loaded image is not the source's: find bad blobs, send them again, once
             bad = self._check_incoming()
             if not bad:
@@ -755,7 +765,7 @@ class _PeerSync:
             s.verify_files([la for la in need if _hexof(la.digest) in bad])  # a bad local file: say so
             self.say("%d blob(s) in the peer's cache did not match their digest (%s): sending them again",
                      len(bad), ", ".join(b[:12] for b in bad))
-            self._transfer(st, need)
+            self._transfer(st, need, self._prepare(need))
             got = self._load(need, False)
             if got is None:
                 raise OperationFailed(self._mismatch or "the loaded image failed verification")
@@ -872,25 +882,100 @@ class _PeerSync:
                             timeout=step_timeout(), what="writing the receipt")
         self._signer(r)
 
-    def _prepare(self, need) -> None:
+    def _prepare(self, need) -> set[str]:
+        """The pending record, and this image's partial folder on the peer; the blobs (hex) the peer's
+        incoming/ already holds whole (another image's sync put them there): those are not sent."""
         s = self.s
         blobs = "".join(f"{_hexof(la.digest)} {la.size}\n" for la in need)
         pending = {"schema": "imagebuild.peer-pending", "version": 1, "run": self.run_id, "ref": s.ref,
                    "identity": s.identity, "started": _now(), "from": socket.gethostname(),
                    "blobs": [la.digest for la in need]}
-        self.conn.agent("ib_lock\n", peer_agent.heredoc(f"pending/{self.run_id}.json", json.dumps(pending)),
-                        peer_agent.heredoc(f"pending/{self.run_id}.blobs", blobs or "\n"),
-                        peer_agent.call("ib_prepare", self.run_id), timeout=step_timeout(), what="prepare")
+        r = self.conn.agent("ib_lock\n", peer_agent.heredoc(f"pending/{self.run_id}.json", json.dumps(pending)),
+                            peer_agent.heredoc(f"pending/{self.run_id}.blobs", blobs or "\n"),
+                            peer_agent.call("ib_prepare", self.run_id, self.lock_name), timeout=step_timeout(),
+                            what="prepare")
+        return {ln.split()[1] for ln in r.lines("prepared") if ln.startswith("have ")}
 
-    def _transfer(self, st: peer_mod.PeerState, need) -> None:
+    def _transfer(self, st: peer_mod.PeerState, need, have: set[str] = frozenset()) -> None:
+        """rsync the blobs into this image's own folder on the peer (``partial/<lock name>/``, one session
+        at a time: the image's sync lock), then have the peer hash each and move it into ``incoming/``
+        (``ib_settle``): syncs of different images that share a blob never write the same file."""
+        send = [la for la in need if _hexof(la.digest) not in have]
         if not need:
             return
         # the local files are not hashed first: the content store wrote each under its digest only after
-        # checking it, the spool too, and the peer's load checks every blob again (the containerd store
-        # by digest, the classic store by diff id); a blob the peer finds wrong is traced back below
-        self._rsync(st, need)
+        # checking it, the spool too, and the peer checks every blob before it moves into incoming/ (and the
+        # load checks it again); a blob the peer finds wrong is traced back (_deliver)
+        if send:
+            self._rsync(st, send)
+        try:
+            self.conn.agent(peer_agent.call("ib_settle", self.run_id, self.lock_name),
+                            timeout=load_timeout(sum(la.size for la in send)), what="checking the blobs sent")
+        except peer_mod.AgentFailed as exc:
+            if exc.code != "digest":
+                raise
+            s = self.s
+            s.verify_files([la for la in send if _hexof(la.digest) in exc.detail])  # a bad local file: say so
+            raise OperationFailed(f"{exc.detail}; rerun: they are sent again",
+                                  hint="the link or the peer's disk changed bytes on the way") from None
 
-    def _rsync(self, st: peer_mod.PeerState, need) -> None:
+    def _can_stream(self, st: peer_mod.PeerState, need, have: set[str]) -> bool:
+        """The load starts with the transfer (``_stream``) on a containerd-store peer (its import takes the
+        blobs in as they arrive) for a transfer that starts from nothing; a resumed one (a cut link before)
+        takes the present path. IMAGEBUILD_SYNC_STREAM=0 turns it off."""
+        if os.environ.get("IMAGEBUILD_SYNC_STREAM", "1") == "0" or not st.containerd_store:
+            return False
+        send = [la for la in need if _hexof(la.digest) not in have]
+        return bool(send) and not any(st.incoming.get(_hexof(la.digest), 0) for la in send)
+
+    def _stream(self, st: peer_mod.PeerState, need, have: set[str]) -> str | None:
+        """rsync the blobs while the peer's ``docker load`` already reads them (``ib_load_stream``: each
+        blob once rsync is done with it, marked by an empty ``HEX.done`` that rsync sends right after it);
+        the verified image id, or None (``_mismatch``): then the present path (hash, incoming/, load)."""
+        import tempfile
+        import threading
+
+        s = self.s
+        send = sorted((la for la in need if _hexof(la.digest) not in have), key=lambda la: _hexof(la.digest))
+        order = [la for la in need if _hexof(la.digest) in have] + send  # rsync sends by name
+        stall = max(5, int(min(60, step_timeout())))
+        lines = self._load_lines(order, False, call=("ib_load_stream", self.run_id, s.staging, self.lock_name,
+                                                     str(stall)))
+        out: dict = {}
+
+        def load() -> None:
+            try:
+                out["r"] = self.conn.agent(*lines, timeout=load_timeout(sum(la.size for la in need)),
+                                           what="the load", heartbeat=self.heartbeat("loading"))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
+                out["exc"] = exc
+        self.say("sending while the peer loads (docker load started with the transfer: %d layer blob(s))", len(need))
+        t = threading.Thread(target=load, daemon=True, name=f"load-{self.host}")
+        t.start()
+        with tempfile.TemporaryDirectory(prefix="imagebuild-marks-") as marks:
+            extra = []
+            for la in send:
+                m = Path(marks) / f"{_hexof(la.digest)}.done"
+                m.touch()
+                extra.append(str(m))
+            try:
+                self._rsync(st, send, extra)
+            except OperationFailed:
+                self.conn._kill()  # the peer's load ends once the blob stops growing; the rerun resumes
+                t.join(30)
+                raise
+        self.say("loading on the peer (the rest of the docker load of %d layer blob(s))", len(need))
+        t.join()
+        if "exc" in out:
+            exc = out["exc"]
+            if isinstance(exc, peer_mod.AgentFailed) and exc.code == "load":
+                self._mismatch = f"docker load failed on the peer: {_load_log(exc.output)}"
+                return None
+            raise exc
+        self.res.details["load"] = "streamed"
+        return self._verified(out["r"])
+
+    def _rsync(self, st: peer_mod.PeerState, need, extra: list[str] = ()) -> None:
         s = self.s
         files = [str(s.img.files[la.digest]) for la in need]
         comp = choose_compression(self.conn, st, need, s.img.files)
@@ -899,7 +984,7 @@ class _PeerSync:
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats",
                 f"--timeout={max(1, int(step_timeout()))}", "-e", self.conn.rsync_shell(),
-                *comp.args, "--", *files, f"{self.host}:{st.cache}/incoming/"]
+                *comp.args, "--", *files, *extra, f"{self.host}:{st.cache}/partial/{self.lock_name}/"]
         # when the last line was printed (the start: the first says how far it got after PROGRESS_EVERY_S,
         # not rsync's opening "16 B ... 0%"); whether 100% was
         t0 = time.monotonic()
@@ -942,10 +1027,10 @@ class _PeerSync:
         if rc != 0:
             msg = "\n".join(ln for ln in tail if not ln.startswith(("Number of", "Total", "Literal", "Matched",
                                                                     "File list", "sent ", "total size")))[-800:]
-            raise OperationFailed(f"rsync to {st.cache}/incoming/ failed (exit {rc}): {msg}",
+            raise OperationFailed(f"rsync to {st.cache}/partial/{self.lock_name}/ failed (exit {rc}): {msg}",
                                   hint="rerun: the transfer resumes where it stopped")
 
-    def _load_lines(self, need, inline: bool) -> list[str]:
+    def _load_lines(self, need, inline: bool, call: tuple[str, ...] = ()) -> list[str]:
         s, img = self.s, self.s.img
         d = f"stage/{self.run_id}"
         lines = ["ib_lock\n", "ib_docker_ok\n",
@@ -961,7 +1046,7 @@ class _PeerSync:
         listed = [] if inline else need
         lines.append(peer_agent.heredoc(f"{d}.layers", "".join(f"{_hexof(la.digest)} {la.size}\n" for la in listed)
                                         or "\n"))
-        lines.append(peer_agent.call("ib_load", self.run_id, s.staging))
+        lines.append(peer_agent.call(*(call or ("ib_load", self.run_id, s.staging))))
         return lines
 
     _mismatch: str | None = None

@@ -57,10 +57,9 @@ class _Stderr:
 
 
 def _received(peer, hexname: str) -> int:
-    d = Path(peer.cache) / "incoming"
-    if not d.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in d.iterdir() if p.name.lstrip(".").startswith(hexname))
+    base = Path(peer.cache)  # incoming/, or the image's own partial/<lock>/ while rsync writes
+    return sum(p.stat().st_size for p in [*base.glob("incoming/*"), *base.glob("partial/*/*")]
+               if p.name.lstrip(".").startswith(hexname))
 
 
 def _start_fresh(imgs, peer):

@@ -245,3 +245,139 @@ def test_the_unpacked_sizes_come_from_the_engine(sync_images):
     big = max(img.layers, key=lambda la: la.size)
     # the 300 MB of /data/big.bin, unpacked, whatever the blob's compression
     assert 300_000_000 <= sizes[big.diff_id] < 310_000_000
+
+
+def _child_rsync(pid: int) -> int | None:
+    """The rsync this sender (``pid``) started, if it runs."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if comm == "rsync" and int(rest[1]) == pid:
+            return int(d.name)
+    return None
+
+
+def _read_so_far(pid: int, hexname: str) -> int:
+    """How far process ``pid`` has read its open file named ``hexname`` (0: not open)."""
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.path.basename(os.readlink(fd)) == hexname:
+                    info = Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text()
+                    return int(info.split("pos:", 1)[1].split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
+    except OSError:
+        pass
+    return 0
+
+
+def _blob_files(peer, hexname: str) -> list[Path]:
+    base = Path(peer.cache)
+    return [p for p in [*base.glob("incoming/*"), *base.glob("partial/*/*")] if p.name.lstrip(".").startswith(hexname)]
+
+
+@pytest.mark.parametrize("store", ["peer", "peer_classic"])
+def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same_file(store, request, sync_images):
+    """Two different images (two tags: two sync locks, so they run side by side) that share the 300 MB
+    layer, started 0.1 s apart to one peer. The second one's rsync is stopped part-way and let go on just
+    as the first one's load reads the layer: with one shared file in incoming/, its writes land in the
+    file the load reads (tar: file changed as we read it). Each sync writes its own file: both succeed."""
+    from imagebuild.ship import localblobs
+
+    peer = request.getfixturevalue(store)
+    imgs = sync_images
+    big = localblobs.load(imgs.big)
+    shared = max(big.layers, key=lambda la: la.size)
+    assert shared.digest in {la.digest for la in localblobs.load(imgs.big2).layers}
+    hexname = shared.digest.split(":")[1]
+    want_a, want_b = identity.inspect(imgs.big).digest, identity.inspect(imgs.big2).digest
+    reset(peer)
+    imgs.set_local(imgs.big)
+    stopped = None
+    a = b = None
+    try:
+        a = sync_proc(imgs, peer, peer.addr)
+        ea = _Stderr(a)
+        time.sleep(0.1)
+        b = sync_proc(imgs, peer, peer.addr, "--image", imgs.big2, "--force")
+        eb = _Stderr(b)
+        # the second sync's rsync, once it sends the layer's bytes (so the peer's side of it has chosen
+        # the file it writes and from where): stopped
+        wait_for(lambda: (eb.has("sending") and _child_rsync(b.pid)) or b.poll() is not None, timeout=180,
+                 every=0.005)
+        assert b.poll() is None, eb.text()
+        stopped = _child_rsync(b.pid)
+        wait_for(lambda: _read_so_far(stopped, hexname) > 16 << 20 or b.poll() is not None, timeout=120,
+                 every=0.002)
+        os.kill(stopped, signal.SIGSTOP)
+        # the first one's load reads the layer: the second one's rsync goes on now
+        wait_for(lambda: ea.has("loading on the peer") or a.poll() is not None, timeout=300, every=0.005)
+        stage = Path(peer.cache) / "stage"
+        wait_for(lambda: any(stage.glob("*.layers")) or a.poll() is not None, timeout=60, every=0.005)
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        rc_a, doc_a = _finish(a, ea)
+        rc_b, doc_b = _finish(b, eb)
+        assert rc_a == 0 and doc_a["peers"][0]["status"] == "synced", ea.text()
+        assert rc_b == 0 and doc_b["peers"][0]["status"] == "synced", eb.text()
+        assert not eb.has("waiting for it")  # they ran side by side
+        # both images are on the peer, each the source's identity, and run
+        assert peer_identity(peer, imgs.local) == want_a
+        assert peer_identity(peer, imgs.big2) == want_b
+        assert runs(peer, imgs.local) == "version 1" and runs(peer, imgs.big2) == "version 2"
+        # nothing left: no blob in incoming/, no partial file, no work folder (without gc --peer)
+        assert _blob_files(peer, hexname) == []
+        assert cache_files(peer) == []
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        imgs.set_local(imgs.v1)
+        reset(peer)
+
+
+def test_on_a_containerd_peer_the_load_starts_while_the_blobs_still_arrive(sync_images, peer):
+    """The peer's docker load of a fresh image starts with the transfer (its load attempt is recorded
+    while the 300 MB layer is still partial on the peer), and the image is the source's."""
+    from imagebuild.ship import localblobs
+
+    imgs = sync_images
+    big = max(localblobs.load(imgs.big).layers, key=lambda la: la.size)
+    hexname = big.digest.split(":")[1]
+    reset(peer)
+    imgs.set_local(imgs.big)
+    base = Path(peer.cache)
+    seen = []
+
+    def loading_while_partial():
+        got = sum(p.stat().st_size for p in _blob_files(peer, hexname) if p.exists())
+        if any(base.glob("attempts/*.json")) and 0 < got < big.size:
+            seen.append(got)
+        return bool(seen)
+
+    p = sync_proc(imgs, peer, peer.addr)
+    err = _Stderr(p)
+    try:
+        wait_for(lambda: loading_while_partial() or p.poll() is not None, timeout=180, every=0.002)
+        rc, doc = _finish(p, err)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        imgs.set_local(imgs.v1)
+    assert seen, err.text()
+    assert rc == 0 and doc["peers"][0]["status"] == "synced", err.text()
+    assert doc["peers"][0]["details"]["load"] == "streamed"
+    assert peer_identity(peer, imgs.local) == identity.inspect(imgs.big).digest
+    assert runs(peer, imgs.local) == "version 1"
+    assert cache_files(peer) == []
+    reset(peer)

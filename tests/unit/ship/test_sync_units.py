@@ -271,3 +271,29 @@ def test_the_older_build_rule_compares_like_with_like():
     worker(None, pinned)._check_not_older(peer_with("2026-12-01T10:00:00Z", pinned))
     with pytest.raises(GuardRefused):
         worker(None, "2026-12-01T09:00:00Z")._check_not_older(peer_with(None, "2026-12-01T10:00:00Z"))
+
+
+def test_gc_plan_treats_an_images_partial_folder_like_incoming():
+    import time
+
+    now = int(time.time())
+    res = _gc_listing(now, "2030-01-01T00:00:00Z", "x=y")
+    lock = "0" * 24
+    text = res.text.replace("@@stage", f"12 {now} /c/partial/{lock}/{'b' * 64}\n"
+                                        f"13 {now} /c/partial/{lock}/{'d' * 64}\n@@stage")
+    sections, _ = peer.parse_sections(text)
+    g = peergc.plan("h", peer.AgentResult("h", 0, text, sections, 0), keep=5)
+    removed = {a.what: a.op for a in g.remove if a.kind == "incoming"}
+    assert f"/c/partial/{lock}/{'b' * 64}" not in removed  # the young pending sync resumes it
+    assert removed[f"/c/partial/{lock}/{'d' * 64}"] == f"rmblob /c/partial/{lock}/{'d' * 64} {'d' * 64}"
+
+
+def test_probe_counts_the_images_partial_blobs_as_there_for_the_resume():
+    text = "\n".join(["@@meta", "cache /c", "tool docker /usr/bin/docker",
+                      "@@info", json.dumps({"ServerVersion": "28.5.2", "Driver": "overlayfs"}),
+                      "@@incoming", f"100 1 /c/incoming/{'a' * 64}",
+                      "@@partial", f"40 1 /c/partial/{'0' * 24}/{'b' * 64}", f"7 1 /c/partial/{'0' * 24}/{'a' * 64}",
+                      "@@end"])
+    sections, _ = peer.parse_sections(text)
+    st = peer.parse_probe("h", peer.AgentResult("h", 0, text, sections, 0))
+    assert st.incoming == {"a" * 64: 100, "b" * 64: 40}
