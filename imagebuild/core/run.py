@@ -170,6 +170,15 @@ def communicate(proc: subprocess.Popen, *, timeout: float, data: bytes | None = 
     return proc.returncode, out or b"", err or b""
 
 
+def wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    """The exit code of a process started by ``popen``, or None when it has not ended within
+    ``timeout`` seconds (it is left running)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def detach(argv: Sequence[str], *, timeout: float, hint: str | None = None) -> tuple[int | None, str]:
     """Run ``argv`` that puts itself in the background once it is ready (``ssh -f``: a master
     connection, a tunnel): in its own session, no stdin or stdout, its stderr into a file (never a

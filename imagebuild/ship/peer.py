@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import shlex
-import subprocess
 import tempfile
 import threading
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import remote
+from imagebuild.core import run as run_mod
 from imagebuild.core.errors import GuardRefused, OperationFailed
 from imagebuild.ship import peer_agent
 
@@ -93,7 +93,7 @@ class Connection:
 
     def __init__(self, host: str):
         self.host = host
-        self.proc: subprocess.Popen | None = None
+        self.proc = None  # the ssh session (core/run.popen)
         self.bytes_sent = 0
         self._lines: queue.Queue = queue.Queue()
         self._seq = 0
@@ -135,26 +135,18 @@ class Connection:
 
     def _ensure_master(self, ctl: str) -> None:
         base = [*remote.ssh_command(), "-o", f"ControlPath={ctl}"]
-        if subprocess.run([*base, "-O", "check", "--", self.host], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL).returncode == 0:
+        if run_mod.run([*base, "-O", "check", "--", self.host], check=False).returncode == 0:
             return
         opts = [o for o in self.options() if not o.startswith(("ControlPath", "ControlMaster"))]
         opts = [o for i, o in enumerate(opts) if not (o == "-o" and i + 1 < len(opts) and
                                                        opts[i + 1].startswith(("ControlPath", "ControlMaster")))]
         argv = [*base, "-f", "-N", "-o", "ControlMaster=yes", "-o", "ControlPersist=60", *opts, "--",
                 remote.check_destination(self.host)]
-        log.debug("+ %s", shlex.join(argv))
-        # the master goes to the background once authenticated; its stderr goes to a file, never to a pipe
-        # that anyone waits on (it outlives this call)
-        with tempfile.TemporaryFile() as errf:
-            try:
-                rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errf,
-                                    timeout=60, start_new_session=True).returncode
-            except subprocess.TimeoutExpired:
-                raise PeerUnreachable(f"cannot reach {self.host} over ssh: no answer within 60 s",
-                                      hint=f"check `ssh {self.host} true`") from None
-            errf.seek(0)
-            err = errf.read().decode("utf-8", "replace")
+        # the master goes to the background once authenticated (its stderr into a file: it outlives this call)
+        rc, err = run_mod.detach(argv, timeout=60, hint="install an ssh client")
+        if rc is None:
+            raise PeerUnreachable(f"cannot reach {self.host} over ssh: no answer within 60 s",
+                                  hint=f"check `ssh {self.host} true`")
         if rc != 0:
             raise self._unreachable(err, rc)
 
@@ -176,12 +168,7 @@ class Connection:
             self.control = ctl
         boot = (peer_agent.AGENT + peer_agent.LOOP).encode()
         argv = self.ssh_argv(f"sh -c 'eval \"$(head -c {len(boot)})\"'")
-        log.debug("+ %s", shlex.join(argv))
-        try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT)
-        except FileNotFoundError:
-            raise OperationFailed(f"{argv[0]}: command not found", hint="install an ssh client") from None
+        self.proc = run_mod.popen(argv, merge_stderr=True, hint="install an ssh client")
         threading.Thread(target=self._reader, daemon=True, name=f"ssh-{self.host}").start()
         try:
             self.proc.stdin.write(boot)
@@ -224,10 +211,7 @@ class Connection:
                 beat[1]()
                 continue
             if line is None:
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+                run_mod.wait(self.proc, 5)
                 return None
             return line
 
@@ -250,9 +234,7 @@ class Connection:
             self.proc.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        if run_mod.wait(self.proc, 10) is None:
             self._kill()
         self.proc = None
 

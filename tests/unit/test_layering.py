@@ -226,3 +226,28 @@ def test_declared_dependencies_are_imported():
         mod = module_of.get(name, name.replace("-", "_"))
         used = re.search(rf"^\s*(import|from) {mod}\b|lazy\.module\(\"{mod}\b|\"-m\", \"{mod}\"", text, re.M)
         assert used, f"{name} is declared in pyproject.toml but no module of imagebuild imports {mod}"
+
+
+def test_subprocesses_start_only_in_core_run():
+    """One module starts subprocesses (core/run.py, docs/design.md): no other module imports
+    ``subprocess`` (or reaches it through ``lazy.module``), ``os.system`` or ``os.posix_spawn``."""
+    bad = []
+    for name, path in modules(PACKAGE).items():
+        if name == "imagebuild.core.run":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            hit = None
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "subprocess" for a in node.names):
+                hit = "import subprocess"
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "subprocess":
+                hit = "from subprocess import"
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "module" \
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "subprocess":
+                hit = 'lazy.module("subprocess")'
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
+                    and node.attr in ("system", "popen", "posix_spawn", "posix_spawnp", "execv", "execvp", "fork"):
+                hit = f"os.{node.attr}"
+            if hit:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {hit}")
+    assert bad == [], "subprocesses start only through imagebuild/core/run.py:\n" + "\n".join(bad)
