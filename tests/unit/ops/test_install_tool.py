@@ -27,7 +27,8 @@ def _unit() -> configparser.ConfigParser:
 
 
 def _make_n(target: str, **var: str) -> str:
-    return subprocess.run(["make", "-n", "-C", str(ROOT), target, *(f"{k}={v}" for k, v in var.items())],
+    """What ``make TARGET`` would run, all of it (``-B``: as on a fresh checkout, whatever is built)."""
+    return subprocess.run(["make", "-n", "-B", "-C", str(ROOT), target, *(f"{k}={v}" for k, v in var.items())],
                           capture_output=True, text=True, check=True, timeout=60).stdout
 
 
