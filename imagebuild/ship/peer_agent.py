@@ -324,7 +324,6 @@ ib_settle() {  # $1 run id, $2 lock name: each blob rsync wrote to partial/$2/ i
     echo "moved $hex"
   done < "$CACHE/pending/$1.blobs"
   rm -rf "$t"
-  rm -f "$p"/*.done
   rmdir "$p" 2>/dev/null
   [ -z "$bad" ] || ib_fail digest "blob(s) arrived with other content than their digest (removed):$bad"
   ib_sect end
@@ -361,29 +360,60 @@ ib_load() {  # $1 run id, $2 staging ref. stage/$1/ holds the JSON files; stage/
   ib_sect end
 }
 
-ib_feed() {  # $1 stage dir, $2 partial dir, $3 stall seconds: the names tar -T reads, each blob once rsync is
-            # done with it (its file whole and its marker $2/HEX.done, which rsync sends right after it), then
-            # the image's index, manifests and config, and the layout's files (containerd's import takes the
-            # blobs in as they come and reads index.json at the end). A blob that stops growing for $3 s (a
-            # cut link) ends the list: the load then fails, and the rerun takes the present path
+ib_writer() {  # is a process of this user working in folder $1 (rsync's receiver has it as its cwd)?
+  for c in /proc/[0-9]*/cwd; do [ "$c" -ef "$1" ] && return 0; done
+  return 1
+}
+
+ib_follow() {  # $1 file, $2 size, $3 stall seconds, $4 stall note: exactly $2 bytes of $1 to stdout while rsync
+              # (--append: in place) still writes it. It ends (writing $4, failing) when the file has not grown
+              # for $3 s (a frozen link), or for 1 s once rsync's receiver, seen at work before, is gone (a cut
+              # link: its ssh channel closed)
+  sent=0; quiet=0
+  while [ "$sent" -lt "$2" ]; do
+    now=$(stat -c %s "$1" 2>/dev/null || echo 0)
+    [ "$now" -gt "$2" ] && now=$2
+    if [ "$now" -gt "$sent" ]; then
+      dd if="$1" bs=1M iflag=skip_bytes,count_bytes skip="$sent" count=$((now - sent)) status=none || return 1
+      [ "$sent" -gt 0 ] && IB_WRITER=seen  # it grew while followed: rsync writes it
+      sent=$now; quiet=0
+    else
+      quiet=$((quiet + 1))
+      if [ "$quiet" -ge $(($3 * 20)) ]; then echo "sha256:${1##*/} stopped at $now of $2 bytes" > "$4"; return 1; fi
+      if [ $((quiet % 20)) = 0 ]; then
+        if ib_writer "${1%/*}"; then IB_WRITER=seen
+        elif [ "${IB_WRITER:-}" = seen ]; then
+          echo "sha256:${1##*/} stopped at $now of $2 bytes: the transfer ended (rsync is gone)" > "$4"; return 1
+        fi
+      fi
+      sleep 0.05
+    fi
+  done
+}
+
+ib_stream_tar() {  # $1 stage dir, $2 partial dir, $3 stall seconds: the image as one tar on stdout, the layer
+                  # blobs first in stage/$1.layers order (rsync's), each from its tar header ($1.hdr/HEX, made by
+                  # the sender) and its bytes as they arrive (ib_follow; a blob already in incoming/: from there);
+                  # then the index, manifests, config and layout files, and the end of the archive. containerd's
+                  # import takes each blob into its content store as it comes: it digests it on the way
   meta=$(ls "$1/blobs/sha256")
+  IB_WRITER=
   while read -r hex size; do
     [ -n "$hex" ] || continue
+    cat "$1.hdr/$hex" || return 1
     f="$CACHE/incoming/$hex"
-    if ! { [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; }; then
-      f="$2/$hex"; last=-1; quiet=0
-      until [ -e "$2/$hex.done" ] && [ "$(stat -c %s "$f" 2>/dev/null)" = "$size" ]; do
-        now=$(stat -c %s "$f" 2>/dev/null || echo 0)
-        if [ "$now" = "$last" ]; then quiet=$((quiet + 1)); else quiet=0; last=$now; fi
-        if [ "$quiet" -ge $(($3 * 5)) ]; then echo "sha256:$hex stopped at $now of $size bytes" > "$1.stall"; return 0; fi
-        sleep 0.2
-      done
+    if [ -f "$f" ] && [ "$(stat -c %s "$f")" = "$size" ]; then
+      cat "$f" || return 1
+    else
+      ib_follow "$2/$hex" "$size" "$3" "$1.stall" || return 1
     fi
-    ln -f "$f" "$1/blobs/sha256/$hex" 2>/dev/null || cp "$f" "$1/blobs/sha256/$hex" || return 0
-    printf 'blobs/sha256/%s\n' "$hex"
+    pad=$(( (512 - size % 512) % 512 ))
+    [ "$pad" = 0 ] || head -c "$pad" /dev/zero
   done < "$1.layers"
-  for x in $meta; do printf 'blobs/sha256/%s\n' "$x"; done
-  printf 'oci-layout\nindex.json\nmanifest.json\n'
+  names=""
+  for x in $meta; do names="$names blobs/sha256/$x"; done
+  # shellcheck disable=SC2086 # the names are hex digests
+  (cd "$1" && tar -cf - --no-recursion --owner=0 --group=0 --numeric-owner $names oci-layout index.json manifest.json)
 }
 
 ib_load_stream() {  # $1 run id, $2 staging ref, $3 lock name, $4 stall seconds: like ib_load, but docker load
@@ -395,7 +425,7 @@ ib_load_stream() {  # $1 run id, $2 staging ref, $3 lock name, $4 stall seconds:
   a="$CACHE/attempts/$1.json"
   t0=$(date +%s)
   printf '{"run":"%s","started":%s,"finished":null,"status":"running"}\n' "$1" "$t0" > "$a"
-  { ib_feed "$d" "$p" "$4" | (cd "$d" && tar -cf - --no-recursion -T -); echo "$?" > "$d.tarrc"; } | docker load -q > "$d.log" 2>&1
+  { ib_stream_tar "$d" "$p" "$4"; echo "$?" > "$d.tarrc"; } | docker load -q > "$d.log" 2>&1
   rc=$?
   trc=$(cat "$d.tarrc" 2>/dev/null || echo 1)
   st=ok; { [ "$rc" = 0 ] && [ "$trc" = 0 ]; } || st=failed
@@ -406,12 +436,11 @@ ib_load_stream() {  # $1 run id, $2 staging ref, $3 lock name, $4 stall seconds:
   cat "$d.log"
   [ -f "$d.stall" ] && printf 'stalled %s\n' "$(cat "$d.stall")"
   printf 'rc %s tar %s\n' "$rc" "$trc"
-  rm -f "$p"/*.done
   if [ "$st" = ok ]; then  # the engine holds the blobs now (its content store checked each digest)
     while read -r hex size; do [ -n "$hex" ] && rm -f "$p/$hex"; done < "$d.layers"
     rmdir "$p" 2>/dev/null
   fi
-  rm -rf "$d" "$d.layers" "$d.tarrc" "$d.log" "$d.stall"
+  rm -rf "$d" "$d.layers" "$d.hdr" "$d.tarrc" "$d.log" "$d.stall"
   [ "$st" = ok ] || ib_fail load "docker load failed (exit $rc, tar $trc)"
   ib_verify "$2"
   ib_sect end

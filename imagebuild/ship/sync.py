@@ -371,6 +371,16 @@ def choose_compression(conn: peer_mod.Connection, st: peer_mod.PeerState, layers
     return Compression((), f"off ({facts}: sending plain is as fast)")
 
 
+def blob_tar_header(hexname: str, size: int) -> bytes:
+    """The tar header of ``blobs/sha256/HEX`` (SIZE bytes) in the image tar the peer's streamed load reads
+    (``ib_stream_tar``): ustar, or pax for a blob of 8 GiB or more; no owner, mode 0644, time 0."""
+    import tarfile
+
+    ti = tarfile.TarInfo(f"blobs/sha256/{hexname}")
+    ti.size, ti.mode, ti.mtime, ti.uname, ti.gname = size, 0o644, 0, "", ""
+    return ti.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
 # ------------------------------------------------------------------------------------------------ the run
 
 
@@ -929,18 +939,19 @@ class _PeerSync:
         return bool(send) and not any(st.incoming.get(_hexof(la.digest), 0) for la in send)
 
     def _stream(self, st: peer_mod.PeerState, need, have: set[str]) -> str | None:
-        """rsync the blobs while the peer's ``docker load`` already reads them (``ib_load_stream``: each
-        blob once rsync is done with it, marked by an empty ``HEX.done`` that rsync sends right after it);
-        the verified image id, or None (``_mismatch``): then the present path (hash, incoming/, load)."""
-        import tempfile
-        import threading
-
+        """rsync the blobs while the peer's ``docker load`` already reads them (``ib_load_stream``: one tar
+        whose layer entries are the headers made here, ``blob_tar_header``, and each blob's bytes as rsync
+        writes them in place); the verified image id, or None (``_mismatch``): then the present path (hash,
+        incoming/, load)."""
         s = self.s
         send = sorted((la for la in need if _hexof(la.digest) not in have), key=lambda la: _hexof(la.digest))
         order = [la for la in need if _hexof(la.digest) in have] + send  # rsync sends by name
         stall = max(5, int(min(60, step_timeout())))
         lines = self._load_lines(order, False, call=("ib_load_stream", self.run_id, s.staging, self.lock_name,
                                                      str(stall)))
+        headers = [peer_agent.heredoc_bytes(f"stage/{self.run_id}.hdr/{_hexof(la.digest)}",
+                                            blob_tar_header(_hexof(la.digest), la.size)) for la in order]
+        lines[-1:-1] = headers
         out: dict = {}
 
         def load() -> None:
@@ -952,18 +963,12 @@ class _PeerSync:
         self.say("sending while the peer loads (docker load started with the transfer: %d layer blob(s))", len(need))
         t = threading.Thread(target=load, daemon=True, name=f"load-{self.host}")
         t.start()
-        with tempfile.TemporaryDirectory(prefix="imagebuild-marks-") as marks:
-            extra = []
-            for la in send:
-                m = Path(marks) / f"{_hexof(la.digest)}.done"
-                m.touch()
-                extra.append(str(m))
-            try:
-                self._rsync(st, send, extra)
-            except OperationFailed:
-                self.conn._kill()  # the peer's load ends once the blob stops growing; the rerun resumes
-                t.join(30)
-                raise
+        try:
+            self._rsync(st, send)
+        except OperationFailed:
+            self.conn._kill()  # the peer's load ends once the blob stops growing; the rerun resumes
+            t.join(30)
+            raise
         self.say("loading on the peer (the rest of the docker load of %d layer blob(s))", len(need))
         t.join()
         if "exc" in out:
@@ -975,7 +980,7 @@ class _PeerSync:
         self.res.details["load"] = "streamed"
         return self._verified(out["r"])
 
-    def _rsync(self, st: peer_mod.PeerState, need, extra: list[str] = ()) -> None:
+    def _rsync(self, st: peer_mod.PeerState, need) -> None:
         s = self.s
         files = [str(s.img.files[la.digest]) for la in need]
         comp = choose_compression(self.conn, st, need, s.img.files)
@@ -984,7 +989,7 @@ class _PeerSync:
         self.say("sending %d blob(s), %s, compression %s", len(need), human(total), comp.why)
         argv = ["rsync", "--partial", "--append-verify", "--info=progress2", "--stats",
                 f"--timeout={max(1, int(step_timeout()))}", "-e", self.conn.rsync_shell(),
-                *comp.args, "--", *files, *extra, f"{self.host}:{st.cache}/partial/{self.lock_name}/"]
+                *comp.args, "--", *files, f"{self.host}:{st.cache}/partial/{self.lock_name}/"]
         # when the last line was printed (the start: the first says how far it got after PROGRESS_EVERY_S,
         # not rsync's opening "16 B ... 0%"); whether 100% was
         t0 = time.monotonic()

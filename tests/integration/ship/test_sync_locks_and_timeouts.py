@@ -4,6 +4,7 @@ each against real peers (scripts/peer.sh: own sshd and Docker engine, containerd
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -345,9 +346,97 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
         reset(peer)
 
 
+def _ingested(peer) -> int:
+    """The bytes the peer's containerd has taken in so far of its largest ingest in progress (ctr content
+    active: REF SIZE AGE)."""
+    import json
+    import subprocess
+
+    info = peer.docker("info", "--format", "{{json .Containerd}}").stdout
+    addr = json.loads(info)["Address"]
+    out = subprocess.run(["ctr", "-a", addr, "-n", "moby", "content", "active"], capture_output=True,
+                         text=True).stdout
+    units = {"B": 1, "kB": 1e3, "KiB": 1 << 10, "MB": 1e6, "MiB": 1 << 20, "GB": 1e9, "GiB": 1 << 30}
+    got = [0.0]
+    for ln in out.splitlines()[1:]:
+        m = re.fullmatch(r"([0-9.]+)\s*([A-Za-z]+)", ln.split("\t")[1].strip() if "\t" in ln else "")
+        if m and m.group(2) in units:
+            got.append(float(m.group(1)) * units[m.group(2)])
+    return int(max(got))
+
+
 def test_on_a_containerd_peer_the_load_starts_while_the_blobs_still_arrive(sync_images, peer):
-    """The peer's docker load of a fresh image starts with the transfer (its load attempt is recorded
-    while the 300 MB layer is still partial on the peer), and the image is the source's."""
+    """The peer's docker load of a fresh image starts with the transfer, and its engine takes in the
+    300 MB layer while that layer still arrives: the sender's rsync is stopped once more than 48 MiB of
+    the layer are on the peer, and then containerd has already ingested more than 16 MiB (the other blobs
+    are smaller than that) of a layer that is still partial; let go, the sync ends with the source's
+    image."""
+    from imagebuild.ship import localblobs
+
+    imgs = sync_images
+    layers = localblobs.load(imgs.big).layers
+    big = max(layers, key=lambda la: la.size)
+    assert all(la.size < 16 << 20 for la in layers if la is not big)
+    hexname = big.digest.split(":")[1]
+    reset(peer)
+    imgs.set_local(imgs.big)
+    base = Path(peer.cache)
+    seen, ingesting = [], []
+
+    def partial_now() -> int:
+        return sum(p.stat().st_size for p in _blob_files(peer, hexname) if p.exists())
+
+    p = sync_proc(imgs, peer, peer.addr)
+    err = _Stderr(p)
+    stopped = None
+    try:
+        wait_for(lambda: (err.has("sending") and _child_rsync(p.pid)) or p.poll() is not None, timeout=180,
+                 every=0.005)
+        sender = _child_rsync(p.pid)
+        assert sender and p.poll() is None, err.text()
+        wait_for(lambda: partial_now() > 48 << 20 or p.poll() is not None, timeout=120, every=0.002)
+        os.kill(sender, signal.SIGSTOP)
+        stopped = sender
+        got = partial_now()
+        seen.append(got)
+        assert any(base.glob("attempts/*.json")) and 0 < got < big.size, (got, err.text())
+        # the load reads what has arrived (within a second: it looks every 50 ms)
+        wait_for(lambda: _ingested(peer) > 16 << 20, timeout=3, every=0.05)
+        ingesting.append(_ingested(peer))
+        assert partial_now() < big.size
+        os.kill(sender, signal.SIGCONT)
+        stopped = None
+        rc, doc = _finish(p, err)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        imgs.set_local(imgs.v1)
+    assert seen, err.text()
+    assert ingesting, f"the layer was partial at {seen[:3]}... bytes, but nothing was ingested meanwhile"
+    assert rc == 0 and doc["peers"][0]["status"] == "synced", err.text()
+    assert doc["peers"][0]["details"]["load"] == "streamed"
+    assert peer_identity(peer, imgs.local) == identity.inspect(imgs.big).digest
+    assert runs(peer, imgs.local) == "version 1"
+    assert cache_files(peer) == []
+    reset(peer)
+
+
+def _locks_free(peer) -> bool:
+    """No sync session holds an image's lock on the peer (flock -n on each locks/*.lock)."""
+    import subprocess
+
+    locks = list((Path(peer.cache) / "locks").glob("*.lock"))
+    return all(subprocess.run(["flock", "-n", str(f), "true"]).returncode == 0 for f in locks)
+
+
+def test_a_link_cut_mid_stream_frees_the_peer_within_seconds(sync_images, peer):
+    """The sender's rsync is killed (a cut link) while the streamed load reads the 300 MB layer: the
+    sync fails, and the peer's load ends once rsync's receiver is gone, not after the stall bound (60 s):
+    within 15 s the image's lock on the peer is free and no docker load of the cache is left. The rerun
+    then syncs the source's image."""
     from imagebuild.ship import localblobs
 
     imgs = sync_images
@@ -355,29 +444,27 @@ def test_on_a_containerd_peer_the_load_starts_while_the_blobs_still_arrive(sync_
     hexname = big.digest.split(":")[1]
     reset(peer)
     imgs.set_local(imgs.big)
-    base = Path(peer.cache)
-    seen = []
-
-    def loading_while_partial():
-        got = sum(p.stat().st_size for p in _blob_files(peer, hexname) if p.exists())
-        if any(base.glob("attempts/*.json")) and 0 < got < big.size:
-            seen.append(got)
-        return bool(seen)
-
-    p = sync_proc(imgs, peer, peer.addr)
-    err = _Stderr(p)
     try:
-        wait_for(lambda: loading_while_partial() or p.poll() is not None, timeout=180, every=0.002)
-        rc, doc = _finish(p, err)
+        p = sync_proc(imgs, peer, peer.addr)
+        err = _Stderr(p)
+        wait_for(lambda: (err.has("sending") and _child_rsync(p.pid)) or p.poll() is not None, timeout=180,
+                 every=0.005)
+        sender = _child_rsync(p.pid)
+        assert sender and p.poll() is None, err.text()
+        part = lambda: sum(f.stat().st_size for f in _blob_files(peer, hexname) if f.exists())  # noqa: E731
+        wait_for(lambda: part() > 48 << 20 or p.poll() is not None, timeout=120, every=0.002)
+        assert 0 < part() < big.size
+        os.kill(sender, signal.SIGKILL)
+        rc, _ = _finish(p, err, timeout=120)
+        assert rc == 1, err.text()
+        t0 = time.monotonic()
+        wait_for(lambda: _locks_free(peer), timeout=15, every=0.1)
+        assert time.monotonic() - t0 < 15
+        attempts = list((Path(peer.cache) / "attempts").glob("*.json"))
+        assert all('"failed"' in a.read_text() for a in attempts), [a.read_text() for a in attempts]
+        r, doc = sync(imgs, peer, peer.addr)
+        assert r.code == 0 and doc["peers"][0]["status"] == "synced", r.err
+        assert peer_identity(peer, imgs.local) == identity.inspect(imgs.big).digest
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
         imgs.set_local(imgs.v1)
-    assert seen, err.text()
-    assert rc == 0 and doc["peers"][0]["status"] == "synced", err.text()
-    assert doc["peers"][0]["details"]["load"] == "streamed"
-    assert peer_identity(peer, imgs.local) == identity.inspect(imgs.big).digest
-    assert runs(peer, imgs.local) == "version 1"
-    assert cache_files(peer) == []
-    reset(peer)
+        reset(peer)

@@ -297,3 +297,30 @@ def test_probe_counts_the_images_partial_blobs_as_there_for_the_resume():
     sections, _ = peer.parse_sections(text)
     st = peer.parse_probe("h", peer.AgentResult("h", 0, text, sections, 0))
     assert st.incoming == {"a" * 64: 100, "b" * 64: 40}
+
+
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 513, 300_000_000, (8 << 30) - 1, 8 << 30, 9 << 30])
+def test_a_blob_tar_header_reads_back_as_the_blob_with_its_exact_size(size, tmp_path):
+    """The streamed load's tar (ib_stream_tar) is each header, the blob's bytes and zeros to 512: GNU tar and
+    Python's tarfile read the entry back with the blob's name and size (sizes of 8 GiB and more through
+    a pax header), owned by nobody, mode 0644, time 0; a sparse file stands in for the bytes."""
+    import subprocess
+    import tarfile
+
+    from imagebuild.ship.sync import blob_tar_header
+
+    hexname = "ab" * 32
+    hdr = blob_tar_header(hexname, size)
+    assert len(hdr) % 512 == 0 and len(hdr) == (512 if size < 8 << 30 else 1536)
+    t = tmp_path / "x.tar"
+    with open(t, "wb") as f:
+        f.write(hdr)
+        f.truncate(len(hdr) + size + (-size % 512) + 1024)  # the bytes (zeros here), the padding, the end
+    with tarfile.open(t) as tf:
+        (m,) = tf.getmembers()
+    assert (m.name, m.size, m.mode, m.mtime, m.uid, m.gid, m.uname, m.gname) == \
+        (f"blobs/sha256/{hexname}", size, 0o644, 0, 0, 0, "", "")
+    assert m.isreg()
+    listed = subprocess.run(["tar", "-tvf", str(t)], capture_output=True, text=True, check=True).stdout.split()
+    assert listed[2] == str(size) and listed[-1] == f"blobs/sha256/{hexname}"
+
