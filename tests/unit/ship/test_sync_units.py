@@ -324,3 +324,11 @@ def test_a_blob_tar_header_reads_back_as_the_blob_with_its_exact_size(size, tmp_
     listed = subprocess.run(["tar", "-tvf", str(t)], capture_output=True, text=True, check=True).stdout.split()
     assert listed[2] == str(size) and listed[-1] == f"blobs/sha256/{hexname}"
 
+
+def test_the_progress_line_gives_the_rate_in_binary_units_and_the_time_left_at_it():
+    from imagebuild.ship.sync import _rate_and_eta
+
+    assert _rate_and_eta(300 << 20, 900 << 20, 1.0) == ("300.0 MiB/s", "0:00:02")
+    assert _rate_and_eta(1 << 30, 1 << 30, 4.0) == ("256.0 MiB/s", "0:00:00")
+    assert _rate_and_eta(0, 10, 0.0) == ("0 B/s", "0:00:00")
+    assert _rate_and_eta(1 << 20, (1 << 20) * 7201, 1.0)[1] == "2:00:00"
