@@ -15,6 +15,7 @@ Rows and the acceptance bounds they print (docs/sync.md):
 - no-op re-sync < 2 s.
 
     python benchmarks/run.py sync        # only these rows (about 20 minutes on the 2-core test machine)
+    BENCH_SYNC_FRESH_RUNS=3 BENCH_SYNC_LOAD=2 python benchmarks/run.py "sync fresh"   # under load, medians
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def _setup() -> None:
 def _teardown() -> None:
     if not S:
         return
+    for p in S.get("load", []):
+        p.kill()
+        p.wait()
     for stop in S.get("stops", []):
         stop()
     subprocess.run(["docker", "image", "rm", "-f", S["v1"], S["v2"], S["k1"], S["tiny"], f"{NAME}:local",
@@ -158,6 +162,16 @@ def _baseline_pipe(peer: peers.Peer, ref: str) -> None:
 # runs of each fresh-image row (each about 1.5 min a side on the test machine): a single run under a
 # load that changes within the minute is only a hint; BENCH_SYNC_FRESH_RUNS=3 gives a median
 FRESH_RUNS = int(os.environ.get("BENCH_SYNC_FRESH_RUNS", "1"))
+# the rows under load: BENCH_SYNC_LOAD=N keeps N busy processes (one core each) running through every
+# run of both sides, started after the set-up
+LOAD_PROCS = int(os.environ.get("BENCH_SYNC_LOAD", "0"))
+
+
+def _start_load() -> None:
+    if LOAD_PROCS <= 0 or "load" in S:
+        return
+    print(f"  {LOAD_PROCS} busy process(es) for the rows under load ...", file=sys.stderr, flush=True)
+    S["load"] = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(LOAD_PROCS)]
 
 
 def _fresh_rows(key: str, label: str) -> list[Benchmark]:
@@ -166,6 +180,7 @@ def _fresh_rows(key: str, label: str) -> list[Benchmark]:
 
     def fresh():
         _setup()
+        _start_load()
         _clear(peer())
         _tag_local(S["v1"])
 
