@@ -379,8 +379,11 @@ ib_follow() {  # $1 file, $2 size, $3 stall seconds, $4 stall note: exactly $2 b
       sent=$now; quiet=0
     else
       quiet=$((quiet + 1))
-      if [ "$quiet" -ge $(($3 * 20)) ]; then echo "sha256:${1##*/} stopped at $now of $2 bytes" > "$4"; return 1; fi
+      [ "$quiet" = 1 ] && since=$(date +%s)
       if [ $((quiet % 20)) = 0 ]; then
+        if [ $(($(date +%s) - since)) -ge "$3" ]; then
+          echo "sha256:${1##*/} stopped at $now of $2 bytes" > "$4"; return 1
+        fi
         if ib_writer "${1%/*}"; then IB_WRITER=seen
         elif [ "${IB_WRITER:-}" = seen ]; then
           echo "sha256:${1##*/} stopped at $now of $2 bytes: the transfer ended (rsync is gone)" > "$4"; return 1
