@@ -164,6 +164,17 @@ def ssh_shim(tmp: Path, peer) -> dict[str, str]:
 STAGES = ["base", "tools", "app", "patched", "runner"]
 
 
+@pytest.fixture(scope="session", name="registry")
+def registry_fixture(tmp_path_factory):
+    """One real docker-registry on loopback for the session's fleet and registry-fault tests (each
+    test uses its own repository names)."""
+    reg = start_registry(tmp_path_factory.mktemp("registry"))
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
 @pytest.fixture(scope="session", name="peer_ready")
 def peer_ready_fixture(peer, engine_info):
     """The peer's engine with the base images the definition names (put there by the test, as an

@@ -29,6 +29,7 @@ from tests.fleetfixtures import (  # noqa: F401 - fixtures
     node_fixture,
     peer_engine_id,
     peer_ready_fixture,
+    registry_fixture,
     remove_fleet_images,
     start_registry,
     statuses,
@@ -36,14 +37,6 @@ from tests.fleetfixtures import (  # noqa: F401 - fixtures
 )
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory):
-    reg = start_registry(tmp_path_factory.mktemp("registry"))
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 # ------------------------------------------------------------------------------------------ registry cache
@@ -323,7 +316,6 @@ def test_credentials_come_from_the_docker_config_and_are_never_shown(engine_info
     finally:
         own.stop()
         remove_fleet_images(name)
-
 
 
 # ------------------------------------------------------------------------------------------ sync through the registry

@@ -15,23 +15,14 @@ from tests.fleetfixtures import (  # noqa: F401 - fixtures
     fleet_project,
     netns_peers_fixture,
     node_fixture,
+    registry_fixture,
     remove_fleet_images,
-    start_registry,
     statuses,
     unique_name,
 )
 from tests.registryproxy import RegistryProxy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    reg = start_registry(tmp_path_factory.mktemp("registry"))
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture

@@ -69,6 +69,20 @@ def _finish(proc, err: _Stderr, timeout: float = 600):
     return proc.returncode, doc
 
 
+def _one_sync_while_another_sends(imgs, peer, first: str, then: str):
+    """From an empty peer: a sync of ``first`` as :local, and once it sends, a sync of ``then`` as :local;
+    each one's (exit code, report, _Stderr)."""
+    reset(peer)
+    imgs.set_local(first)
+    a = sync_proc(imgs, peer, peer.addr)
+    ea = _Stderr(a)
+    wait_for(lambda: ea.has("sending") or a.poll() is not None, timeout=120, every=0.01)
+    imgs.set_local(then)
+    b = sync_proc(imgs, peer, peer.addr)
+    eb = _Stderr(b)
+    return (*_finish(a, ea), ea), (*_finish(b, eb), eb)
+
+
 @pytest.mark.parametrize("store", ["peer", "peer_classic"])
 def test_two_syncs_of_one_image_to_one_peer_never_mix_and_the_newer_build_stays(store, request, sync_images):
     peer = request.getfixturevalue(store)
@@ -76,16 +90,7 @@ def test_two_syncs_of_one_image_to_one_peer_never_mix_and_the_newer_build_stays(
     newer, older = identity.inspect(imgs.big2).digest, identity.inspect(imgs.big).digest
     try:
         # the newer build's sync starts first; an older build's sync starts while it sends the 300 MB layer
-        reset(peer)
-        imgs.set_local(imgs.big2)
-        a = sync_proc(imgs, peer, peer.addr)
-        ea = _Stderr(a)
-        wait_for(lambda: ea.has("sending") or a.poll() is not None, timeout=120, every=0.01)
-        imgs.set_local(imgs.big)
-        b = sync_proc(imgs, peer, peer.addr)
-        eb = _Stderr(b)
-        rc_a, doc_a = _finish(a, ea)
-        rc_b, doc_b = _finish(b, eb)
+        (rc_a, doc_a, ea), (rc_b, doc_b, eb) = _one_sync_while_another_sends(imgs, peer, imgs.big2, imgs.big)
         assert rc_a == 0 and doc_a["peers"][0]["status"] == "synced", ea.text()
         # the later one waited for the earlier one, then refused to put an older build over it
         assert eb.has("waiting for it"), eb.text()
@@ -94,16 +99,7 @@ def test_two_syncs_of_one_image_to_one_peer_never_mix_and_the_newer_build_stays(
         assert peer_identity(peer, imgs.local) == newer
         assert runs(peer, imgs.local) == "version 2"
         # the other order: the older build first, then the newer one, which waits and wins
-        reset(peer)
-        imgs.set_local(imgs.big)
-        a = sync_proc(imgs, peer, peer.addr)
-        ea = _Stderr(a)
-        wait_for(lambda: ea.has("sending") or a.poll() is not None, timeout=120, every=0.01)
-        imgs.set_local(imgs.big2)
-        b = sync_proc(imgs, peer, peer.addr)
-        eb = _Stderr(b)
-        rc_a, _ = _finish(a, ea)
-        rc_b, doc_b = _finish(b, eb)
+        (rc_a, _, ea), (rc_b, doc_b, eb) = _one_sync_while_another_sends(imgs, peer, imgs.big, imgs.big2)
         assert rc_a == 0, ea.text()
         assert rc_b == 0 and doc_b["peers"][0]["status"] == "synced", eb.text()
         assert peer_identity(peer, imgs.local) == newer and peer_identity(peer, f"{imgs.name}:previous") == older
