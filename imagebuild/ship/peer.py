@@ -373,6 +373,7 @@ class PeerState:
     tools: dict[str, str] = field(default_factory=dict)
     rsync_version: str = ""
     rsync_zstd: bool = False
+    dd_bytes: bool = False  # GNU dd with iflag=skip_bytes,count_bytes: the streamed load can follow a blob
     docker_error: str | None = None  # None: the engine answered
     engine: dict = field(default_factory=dict)  # docker info
     containerd_store: bool = False
@@ -461,6 +462,8 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
         k, _, v = line.partition(" ")
         if k == "cache":
             st.cache = v.strip()
+        elif k == "dd-bytes":
+            st.dd_bytes = v.strip() == "yes"
         elif k == "tool":
             name, _, path = v.partition(" ")
             if path.strip():

@@ -147,6 +147,8 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   printf 'agent %s\ncache %s\nhost %s\n' "1" "$CACHE" "$(hostname 2>/dev/null)"
   for t in docker rsync flock tar stat df sha256sum ctr; do printf 'tool %s %s\n' "$t" "$(command -v "$t" 2>/dev/null)"; done
   [ -d "$CACHE" ] && [ -w "$CACHE" ] && echo "cache-writable yes"
+  # the streamed load reads a growing file by byte offsets (ib_follow): GNU dd's skip_bytes,count_bytes
+  dd if=/dev/null iflag=skip_bytes,count_bytes count=0 status=none 2>/dev/null && echo "dd-bytes yes"
   ib_sect receipt
   [ "$4" != - ] && [ -f "$CACHE/receipts/$3/$4.json" ] && echo present
   [ "$4" != - ] && [ -f "$CACHE/receipts/$3/$4.json.sig" ] && echo signed

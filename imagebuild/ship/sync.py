@@ -940,8 +940,9 @@ class _PeerSync:
     def _can_stream(self, st: peer_mod.PeerState, need, have: set[str]) -> bool:
         """The load starts with the transfer (``_stream``) on a containerd-store peer (its import takes the
         blobs in as they arrive) for a transfer that starts from nothing; a resumed one (a cut link before)
-        takes the present path. IMAGEBUILD_SYNC_STREAM=0 turns it off."""
-        if os.environ.get("IMAGEBUILD_SYNC_STREAM", "1") == "0" or not st.containerd_store:
+        takes the present path, and so does a peer whose dd cannot read by byte offsets (not GNU dd).
+        IMAGEBUILD_SYNC_STREAM=0 turns it off."""
+        if os.environ.get("IMAGEBUILD_SYNC_STREAM", "1") == "0" or not st.containerd_store or not st.dd_bytes:
             return False
         send = [la for la in need if _hexof(la.digest) not in have]
         return bool(send) and not any(st.incoming.get(_hexof(la.digest), 0) for la in send)

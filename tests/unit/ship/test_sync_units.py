@@ -332,3 +332,23 @@ def test_the_progress_line_gives_the_rate_in_binary_units_and_the_time_left_at_i
     assert _rate_and_eta(1 << 30, 1 << 30, 4.0) == ("256.0 MiB/s", "0:00:00")
     assert _rate_and_eta(0, 10, 0.0) == ("0 B/s", "0:00:00")
     assert _rate_and_eta(1 << 20, (1 << 20) * 7201, 1.0)[1] == "2:00:00"
+
+
+def test_the_load_streams_only_where_the_peers_dd_reads_by_byte_offsets(monkeypatch):
+    """A containerd peer whose probe says dd-bytes (GNU dd) gets the streamed load; one without it (a
+    BusyBox dd) the present path; the agent's own check runs on this machine's dd."""
+    import subprocess
+
+    from imagebuild.ship import peer_agent
+
+    la = localblobs.Layer("sha256:" + "a" * 64, 100, "application/vnd.oci.image.layer.v1.tar+gzip",
+                          "sha256:" + "b" * 64, "sha256:" + "b" * 64)
+    for meta, want in (("cache /c\ndd-bytes yes", True), ("cache /c", False)):
+        st = peer.parse_probe("h", peer.AgentResult("h", 0, "", {"meta": meta}, 0))
+        st.containerd_store = True
+        assert st.dd_bytes is want
+        assert sync._PeerSync._can_stream(object.__new__(sync._PeerSync), st, [la], set()) is want
+    monkeypatch.setenv("IMAGEBUILD_SYNC_STREAM", "0")
+    assert not sync._PeerSync._can_stream(object.__new__(sync._PeerSync), st, [la], set())
+    line = next(ln for ln in peer_agent.AGENT.splitlines() if "dd-bytes yes" in ln)
+    assert subprocess.run(["sh", "-c", line], capture_output=True, text=True).stdout == "dd-bytes yes\n"
