@@ -8,9 +8,10 @@ Entry points:
 - ``builder``: ``build``, ``dry_run``, ``patch`` and their ``Options``;
 - ``guards``: the checks before anything runs (serving containers, architecture, the build lock);
 - ``promote``: tags that never break the working image, and ``rollback``;
+- ``progress``: the ``--progress`` modes (``resolve_mode``) and BuildKit's lines decoded for them;
 - ``stagestore``: where built stages live; ``owners``: which checkout made which builds of it (gc
   of one clone leaves the others' alone); ``registry_release``: release tags in a shared registry
   (the registry stage cache, ``registry_cache``, is the builder's own).
 """
 
-__all__ = ["builder", "guards", "owners", "promote", "registry_release", "stagestore"]
+__all__ = ["builder", "guards", "owners", "progress", "promote", "registry_release", "stagestore"]

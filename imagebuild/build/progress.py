@@ -14,7 +14,8 @@ stderr, in one of the modes of ``--progress`` (docs/build.md, "Progress"):
   heartbeat (every ``$IMAGEBUILD_HEARTBEAT_S`` s, default 30) naming the stage, the running step,
   its time and its last output line; with ``-v`` also every output line;
 - ``quiet``: only the heartbeat;
-- ``rawjson``: BuildKit's own lines, as they come (for a tool that reads them), nothing else;
+- ``rawjson``: BuildKit's own lines, as they come (for a tool that reads them); buildx's own text lines
+  as ``{"buildx": {"message": ...}}`` and imagebuild's as JSON lines too (cli/main.py ``_json_lines``);
 - ``auto`` (the default): ``tty`` when stderr is a terminal, otherwise ``plain``.
 
 The default comes from ``$IMAGEBUILD_PROGRESS``, then ``$BUILDKIT_PROGRESS`` (as buildx reads it).
@@ -439,7 +440,10 @@ class Progress:
     def feed(self, raw: str, dec: Decoder, plain: str) -> None:
         """One line of ``docker buildx build``: ``raw`` as it came, ``plain`` the log text it made."""
         if self.mode == "rawjson":
-            sys.stderr.write(raw if raw.endswith("\n") else raw + "\n")
+            line = raw.rstrip("\n")
+            if not line.lstrip().startswith("{"):  # buildx's own text (its error summary): a JSON line too
+                line = json.dumps({"buildx": {"message": line}}, ensure_ascii=False)
+            sys.stderr.write(line + "\n")
             sys.stderr.flush()
             return
         if self.mode != "plain" or not plain:

@@ -650,13 +650,42 @@ class _WhenImported:
         return spec
 
 
+def _json_lines(args) -> bool:
+    """``--progress rawjson`` (or its environment default) on build or nightly: stderr carries JSON lines
+    only, BuildKit's and, wrapped as ``{"imagebuild": {"level": ..., "message": ...}}``, imagebuild's own
+    (its notes, warnings and the final error), so a tool can read every line."""
+    if not hasattr(args, "progress"):
+        return False
+    from imagebuild.build import progress as progress_mod
+
+    return progress_mod.resolve_mode(args.progress, isatty=False) == "rawjson"
+
+
+def _json_line(level: str, message: str) -> str:
+    import json
+
+    return json.dumps({"imagebuild": {"level": level, "message": message}}, ensure_ascii=False)
+
+
+def _say(args, level: str, text: str) -> None:
+    """A line of imagebuild's own on stderr (an error, 'interrupted'): a JSON line under rawjson."""
+    print(_json_line(level, text) if getattr(args, "json_lines", False) else text, file=sys.stderr)
+
+
 def _configure_logging(args) -> None:
     import logging
 
     # -v: also every command run ("+ docker ...") and the build logs as they come; --debug: and tracebacks
     level = logging.DEBUG if (args.debug or args.verbose) else logging.WARNING if args.quiet else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    if getattr(args, "json_lines", False):
+        class JsonLines(logging.Formatter):
+            def format(self, record: logging.LogRecord) -> str:
+                return _json_line(record.levelname.lower(), record.getMessage())
+
+        handler.setFormatter(JsonLines())
+    else:
+        handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("imagebuild")
     logger.handlers[:] = [handler]
     logger.setLevel(level)
@@ -1500,6 +1529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()  # bare `imagebuild` (or only global options): the help, exit 2 (docs/cli.md)
         return EXIT_BAD_INPUT
     args = _parse(parser, argv)
+    try:
+        args.json_lines = _json_lines(args)
+    except ImagebuildError as exc:  # a bad IMAGEBUILD_PROGRESS: said the usual way
+        print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
+        return exc.exit_code
     _setup_logging(args)
     # SIGINT, SIGTERM and SIGHUP end the run like Ctrl-C (every ``finally`` runs, exit 130); the ones
     # that follow the first are swallowed, so they cannot cut its cleanup short (core/interrupts.py)
@@ -1517,20 +1551,21 @@ def _dispatch(args: argparse.Namespace, entry: bool) -> int:
     except ImagebuildError as exc:
         if args.debug:
             traceback.print_exc()
-        print(_verdicts(exc.render(), sys.stderr), file=sys.stderr)
+        _say(args, "error", exc.render() if getattr(args, "json_lines", False) else
+             _verdicts(exc.render(), sys.stderr))
         return exc.exit_code
     except KeyboardInterrupt:
         if entry:  # the cleanup is done: no late signal may turn this 130 into a death by signal
             interrupts.ignore_until_exit()
-        print("interrupted", file=sys.stderr)
+        _say(args, "error", "interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
     except Exception as exc:  # a bug: say so plainly, with the traceback behind --debug
         if args.debug:
             traceback.print_exc()
-        print(f"internal error: {type(exc).__name__}: {exc}\n  (rerun with --debug for the traceback; "
-              "please report it)", file=sys.stderr)
+        _say(args, "error", f"internal error: {type(exc).__name__}: {exc}\n  (rerun with --debug for the "
+             "traceback; please report it)")
         return EXIT_FAILED
 
 

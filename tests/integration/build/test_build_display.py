@@ -5,6 +5,7 @@ terminal (a real tmux pane)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -155,3 +156,29 @@ def test_on_a_terminal_the_live_view_shows_the_running_step_with_a_moving_timer(
         assert "RUN echo start-napping" not in end  # collapsed when done
     finally:
         subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True)
+
+
+def test_rawjson_stderr_is_json_lines_only_buildkits_and_imagebuilds_own(proj):
+    """--progress rawjson, a real build that fails in its second stage: every stderr line is one JSON
+    object: BuildKit's (vertexes, statuses, logs), buildx's own error summary wrapped as {"buildx":
+    {message}}, and imagebuild's wrapped as {"imagebuild": {level, message}}: its notes and the final
+    error, which names the failing stage."""
+    display_project(proj, sleep=0)
+    (proj / "docker-images" / IMAGE / "Dockerfile.napper").write_text(
+        "ARG PARENT\nFROM ${PARENT}\nRUN echo about-to-fail && exit 7\n")
+    r = _cli(proj, "--progress", "rawjson")
+    assert r.returncode == 1, r.stderr
+    docs = []
+    for ln in r.stderr.splitlines():
+        try:
+            docs.append(json.loads(ln))
+        except ValueError:
+            pytest.fail(f"not a JSON line: {ln!r}\n{r.stderr[-2000:]}")
+    buildkit = [d for d in docs if "imagebuild" not in d and "buildx" not in d]
+    ours = [d["imagebuild"] for d in docs if "imagebuild" in d]
+    assert any(d.get("vertexes") for d in buildkit) and any(d.get("logs") for d in buildkit)
+    # buildx's own error summary, as text lines, wrapped
+    assert any("exit code: 7" in d["buildx"]["message"] for d in docs if "buildx" in d)
+    assert ours and all(set(d) == {"level", "message"} for d in ours)
+    errors = [d["message"] for d in ours if d["level"] == "error"]
+    assert len(errors) == 1 and "napper" in errors[0] and "exit code: 7" in errors[0], ours

@@ -173,6 +173,20 @@ def test_rawjson_passes_buildkits_lines_through(capsys):
     assert err == "".join(lines("ok"))
 
 
+def test_rawjson_wraps_buildxs_own_text_lines_so_every_line_is_json(capsys):
+    """A failed build: buildx ends with its error summary as text (the fixture's last lines); under
+    rawjson each of them is one ``{"buildx": {"message": LINE}}``, BuildKit's lines pass unchanged."""
+    _run_through("rawjson", "fail")
+    out = capsys.readouterr().err.splitlines()
+    src = [ln.rstrip("\n") for ln in lines("fail")]
+    assert len(out) == len(src)
+    texts = [ln for ln in src if not ln.startswith("{")]
+    assert len(texts) == 8
+    for got, raw in zip(out, src):
+        doc = json.loads(got)
+        assert doc == ({"buildx": {"message": raw}} if raw in texts else json.loads(raw))
+
+
 def _render(p, width=120) -> str:
     from rich.console import Console
 

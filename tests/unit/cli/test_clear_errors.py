@@ -171,3 +171,31 @@ def test_min_free_gb_that_is_not_a_number(project, monkeypatch, value):
     monkeypatch.setenv("IMAGEBUILD_MIN_FREE_GB", value)
     r = run_cli("--root", str(project), "build", "tiny", "--dry-run")
     _clear(r, 2, "IMAGEBUILD_MIN_FREE_GB")
+
+
+def test_under_rawjson_imagebuilds_own_lines_are_json_too(tmp_path):
+    """build --progress rawjson (or IMAGEBUILD_PROGRESS=rawjson): a note and an error of imagebuild's
+    own, each one JSON line on stderr, so a tool that reads BuildKit's lines can read every line."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import FIXTURES
+
+    def run(*args, env=None):
+        import os
+
+        return subprocess.run([sys.executable, "-m", "imagebuild", "--root", str(FIXTURES / "project"), *args],
+                              capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=tmp_path)
+
+    r = run("build", "tiny", "--dry-run", "--progress", "rawjson")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(ln) for ln in r.stderr.splitlines()]
+    assert lines and all(set(d) == {"imagebuild"} and d["imagebuild"]["level"] == "info" for d in lines), lines
+    r = run("build", "nosuch", env={"IMAGEBUILD_PROGRESS": "rawjson"})
+    assert r.returncode == 2
+    (d,) = [json.loads(ln) for ln in r.stderr.splitlines()]
+    assert d["imagebuild"]["level"] == "error" and "no such image definition" in d["imagebuild"]["message"]
+    # without it, the same error is plain text
+    r = run("build", "nosuch")
+    assert r.returncode == 2 and r.stderr.startswith("error: image definition 'nosuch'")
