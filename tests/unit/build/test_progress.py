@@ -182,7 +182,7 @@ def test_rawjson_wraps_buildxs_own_text_lines_so_every_line_is_json(capsys):
     assert len(out) == len(src)
     texts = [ln for ln in src if not ln.startswith("{")]
     assert len(texts) == 8
-    for got, raw in zip(out, src):
+    for got, raw in zip(out, src, strict=True):
         doc = json.loads(got)
         assert doc == ({"buildx": {"message": raw}} if raw in texts else json.loads(raw))
 
