@@ -5,6 +5,7 @@ the images the build tests create."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import shutil
@@ -33,6 +34,13 @@ def pack(files: dict[str, str], dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="") as gz:
         gz.write(raw.getvalue())
+
+
+def put_blob(blobs: Path, data: bytes) -> str:
+    """``data`` into an OCI layout's ``blobs/sha256/`` folder under its digest; the digest."""
+    h = hashlib.sha256(data).hexdigest()
+    (blobs / h).write_bytes(data)
+    return "sha256:" + h
 
 
 def staged_project(dst: Path, greet: dict[str, str] | None = None) -> Path:

@@ -21,7 +21,7 @@ import pytest
 from imagebuild.build import guards
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core import engine
-from tests.buildfixtures import image_id
+from tests.buildfixtures import image_id, put_blob
 from tests.conftest import run_cli, tree_state
 from tests.fleetfixtures import GATE_SPEC, fleet_project, remove_fleet_images, unique_name
 
@@ -242,8 +242,6 @@ def test_gc_and_df_count_only_the_layers_no_other_image_shares(engine_info, tmp_
 def test_gc_dry_run_reads_no_layer_peak_memory(engine_info, tmp_path):
     """A kept stage with a 50 MB layer: planning gc reads its manifest and config, never the layer
     (gc --dry-run read every kept layer into memory, 479 MB on the example)."""
-    import hashlib
-
     name = unique_name("gcm")
     root = fleet_project(tmp_path / "p", name)
     store = StageStore.for_image(root, name)
@@ -251,9 +249,7 @@ def test_gc_dry_run_reads_no_layer_peak_memory(engine_info, tmp_path):
     blobs.mkdir(parents=True)
 
     def put(data: bytes) -> str:
-        h = hashlib.sha256(data).hexdigest()
-        (blobs / h).write_bytes(data)
-        return "sha256:" + h
+        return put_blob(blobs, data)
 
     layer = put(os.urandom(50 << 20))
     config = put(json.dumps({"rootfs": {"type": "layers", "diff_ids": [layer]}}).encode())

@@ -4,7 +4,6 @@ their builds of the shared stage store."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
@@ -13,6 +12,7 @@ from imagebuild.build import owners
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core.context import Context
 from imagebuild.ops import gc
+from tests.buildfixtures import put_blob
 
 # `docker history --human=false` of a release of the example image, oldest row first: an imported
 # base, ARG/ENV rows (no layer), two COPY rows whose layers are empty (size 0), RUN rows, the release
@@ -54,9 +54,7 @@ def _store_with_a_kept_stage(root, image):
     blobs.mkdir(parents=True)
 
     def put(data: bytes) -> str:
-        h = hashlib.sha256(data).hexdigest()
-        (blobs / h).write_bytes(data)
-        return "sha256:" + h
+        return put_blob(blobs, data)
 
     layer = put(b"\x1f\x8b not json, a layer" * 100)
     config = put(json.dumps({"rootfs": {"diff_ids": [layer]}}).encode())
