@@ -914,6 +914,10 @@ def _provenance(b: Build) -> tuple[dict, dict]:
         f"{LABEL_PREFIX}.sources": json.dumps(sources, sort_keys=True, separators=(",", ":")),
         f"{LABEL_PREFIX}.platform": b.plan.platform,
     }
+    trees = {n: s["source_tree"] for n, s in sorted(((b.lock or {}).get("sources") or {}).items())
+             if isinstance(s, dict) and s.get("source_tree")}
+    if trees:  # the git tree of each composed source: the files, whoever merged them (docs/prefetch.md)
+        labels[f"{LABEL_PREFIX}.source-trees"] = json.dumps(trees, sort_keys=True, separators=(",", ":"))
     if b.defn.description:
         labels["org.opencontainers.image.description"] = b.defn.description
     if prov is not None:
@@ -942,12 +946,13 @@ def _source_provenance(b: Build) -> dict:
         prs = plan_mod.pr_pins(s.get("prs"))
         entry = {"commit": s.get("commit"), "version": s.get("version"), "repo": s.get("repo"), "ref": s.get("ref"),
                  "prs": prs,
-                 "tree": s.get("tree"), "tarball_sha256": s.get("sha256")}
+                 "tree": s.get("tree"), "source_tree": s.get("source_tree"), "tree_pin": s.get("tree_pin"),
+                 "tarball_sha256": s.get("sha256")}
         if prs:
             entry["local_only"] = True
             entry["recreate"] = (f"imagebuild prefetch {b.defn.name} (--offline from its mirror cache): "
                                  f"{s.get('ref')} with PR heads {', '.join(prs)} merged in that order, with a fixed "
-                                 "identity and date (docs/prefetch.md); the result's tree must equal 'tree'")
+                                 "identity and date (docs/prefetch.md); the result's tree must equal 'source_tree'")
         else:
             entry["local_only"] = False
         out[n] = entry

@@ -32,6 +32,9 @@ SEVERITIES = ("error", "warn")
 REQUIRES = ("gpu",)
 ID_RE = lazy.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 SHA256_RE = lazy.compile(r"[0-9a-f]{64}\Z")
+GIT_ID_RE = lazy.compile(r"[0-9a-f]{40}\Z")
+# what an installed package folder holds that no source tree does: the bytecode Python writes beside it
+GIT_TREE_EXCLUDE = ("__pycache__", "*.pyc")
 SASS_RE = lazy.compile(r"sm_[0-9]{2,3}[af]?\Z")
 PTX_RE = lazy.compile(r"compute_[0-9]{2,3}[af]?\Z")
 MODULE_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
@@ -57,6 +60,8 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # `path` or `module` (the folder of an installed package), checked in _p_cuda_targets
     "cuda-targets": (("sass",), ("path", "module", "ptx", "tolerate", "require", "kernels", "glob", "min_files",
                                  "cuobjdump")),
+    # `path` or `module`, checked in _p_git_tree
+    "git-tree": (("tree",), ("path", "module", "exclude")),
 }
 
 
@@ -581,6 +586,35 @@ def _p_cuda_targets(p, m, label):
     return out
 
 
+def _p_git_tree(p, m, label):
+    out: dict = {"exclude": list(GIT_TREE_EXCLUDE)}
+    path, mod = m.get("path"), m.get("module")
+    if (path is None) == (mod is None):
+        p.err(None if not m else min(n.line for n in m.values()), label,
+              "a `git-tree` check needs exactly one of `path` (a folder in the image) and `module` (an "
+              "installed package, e.g. b12x)")
+    if path is not None:
+        out["path"] = _image_path(p, path, label)
+    if mod is not None:
+        if not isinstance(mod.value, str) or not MODULE_RE.match(mod.value):
+            p.err(mod.line, f"{label}.module", f"expected a module name, got {mod.plain()!r}")
+        out["module"] = mod.value
+    t = m.get("tree")
+    if t is not None:
+        if not isinstance(t.value, str) or not GIT_ID_RE.match(t.value):
+            p.err(t.line, f"{label}.tree", f"expected a git tree id (40 lower-case hex digits), got {t.plain()!r}",
+                  hint="quote it ('...'); `git rev-parse <commit>:<folder>` gives the tree of a folder")
+        out["tree"] = t.value
+    if "exclude" in m:
+        vals = _str_list(p, m["exclude"], f"{label}.exclude")
+        for v in vals or []:
+            if not v or "/" in v:
+                p.err(m["exclude"].line, f"{label}.exclude", f"expected a file or folder name glob, got {excerpt(v)}",
+                      hint="names, not paths: e.g. [__pycache__, '*.pyc'], matched at every level")
+        out["exclude"] = vals or []
+    return out
+
+
 _PARAMS = {"import": _p_import, "version": _p_version, "command": _p_command, "file": _p_file,
            "metadata": _p_metadata, "expression": _p_expression, "elf": _p_elf, "pip-check": _p_pip_check,
-           "cuda-targets": _p_cuda_targets}
+           "cuda-targets": _p_cuda_targets, "git-tree": _p_git_tree}

@@ -107,6 +107,9 @@ class GitSource:
     ref: str  # the commit (40 hex) once pinned, else the branch or tag name to resolve
     prs: tuple[PullRequest, ...]
     follows: str | None = None  # NAME_REF=<branch or tag>@<sha>: the name the pin follows (--refresh moves it)
+    # NAME_TREE: the git tree the composition (ref + PRs merged in order) must produce; prefetch refuses
+    # another (a tree depends on the files alone, not on who merged them or when)
+    tree: str | None = None
 
     @property
     def ref_pinned(self) -> bool:

@@ -26,10 +26,10 @@ def git_sources(env: envfile.EnvFile, c: Collector) -> dict[str, GitSource]:
     sources: dict[str, GitSource] = {}
     names = {k[: -len("_REPO")] for k in env.entries if k.endswith("_REPO")}
     broken_names = {k[: -len("_REPO")] for k in env.broken if k.endswith("_REPO")}
-    # _REF / _PRS without a _REPO
+    # _PRS / _TREE without a _REPO
     for key in env.entries:
-        for suffix in ("_REF", "_PRS"):
-            if key.endswith(suffix) and key[: -len(suffix)] not in names | broken_names and suffix == "_PRS":
+        for suffix in ("_PRS", "_TREE"):
+            if key.endswith(suffix) and key[: -len(suffix)] not in names | broken_names:
                 c.err(f, f"{key} has no matching {key[: -len(suffix)]}_REPO", line=env.line_of(key), key=key,
                       hint=f"add {key[: -len(suffix)]}_REPO=<git URL> or remove the line")
     for name in sorted(names):
@@ -104,8 +104,15 @@ def git_sources(env: envfile.EnvFile, c: Collector) -> dict[str, GitSource]:
                     c.note(f, f"pull request {num} is not pinned (imagebuild prefetch pins its head)",
                            line=env.line_of(pk), key=pk)
                 prs.append(PullRequest(num, sha))
+        tk = f"{name}_TREE"
+        tree = env.get(tk)
+        if tree is not None and not SHA_RE.match(tree):
+            c.err(f, f"{tree!r} is not a git tree id: expected 40 lower-case hex digits (the tree the "
+                  f"composition of {fk} and {pk} must produce)", line=env.line_of(tk), key=tk,
+                  hint="`git rev-parse <composed commit>^{tree}` (or `git write-tree` of the composition) gives it")
+            ok = False
         if ok and ref is not None:
-            sources[name] = GitSource(name, repo, ref, tuple(prs), follows)
+            sources[name] = GitSource(name, repo, ref, tuple(prs), follows, tree)
     return sources
 
 

@@ -82,6 +82,8 @@ class Pin:
     env_display: str = "versions.env"  # how errors name the file
     ref_line: int | None = None  # NAME_REF's line in it
     ref_comment: str | None = None  # the comment on that line (an override's reason: "# override: ...")
+    tree: str | None = None  # NAME_TREE: the tree the composition must produce (None: not pinned)
+    tree_line: int | None = None  # NAME_TREE's line in versions.env
 
     def ref_value(self) -> str:
         """NAME_REF as versions.env holds it: ``<name>@<sha>`` when it follows a name."""
@@ -218,7 +220,8 @@ def _pins(defn: d.Definition) -> dict[str, Pin]:
         opts = defn.source_options.get(name) or d.default_source_options(name)
         out[name] = Pin(name, src.repo, src.ref, [[p.number, p.sha] for p in src.prs], opts,
                         f"{name}_REF", f"{name}_PRS", src.follows, defn.env.display,
-                        defn.env.line_of(f"{name}_REF"), _line_comment(defn, f"{name}_REF"))
+                        defn.env.line_of(f"{name}_REF"), _line_comment(defn, f"{name}_REF"),
+                        src.tree, defn.env.line_of(f"{name}_TREE"))
     return out
 
 
@@ -286,12 +289,25 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         _pmap(do_compose, group, jobs)
 
     fetch_and_compose([p for p in pins.values() if p.opts.scan_fetchcontent])
+    # 4b. tree pins (NAME_TREE): a composition that is not the pinned tree stops here, before anything
+    # else is read from it; every source with a tree pin is composed first, so all differences show at once
+    wrong_trees = tree_problems(pins.values(), composed)
+    if wrong_trees:
+        fetch_and_compose([p for p in pins.values() if p.name not in composed and p.tree])
+        raise DefinitionError(tree_problems(pins.values(), composed), image=defn.name)
 
     # 5. FetchContent: every declaration pinned or excluded, overrides read by the tree, tags compared
     scans, check = _check_fetchcontent(defn, pins, composed, cache, rep)
     fetch_and_compose([p for p in pins.values() if not p.opts.scan_fetchcontent])
-    declared = {q: _compare_tag(pins[pins[q].opts.dependency_of], pins[q], info.decl, cache, rep)
-                for q, info in sorted(check.deps.items()) if info.decl is not None}
+    problems = tree_problems(pins.values(), composed)
+    declared = {}
+    for q, info in sorted(check.deps.items()):  # every pin that differs from its tree, in one report
+        if info.decl is not None:
+            declared[q], problem = _compare_tag(pins[pins[q].opts.dependency_of], pins[q], info.decl, cache, rep)
+            if problem is not None:
+                problems.append(problem)
+    if problems:
+        raise DefinitionError(problems, image=defn.name)
 
     # 6. submodules + 7. pack (only what changed: a tarball the lock already has is kept)
     srcdir.mkdir(parents=True, exist_ok=True)
@@ -317,7 +333,8 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         return {
             "repo": gitcache.redact(p.repo), "ref": p.ref, "follows": p.follows,  # never a credential
             "prs": [{"number": n, "sha": s} for n, s in p.prs],
-            "commit": c.commit, "tree": tree, "source_date_epoch": c.epoch,
+            "commit": c.commit, "tree": tree, "source_tree": c.tree, "tree_pin": p.tree,
+            "source_date_epoch": c.epoch,
             "version": _local(lambda: compose_mod.scm_version(m, c.commit)),
             "packed_id": pid, "tarball_format": tarball.FORMAT,
             "tarball": d.display_path(defn.root, dest), "sha256": digest,
@@ -574,7 +591,8 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
         if not SHA_RE.match(p.ref) or any(s is None for _, s in p.prs):
             return None, f"{p.name}: not pinned yet"
         want = {"repo": gitcache.redact(p.repo), "ref": p.ref, "follows": p.follows,
-                "prs": [{"number": n, "sha": s} for n, s in p.prs], "options": p.opts.setting()}
+                "prs": [{"number": n, "sha": s} for n, s in p.prs], "options": p.opts.setting(),
+                "tree_pin": p.tree}
         changed = [k for k, v in want.items() if e.get(k) != v]
         if changed:
             return None, f"{p.name}: {', '.join(changed)} changed since the lock was written"
@@ -823,16 +841,18 @@ def _check_fetchcontent(defn, pins: dict[str, Pin], composed, cache, rep: ImageR
     return scans, res
 
 
-def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache, rep: ImageReport) -> dict:
+def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache,
+                 rep: ImageReport) -> tuple[dict, Problem | None]:
     """The dependency's ``declared_as`` record: the declaration, the tag it gives (resolved through
-    variables), the commit that names, and whether the pin matches it (None: cannot tell)."""
+    variables), the commit that names, and whether the pin matches it (None: cannot tell); and the
+    problem when the pin differs without a reason on its line (the caller reports them all at once)."""
     rec = {"name": decl.name, "file": decl.file, "line": decl.line, "repository": decl.repository_value,
            "tag": decl.tag, "tag_value": decl.tag_value,
            "tag_from": decl.tag_resolved.origin if decl.tag_resolved else None,
            "submodule_paths": decl.submodule_paths, "commit": None, "matches": None}
     tag = decl.tag_value
     if not tag:
-        return rec
+        return rec, None
     if re.fullmatch(r"[0-9a-f]{7,40}", tag):
         rec["commit"] = tag if len(tag) == 40 else None
         rec["matches"] = dep.ref.startswith(tag)
@@ -857,14 +877,33 @@ def _compare_tag(parent: Pin, dep: Pin, decl: fetchcontent.Declaration, cache, r
         elif why:
             msg += f"; kept on purpose: {why}"
         else:  # an override nobody justified: the tree's own pin may be the fix
-            raise DefinitionError([Problem(
+            return rec, Problem(
                 dep.env_display, msg, key=dep.ref_key, line=dep.ref_line,
                 hint=f"pin what {parent.name} declares ({declared}), or keep this pin and say why on its line: "
-                f"{dep.ref_key}=...  # override: <the reason>")])
+                f"{dep.ref_key}=...  # override: <the reason>")
         rec["override_reason"] = why
         rep.notices.append(msg)
         log.warning("  note: %s", msg)
-    return rec
+    return rec, None
+
+
+def tree_problems(pins: Iterable[Pin], composed: dict[str, compose_mod.Composed]) -> list[Problem]:
+    """A problem for each composed source whose tree is not its ``NAME_TREE`` pin, naming both trees
+    and the heads the composition used (base and every PR head, as pinned or as just resolved)."""
+    out = []
+    for p in pins:
+        c = composed.get(p.name)
+        if not p.tree or c is None or c.tree == p.tree:
+            continue
+        heads = f"{p.ref_key}={p.ref}" + (f" + {p.prs_key}=\"{' '.join(f'{n}@{s}' for n, s in p.prs)}\""
+                                          if p.prs else "")
+        what = "the composition of" if p.prs else "the tree of"
+        out.append(Problem(
+            p.env_display, f"{p.name}: {what} {heads} is tree {c.tree} (commit {c.commit}), not the pinned "
+            f"tree {p.tree}: these are not the sources the pin names", key=f"{p.name}_TREE", line=p.tree_line,
+            hint=f"a moved PR head or base gives another tree: pin the heads that give {p.tree[:12]} "
+            f"({p.prs_key}=\"N@<sha> ...\"), or, if {c.tree[:12]} is what you want, write {p.name}_TREE={c.tree}"))
+    return out
 
 
 def _override_reason(comment: str | None) -> str | None:

@@ -376,8 +376,71 @@ def check_cuda_targets(ctx: Context, check: Check) -> str:
     return f"{p['path']}: {detail} (by {tool})"
 
 
+# The git tree id of a folder, computed as git computes it (no git needed in the image): a blob is
+# sha1("blob <size>\\0" + bytes), a tree sha1("tree <size>\\0" + entries), each entry "<mode> <name>\\0" +
+# the 20-byte id, sorted by name with a folder's name compared as "<name>/". Modes: 100644, 100755 (the
+# owner's execute bit), 120000 (a symlink: its target is the blob), 40000 (a folder). A folder with nothing
+# left in it is no entry (git keeps no empty folders). Names matching an exclude glob ($2, one a line) are
+# left out at every level. Prints {"tree", "files": [[mode, id, path]], "excluded": [paths]}.
+_GIT_TREE = """import fnmatch, hashlib, json, os, stat, sys
+root, globs = sys.argv[1], [g for g in sys.argv[2].split("\\n") if g]
+files, excluded = [], []
+def obj(kind, data):
+    return hashlib.sha1(kind + b" " + str(len(data)).encode() + b"\\0" + data).digest()
+def tree(d, rel):
+    entries = []
+    for n in os.listdir(d):
+        p, r = os.path.join(d, n), (rel + "/" + n if rel else n)
+        if any(fnmatch.fnmatchcase(n, g) for g in globs):
+            excluded.append(r)
+            continue
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            mode, oid = b"120000", obj(b"blob", os.fsencode(os.readlink(p)))
+        elif stat.S_ISDIR(st.st_mode):
+            oid = tree(p, r)
+            if oid is None:
+                continue
+            mode = b"40000"
+        elif stat.S_ISREG(st.st_mode):
+            with open(p, "rb") as f:
+                oid = obj(b"blob", f.read())
+            mode = b"100755" if st.st_mode & stat.S_IXUSR else b"100644"
+        else:
+            sys.exit("not a file, folder or symlink: " + p)
+        if mode != b"40000":
+            files.append([mode.decode(), oid.hex(), r])
+        entries.append((os.fsencode(n) + (b"/" if mode == b"40000" else b""), mode, os.fsencode(n), oid))
+    if not entries:
+        return None
+    entries.sort()
+    return obj(b"tree", b"".join(m + b" " + n + b"\\0" + o for _, m, n, o in entries))
+if not os.path.isdir(root):
+    sys.exit("no such folder: " + root)
+t = tree(root, "")
+print(json.dumps({"tree": t.hex() if t else None, "files": sorted(files, key=lambda x: x[2]),
+                  "excluded": sorted(excluded)}))"""
+
+
+def check_git_tree(ctx: Context, check: Check) -> str:
+    p = check.params
+    path = _package_dir(ctx, check, p["module"]) if p.get("module") else p["path"]
+    out = _python(ctx, check, _GIT_TREE, path, "\n".join(p["exclude"]))
+    if out.rc != 0:
+        raise CheckFailed(f"hashing {path} failed: {_last(out.stderr) or f'exit {out.rc}'}")
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    for mode, oid, rel in doc["files"]:  # the listing `git ls-tree -r` gives, to find what differs
+        ctx.log(f"[{check.id}] {mode} blob {oid}\t{rel}\n")
+    skipped = f", {len(doc['excluded'])} excluded ({', '.join(p['exclude'])})" if doc["excluded"] else ""
+    what = f"{path}: git tree {doc['tree']} of {len(doc['files'])} file(s){skipped}"
+    if doc["tree"] != p["tree"]:
+        raise CheckFailed(f"{what}, expected {p['tree']}: not the same files (the gate log lists each file's "
+                          "blob id, as `git ls-tree -r` does)")
+    return what
+
+
 CHECKS: dict[str, Callable[[Context, Check], str]] = {
     "import": check_import, "version": check_version, "command": check_command, "file": check_file,
     "metadata": check_metadata, "expression": check_expression, "elf": check_elf,
-    "pip-check": check_pip_check, "cuda-targets": check_cuda_targets,
+    "pip-check": check_pip_check, "cuda-targets": check_cuda_targets, "git-tree": check_git_tree,
 }

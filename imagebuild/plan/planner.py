@@ -280,6 +280,9 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
             if entry.get("repo") != want["repo"] or entry.get("ref") != want["ref"] or have != want["prs"]:
                 stale = (f"the lock has {entry.get('ref')!r} {have} from {entry.get('repo')!r}, "
                          f"versions.env says {want['ref']!r} {want['prs']} from {want['repo']!r}")
+            elif src.tree and entry.get("source_tree") != src.tree:
+                stale = (f"the lock's composed tree is {entry.get('source_tree')!r}, versions.env pins "
+                         f"{n}_TREE={src.tree} (imagebuild prefetch composes and checks it)")
         sde = entry.get("source_date_epoch") if entry else None
         out.append(MountedSource(
             n, entry.get("tarball") if entry else None, entry.get("sha256") if entry else None,

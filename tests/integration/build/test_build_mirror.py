@@ -99,6 +99,12 @@ def test_mirror_builds_end_to_end_offline(mirror_project):
     doc = json.loads(cat(cand, "/opt/imagebuild/build.json"))
     assert doc["sources"]["GREETPKG"]["local_only"] is True and "PR heads 1@" in doc["sources"]["GREETPKG"]["recreate"]
     assert doc["sources"]["GREETPKG"]["tree"] == lock["sources"]["GREETPKG"]["tree"]
+    # the composed tree (what a NAME_TREE pin names) is in build.json and in a label
+    assert doc["sources"]["GREETPKG"]["source_tree"] == lock["sources"]["GREETPKG"]["source_tree"]
+    labels = json.loads(subprocess.run(["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", cand],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert json.loads(labels["io.imagebuild.source-trees"]) == {
+        n: e["source_tree"] for n, e in lock["sources"].items()}
     assert doc["sources"]["MATHDEP"]["local_only"] is False
 
 

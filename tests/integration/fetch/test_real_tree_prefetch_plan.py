@@ -8,8 +8,10 @@ versions.env there, so the definition's repository URLs are used unchanged.
 STAND-INS (only for what no machine here has; each is marked where it is made):
   - the vLLM and b12x commits: the snapshots are `git archive`s, so each tree is committed here
     (a stand-in commit, on the branch the real pin follows); their SHAs replace the real base SHAs;
-  - the PR heads 550-557 and 260-270: stand-in commits (one marker file each) served as
+  - the PR heads 550-557 and 260, 267-270: stand-in commits (one marker file each) served as
     refs/pull/N/head; versions.env keeps the real bare numbers, which prefetch pins;
+  - the tree pins VLLM_TREE and B12X_TREE: the trees the stand-in heads compose to (computed here with
+    git merge-tree); the real contract trees are first shown to be refused on the stand-ins;
   - the FetchContent dependencies: tiny stand-in repositories with the tags and submodule paths the
     tree asks for; SHA pins that do not exist there are replaced by the stand-in heads;
   - the base image and platform: the local test busybox and linux/amd64 (no arm64 CUDA image and no
@@ -28,13 +30,13 @@ from pathlib import Path
 import pytest
 
 from tests import realtrees
-from tests.conftest import run_cli
-from tests.gitfixtures import GitDaemon, UpstreamFactory, free_port
+from tests.conftest import run_cli, tree_state
+from tests.gitfixtures import GitDaemon, UpstreamFactory, free_port, git
 
 ROOT = realtrees.ROOT
 IMAGE = "glm53-jovian-r12"
 VLLM_PRS = (550, 552, 553, 554, 555, 557)
-B12X_PRS = tuple(range(260, 271))
+B12X_PRS = (260, 267, 268, 269, 270)  # the lab's published r12 contract
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +78,23 @@ def served(tmp_path_factory):
             "TML_FA4": f.create("vllm-project/tml-fa4", {"setup.py": "# stand-in\n"}).head(),
             "FLASHKDA": f.create("vllm-project/FlashKDA", {"setup.py": "# stand-in\n"}).head(),
         }
-        yield {"daemon": d, "vllm": vllm_base, "b12x": b12x_base, "heads": heads}
+        trees = {"VLLM": _composed_tree(vllm, vllm_base, VLLM_PRS), "B12X": _composed_tree(b12x, b12x_base, B12X_PRS)}
+        yield {"daemon": d, "vllm": vllm_base, "b12x": b12x_base, "heads": heads, "trees": trees}
     shutil.rmtree(base, ignore_errors=True)  # ~350 MB of trees and repositories: do not keep them around
 
 
-def _project(tmp: Path, served: dict) -> Path:
+def _composed_tree(up, base: str, prs) -> str:
+    """The tree of ``base`` with the served PR heads merged in order, computed with git itself."""
+    cur = base
+    tree = git("rev-parse", f"{base}^{{tree}}", cwd=up.bare)
+    for n in prs:
+        head = git("rev-parse", f"refs/pull/{n}/head", cwd=up.bare)
+        tree = git("merge-tree", "--write-tree", cur, head, cwd=up.bare).splitlines()[0]
+        cur = git("commit-tree", tree, "-p", cur, "-p", head, "-m", f"merge {n}", cwd=up.bare)
+    return tree
+
+
+def _project(tmp: Path, served: dict, *, real_trees: bool = False) -> Path:
     root = tmp / "project"
     shutil.copytree(ROOT / "docker-images" / IMAGE, root / "docker-images" / IMAGE)
     shutil.copytree(ROOT / "patches-eugr", root / "patches-eugr")
@@ -91,6 +105,7 @@ def _project(tmp: Path, served: dict) -> Path:
         "VLLM_REF": f"dev/jovian-judgement@{served['vllm']}",
         "B12X_REF": f"master@{served['b12x']}",
         **{f"{k}_REF": v for k, v in served["heads"].items()},
+        **({} if real_trees else {f"{k}_TREE": v for k, v in served["trees"].items()}),
     }
     for key, value in stand_ins.items():
         why = "; override: a stand-in head, the declared commit is not in the stand-in repository" \
@@ -120,6 +135,16 @@ def github(monkeypatch, served):
 
 
 def test_prefetch_plan_and_dry_run_of_the_real_definition(served, github, engine_ready, tmp_path, monkeypatch):
+    # the real tree pins (the r12 contract's) are refused on the stand-in heads, both in one run, nothing written
+    real = _project(tmp_path / "real-trees", served, real_trees=True)
+    before = tree_state(real)
+    r = run_cli("--root", str(real), "prefetch", IMAGE, "--cache", str(tmp_path / "cache"))
+    assert r.code == 2, r.err
+    assert "VLLM_TREE" in r.err and "not the pinned tree 237bc2b7bb297ab69b83704fad0b9f6628bfcde8" in r.err
+    assert "B12X_TREE" in r.err and "not the pinned tree aace94c2fcc0657c1aa255e9480277c8f30240fc" in r.err
+    assert f"is tree {served['trees']['VLLM']}" in r.err and f"is tree {served['trees']['B12X']}" in r.err
+    assert tree_state(real) == before
+    assert not (real / "deps-src").exists()
     root = _project(tmp_path, served)
     r = run_cli("--root", str(root), "prefetch", IMAGE, "--cache", str(tmp_path / "cache"), "--json")
     assert r.code == 0, r.err
@@ -130,6 +155,8 @@ def test_prefetch_plan_and_dry_run_of_the_real_definition(served, github, engine
     # the PR heads were pinned from bare numbers and merged in order
     assert [p["number"] for p in s["VLLM"]["prs"]] == list(VLLM_PRS)
     assert [p["number"] for p in s["B12X"]["prs"]] == list(B12X_PRS)
+    assert {n: (s[n]["source_tree"], s[n]["tree_pin"]) for n in ("VLLM", "B12X")} == {
+        n: (t, t) for n, t in served["trees"].items()}
     env = (root / "docker-images" / IMAGE / "versions.env").read_text()
     assert re.search(r'^VLLM_PRS="550@[0-9a-f]{40} 552@[0-9a-f]{40} 553@', env, re.M)
     # exclusions with their reasons, submodules as declared, overrides as the tree reads them

@@ -61,6 +61,8 @@ CASES = [
     ("missing-ref", _edit(f"{IMG}/versions.env", f"DEMO_REF={SHA}\n", ""), f"{IMG}/versions.env", "DEMO_REF", "no DEMO_REF"),
     ("bad-repo-url", _edit(f"{IMG}/versions.env", "https://example.invalid/demo.git", "ftp:/nope"), f"{IMG}/versions.env", "DEMO_REPO", "invalid repository URL"),
     ("prs-without-repo", _append(f"{IMG}/versions.env", "LONELY_PRS=1\n"), f"{IMG}/versions.env", "LONELY_PRS", "no matching LONELY_REPO"),
+    ("tree-not-sha", _append(f"{IMG}/versions.env", "DEMO_TREE=237bc2b7\n"), f"{IMG}/versions.env", ":13: DEMO_TREE", "not a git tree id"),
+    ("tree-without-repo", _append(f"{IMG}/versions.env", f"LONELY_TREE={SHA}\n"), f"{IMG}/versions.env", "LONELY_TREE", "no matching LONELY_REPO"),
     ("bad-digest", _edit(f"{IMG}/versions.env", "busybox:1", "busybox:1@sha256:abc"), f"{IMG}/versions.env", "BASE_IMAGE", "invalid digest"),
     ("bad-image-ref", _edit(f"{IMG}/versions.env", "imagebuild-test/busybox:1", "Not_An_Image"), f"{IMG}/versions.env", "BASE_IMAGE", "invalid image reference"),
     ("unknown-stage", _edit(f"{IMG}/image.yaml", "from: tools", "from: toolz"), f"{IMG}/image.yaml", ":10", "did you mean 'tools'"),

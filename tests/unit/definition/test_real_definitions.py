@@ -54,7 +54,9 @@ def test_plan_offline_lists_stages_in_order_and_the_unpinned(image, monkeypatch)
         prs = [u["message"] for u in doc["unpinned"] if u["key"] == "VLLM_PRS"]
         assert [re.search(r"pull request (\d+)", m).group(1) for m in prs] == ["550", "552", "553", "554", "555",
                                                                                 "557"]
-        assert len([u for u in doc["unpinned"] if u["key"] == "B12X_PRS"]) == 11  # 260-270
+        b12x = [u["message"] for u in doc["unpinned"] if u["key"] == "B12X_PRS"]
+        # the lab's published r12 source contract (FACTS.md): five PRs, not the log's range 260-270
+        assert [re.search(r"pull request (\d+)", m).group(1) for m in b12x] == ["260", "267", "268", "269", "270"]
     else:
         assert keys == {"DSV4_BASE"}
 
@@ -301,3 +303,21 @@ def test_glm53_registry_check_requires_the_forks_native_glm5next_classes():
     real = _real_vllm_registry(src)
     assert "GlmMoeDsaForCausalLM" in real and "DeepseekV4ForCausalLM" in real  # the table was read
     assert not run(real)
+
+
+def test_glm53_pins_the_r12_contract_by_tree():
+    """The lab's published r12 source contract (FACTS.md): both compositions pinned by their source tree,
+    and no dependency pin overrides the composed tree without a reason (none is justified by a fact)."""
+    defn = definition.load(ROOT, "glm53-jovian-r12")
+    v, b = defn.sources["VLLM"], defn.sources["B12X"]
+    assert (v.ref, [p.number for p in v.prs], v.tree) == (
+        "54f6e9826c20ef06ed65d838c0ad497ad0abdecf", [550, 552, 553, 554, 555, 557],
+        "237bc2b7bb297ab69b83704fad0b9f6628bfcde8")
+    assert (b.ref, [p.number for p in b.prs], b.tree) == (
+        "139e04048bc3bb4f7210c99e7184d8d2f0e345e7", [260, 267, 268, 269, 270],
+        "aace94c2fcc0657c1aa255e9480277c8f30240fc")
+    env = (ROOT / "docker-images" / "glm53-jovian-r12" / "versions.env").read_text()
+    assert "override:" not in env
+    doc = (ROOT / "docs" / "images" / "glm53-jovian-r12.md").read_text()
+    assert "237bc2b7bb297ab69b83704fad0b9f6628bfcde8" in doc and "aace94c2fcc0657c1aa255e9480277c8f30240fc" in doc
+    assert "models/glm-5.3-flash.md" in doc
