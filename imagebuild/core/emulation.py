@@ -89,7 +89,7 @@ def parse_entry(name: str, text: str) -> Handler | None:
             enabled = line == "enabled"
         elif " " in line:
             k, v = line.split(" ", 1)
-            fields[k] = v.strip()
+            fields[k.rstrip(":")] = v.strip()  # "flags: PF", "interpreter /usr/..."
     try:
         magic = bytes.fromhex(fields.get("magic", ""))
         mask = bytes.fromhex(fields.get("mask", ""))
