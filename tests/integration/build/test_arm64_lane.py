@@ -165,3 +165,27 @@ def test_the_kernel_table_is_read_as_the_kernel_wrote_it():
         pytest.skip("no aarch64 handler on this kernel")
     assert Path(h.interpreter).exists() and h.enabled
     assert emulation.handler_for("amd64") is None or emulation.handler_for("amd64") != h
+
+
+def test_sync_refuses_a_peer_that_cannot_run_the_image(tmp_path, peer, engine_info):
+    """A peer whose engine is another architecture and whose kernel has no handler for the image's: refused
+    before anything is sent (exit 3), naming both architectures. (The peer shares this kernel, so the
+    architecture is one the test bed registers no handler for.)"""
+    arch = _foreign_arch()
+    if arch is None:
+        pytest.skip("every candidate architecture has a handler on this kernel")
+    tag = f"imagebuild-test/noemu-{arch}:s{os.getpid()}"
+    _import(tag, f"linux/{arch}")
+    try:
+        before = peer.link_bytes()
+        with env(IMAGEBUILD_STATE_DIR=str(tmp_path / "state"), IMAGEBUILD_SSH=peer.ssh_env):
+            r = run_cli("sync", peer.addr, "--image", tag, "--force", "--json")
+        assert r.code == 3, r.out + r.err
+        (p,) = json.loads(r.out)["peers"]
+        assert p["status"] == "refused"
+        assert f"is linux/{arch} and the peer's engine runs linux/amd64" in p["message"]
+        assert f"no enabled binfmt_misc handler for {emulation.qemu_name(arch)}" in p["message"]
+        assert peer.link_bytes() - before < 1 << 20  # the probe's few KB, no layer
+        assert peer.docker("image", "inspect", tag).returncode != 0
+    finally:
+        subprocess.run(["docker", "image", "rm", tag], capture_output=True)
