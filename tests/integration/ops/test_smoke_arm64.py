@@ -100,10 +100,10 @@ def test_arm64_smoke_lane_with_the_real_wheels(engine_ready, tmp_path, monkeypat
         assert r.code == 0, r.err[-4000:]
     lock = json.loads((root / "docker-images" / IMAGE / "lock.json").read_text())
     wheels = {st: v["files"] for st, v in lock["wheels"].items()}
-    assert all("x86_64" not in w["file"] for ws in wheels.values() for w in ws)
+    assert all("x86_64" not in w["filename"] for ws in wheels.values() for w in ws)
     deps = root / "deps-src" / IMAGE
     sizes = {"downloaded (deps-src)": _du(deps)}
-    largest = sorted(((w.get("size") or 0, w["file"]) for ws in wheels.values() for w in ws), reverse=True)[:8]
+    largest = sorted(((w.get("size") or 0, w["filename"]) for ws in wheels.values() for w in ws), reverse=True)[:8]
     monkeypatch.setenv("IMAGEBUILD_MIN_FREE_GB", os.environ.get("IMAGEBUILD_MIN_FREE_GB", "2"))
     try:
         t0 = time.monotonic()
