@@ -4,13 +4,14 @@
 #   make demo    install, set up the test bed, and run the nightly chain on the built-in example
 #   make test    install, set up the test bed (Docker engine + BuildKit + base images), run the suite
 #   make smoke   the smoke lane of glm53-jovian-r12 on the real upstream trees (about 6 minutes)
+#   make smoke-arm64  the same chain for linux/arm64 under QEMU with the real aarch64 wheels (40-60 minutes)
 #   make kernels real vLLM CUDA kernels configured by the real tree's CMake, compiled and gated here
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install install-tool testbed test unit lint bench demo smoke kernels man completion clean
+.PHONY: install install-tool testbed test unit lint bench demo smoke smoke-arm64 kernels man completion clean
 
 # `make install` is the developers' install (editable, with the test extras); a production node takes
 # `make install-tool`: a plain, non-editable install of the package and its runtime dependencies only,
@@ -60,6 +61,13 @@ unit: install
 # CI `make test` skips it (CI=true runs it).
 smoke: install testbed
 	IMAGEBUILD_SMOKE=1 IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/integration/ops/test_smoke_lane.py
+
+# The arm64 smoke lane (tests/integration/ops/test_smoke_arm64.py): glm53's stage chain for linux/arm64 under
+# QEMU emulation with PyPI's real aarch64 wheels (torch 2.13.0 CUDA 13.0 build, flashinfer 0.6.17, the runner's
+# set), gated under emulation and synced to a local peer. About 7 GB of downloads and 40-60 minutes here; not in
+# CI. IMAGEBUILD_SMOKE_ARM64_STATE=DIR keeps the downloads (pip cache) for a rerun.
+smoke-arm64: install testbed
+	IMAGEBUILD_SMOKE_ARM64=1 IMAGEBUILD_REQUIRE_ENGINE=1 $(BIN)/pytest -s -p no:cacheprovider tests/integration/ops/test_smoke_arm64.py
 
 # Real CUDA device code of the real vLLM tree without a GPU (scripts/kernels.py): PyPI's CUDA torch and
 # CUDA toolchain wheels in a venv under ~/.cache/imagebuild-kernels ($$IMAGEBUILD_KERNELS_DIR), CMake on

@@ -16,6 +16,9 @@
 #   - local base images imported without any registry:
 #       imagebuild-test/debian:bookworm   (debootstrap minbase + python3, cmake, g++, make)
 #       imagebuild-test/busybox:1         (busybox-static, ~2 MB)
+#       imagebuild-test/debian-arm64:bookworm  (linux/arm64, debootstrap minbase + python3, run under
+#                                         QEMU: qemu-user-static's aarch64 binfmt handler is registered
+#                                         too; where it cannot be, the arm64 tests skip, saying why)
 #     their root-fs tarballs are cached under $IMAGEBUILD_TESTBED_CACHE (default
 #     ~/.cache/imagebuild-testbed) so a second run takes seconds.
 set -euo pipefail
@@ -23,6 +26,12 @@ set -euo pipefail
 CACHE=${IMAGEBUILD_TESTBED_CACHE:-$HOME/.cache/imagebuild-testbed}
 DEBIAN_IMAGE=imagebuild-test/debian:bookworm
 BUSYBOX_IMAGE=imagebuild-test/busybox:1
+# linux/arm64 under QEMU user-mode emulation (ENVIRONMENT.md section 7): bookworm's CPython 3.11, the
+# newest Debian has for arm64 (no 3.12 there; the glm53 sets resolve for 3.11 as well). Minimal: python3
+# only; stages add what they need from prefetched debs, under emulation, as the real images do.
+ARM64_IMAGE=imagebuild-test/debian-arm64:bookworm
+ARM64_PKGS=python3
+ARM64_PKGS_ID=$(printf 'arm64:%s' "$ARM64_PKGS" | sha256sum | cut -c1-12)
 DEBIAN_PKGS=python3,cmake,g++,make,git,ccache
 # the cached root-fs tarball and the imported image are named by this list: adding a package rebuilds both
 DEBIAN_PKGS_ID=$(printf %s "$DEBIAN_PKGS" | sha256sum | cut -c1-12)
@@ -194,6 +203,53 @@ import_debian() {
   docker import -c 'CMD ["bash"]' -c "LABEL io.imagebuild.testbed=$DEBIAN_PKGS_ID" "$tarball" "$DEBIAN_IMAGE" >/dev/null
 }
 
+# Emulation of linux/arm64: Debian's qemu-user-static registers its handlers with the F flag (the
+# interpreter is opened at registration, so containers can use it); binfmt_misc is mounted where it is
+# not. Only the aarch64 handler is enabled. Returns 1 (and says why) where it cannot be set up: the
+# arm64 tests then skip with that reason (IMAGEBUILD_ARM64=0 skips it on purpose).
+BINFMT=/proc/sys/fs/binfmt_misc
+ensure_emulation() {
+  [ "${IMAGEBUILD_ARM64:-1}" = 0 ] && { say "arm64 emulation not set up (IMAGEBUILD_ARM64=0)"; return 1; }
+  [ "$(uname -m)" = aarch64 ] && return 0
+  if [ -r $BINFMT/qemu-aarch64 ] && grep -q '^enabled' $BINFMT/qemu-aarch64 \
+     && grep -q '^flags:.*F' $BINFMT/qemu-aarch64; then return 0; fi
+  [ $check_only = 1 ] && { say "missing: an enabled qemu-aarch64 binfmt handler with the F flag"; return 1; }
+  { [ -x /usr/bin/qemu-aarch64-static ] && have update-binfmts; } || (apt_install qemu-user-static binfmt-support) \
+    || { say "arm64 emulation: qemu-user-static could not be installed"; return 1; }
+  if [ ! -e $BINFMT/register ]; then
+    mount -t binfmt_misc binfmt_misc $BINFMT 2>/dev/null \
+      || { say "arm64 emulation: binfmt_misc is not mounted and cannot be mounted here (not root, or a container without the right)"; return 1; }
+  fi
+  update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
+  if grep -q '^enabled' $BINFMT/qemu-aarch64 2>/dev/null && grep -q '^flags:.*F' $BINFMT/qemu-aarch64; then
+    say "arm64 emulation: $(sed -n 's/^interpreter //p' $BINFMT/qemu-aarch64) registered"
+    return 0
+  fi
+  say "arm64 emulation: the qemu-aarch64 handler did not register with the F flag"; return 1
+}
+
+# The arm64 base: debootstrap of bookworm for arm64, whose second stage runs in a chroot under the
+# handler above (a few minutes, once), cached as a tarball like the amd64 one.
+import_debian_arm64() {
+  local have; have=$(docker image inspect --format '{{index .Config.Labels "io.imagebuild.testbed"}}' "$ARM64_IMAGE" 2>/dev/null)
+  [ "$have" = "$ARM64_PKGS_ID" ] && return 0
+  [ $check_only = 1 ] && { say "missing base image $ARM64_IMAGE (with $ARM64_PKGS)"; return 1; }
+  mkdir -p "$CACHE"
+  local tarball="$CACHE/debian-bookworm-arm64-minbase-$ARM64_PKGS_ID.tar"
+  if [ ! -s "$tarball" ]; then
+    local root; root=$(mktemp -d "$CACHE/rootfs-arm64.XXXXXX")
+    say "debootstrap bookworm arm64 minbase with $ARM64_PKGS under QEMU (a few minutes, once)"
+    debootstrap --arch=arm64 --variant=minbase --include="$ARM64_PKGS" bookworm "$root" "$(debian_mirror)" >&2 \
+      || { rm -rf "$root"; say "debootstrap of the arm64 base failed"; return 1; }
+    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+    tar -C "$root" --sort=name --numeric-owner -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
+    rm -rf "$root"
+  fi
+  say "importing $ARM64_IMAGE"
+  docker import --platform linux/arm64 -c 'CMD ["bash"]' -c "LABEL io.imagebuild.testbed=$ARM64_PKGS_ID" \
+    "$tarball" "$ARM64_IMAGE" >/dev/null
+}
+
 import_busybox() {
   docker image inspect "$BUSYBOX_IMAGE" >/dev/null 2>&1 && return 0
   [ $check_only = 1 ] && { say "missing base image $BUSYBOX_IMAGE"; return 1; }
@@ -213,6 +269,8 @@ ensure_engine || rc=1
 if engine_up; then
   import_busybox || rc=1
   import_debian || rc=1
+  # arm64 is optional: where emulation cannot be set up the arm64 tests skip, saying why
+  if ensure_emulation; then import_debian_arm64 || say "no arm64 base: the arm64 tests will skip"; fi
 fi
 [ $rc = 0 ] && say "ready: $(docker version --format 'engine {{.Server.Version}}'), $(docker buildx version | cut -d' ' -f1-2), store: $(docker info --format '{{.Driver}}')"
 exit $rc

@@ -58,8 +58,6 @@ JOB_MEMORY_GIB = 4.0  # what one compile job (nvcc / cc1plus on CUDA kernels) ma
 RESERVED_MEMORY_GIB = 8.0  # left to the OS, dockerd, BuildKit
 PARALLEL_KNOBS = ("MAX_JOBS", "NVCC_THREADS", "CMAKE_BUILD_PARALLEL_LEVEL")
 
-_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "armv7l": "arm",
-         "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64", "i686": "386", "i386": "386"}
 
 
 # ------------------------------------------------------------------------------------------ platform
@@ -67,8 +65,9 @@ _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm6
 
 def host_arch(engine_arch: str | None = None) -> str:
     """The architecture builds run on natively (the engine's, else this machine's), Docker-style."""
-    m = (engine_arch or _platform.machine()).lower()
-    return _ARCH.get(m, m)
+    from imagebuild.core import emulation
+
+    return emulation.docker_arch(engine_arch or _platform.machine())
 
 
 def check_platform(target: str, *, emulate: bool, engine_arch: str | None = None) -> str | None:
@@ -78,8 +77,11 @@ def check_platform(target: str, *, emulate: bool, engine_arch: str | None = None
     if want == have:
         return None
     if emulate:
-        return (f"building {target} on a linux/{have} host under emulation (--emulate): expect it to be "
-                "many times slower, and QEMU binfmt handlers must be installed")
+        from imagebuild.core import emulation
+
+        how = emulation.check(target, engine_arch=engine_arch)
+        return (f"building {target} on a linux/{have} host under emulation (--emulate, {how}): expect it to be "
+                "many times slower")
     raise GuardRefused(f"the definition targets {target} but this host builds linux/{have}",
                        hint="build on a host of that architecture (DGX Spark is linux/arm64), or pass "
                        "--emulate to build under QEMU deliberately")

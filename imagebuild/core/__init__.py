@@ -12,8 +12,9 @@ Takes nothing of the pipeline and knows none of it. Gives:
   (another node's engine), ``registry`` (an OCI registry, through skopeo); ``identity``: an image's
   identity, independent of the image store;
 - ``secrets``: the tokens imagebuild may be handed, and their removal from every text it writes;
+- ``emulation``: which binfmt_misc handler (QEMU user mode) runs a foreign architecture's code here;
 - ``yamlread``: YAML with line numbers, so errors name the line; ``units``: sizes (binary units) and
   short digests as people read them.
 """
 
-__all__ = ["config", "context", "engine", "errors", "fsutil", "identity", "interrupts", "lazy", "lock", "registry", "remote", "remote_engine", "run", "runs", "secrets", "state", "units", "yamlread"]
+__all__ = ["config", "context", "emulation", "engine", "errors", "fsutil", "identity", "interrupts", "lazy", "lock", "registry", "remote", "remote_engine", "run", "runs", "secrets", "state", "units", "yamlread"]

@@ -257,6 +257,12 @@ def problem(data: dict, identity_digest: str, spec_digest: str, spec=None, *, re
     if bool(data.get("gpu_checks_skipped")) != gpu_skipped:
         return (f"it says gpu_checks_skipped {bool(data.get('gpu_checks_skipped'))}, its checks say "
                 f"{gpu_skipped}"), True
+    emulated = data.get("emulated")
+    if emulated is not None:
+        if not isinstance(emulated, dict) or emulated.get("image_arch") != ident.get("architecture"):
+            said = emulated.get("image_arch") if isinstance(emulated, dict) else emulated
+            return (f"it says it ran under emulation of {said!r}, but the image is "
+                    f"{ident.get('architecture')!r}"), True
     if require_gpu and gpu_skipped:
         return "its GPU checks were skipped (no GPU on the gating host)", False
     return None

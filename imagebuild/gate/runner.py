@@ -325,13 +325,43 @@ def _sigterm_as_interrupt():
 # ------------------------------------------------------------------------------------------------ container
 
 
-def _start_container(name: str, ref: str, identity_digest: str, gpu: bool) -> None:
+def _emulation(data: dict) -> dict | None:
+    """How a foreign image runs here: None for the engine's own architecture; else what the receipt
+    records (the image's and the host's architectures, and the handler that runs it). Refuses (exit 3)
+    when nothing can run it, saying how to register a handler."""
+    from imagebuild.core import emulation, engine, remote_engine
+
+    image_arch = emulation.docker_arch(str(data.get("Architecture") or "")) if data.get("Architecture") else None
+    if image_arch is None or image_arch == emulation.docker_arch(platform.machine()) and remote_engine.active() is None:
+        return None
+    host = engine.probe().architecture or platform.machine()  # the engine's (--engine: another node's)
+    host_arch = emulation.docker_arch(host)
+    if image_arch == host_arch:
+        return None
+    how = emulation.check(f"linux/{image_arch}", engine_arch=host)
+    # an AArch64 /proc/cpuinfo for the container (emulation.aarch64_cpuinfo): only where the bind source
+    # is on this machine, i.e. a local engine
+    cpuinfo = image_arch == "arm64" and remote_engine.active() is None
+    return {"image_arch": image_arch, "host_arch": host_arch, "how": how,
+            "cpuinfo": "aarch64 stand-in bind-mounted on /proc/cpuinfo" if cpuinfo else None}
+
+
+def _start_container(name: str, ref: str, identity_digest: str, gpu: bool, emulated: dict | None = None,
+                     tmp: Path | None = None) -> None:
     # the owner label says which process gated: a container whose owner is gone is reaped (leftovers.py)
     argv = ["docker", "run", "-d", "--name", name, "--label", f"{CONTAINER_LABEL}={identity_digest}",
             "--label", f"{leftovers.OWNER_LABEL}={runs.owner()}",
             "--pull", "never", "--network", "none", "--entrypoint", "/bin/sh"]
     if gpu:
         argv += ["--gpus", "all"]
+    if emulated is not None:
+        argv += ["--platform", f"linux/{emulated['image_arch']}"]
+        if emulated.get("cpuinfo") and tmp is not None:
+            from imagebuild.core import emulation
+
+            cpuinfo = tmp / "cpuinfo"
+            cpuinfo.write_text(emulation.aarch64_cpuinfo(os.cpu_count() or 1), encoding="ascii")
+            argv += ["--mount", f"type=bind,source={cpuinfo},target=/proc/cpuinfo,readonly"]
     argv += [ref, "-c", KEEPALIVE]
     run_mod.run(argv, timeout=120, hint="the gate needs /bin/sh in the image; with a GPU, the NVIDIA "
                 "container toolkit (docker run --gpus all)")
@@ -372,6 +402,10 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
     ident = identity_mod.from_inspect(data)
     gpus = detect_gpus()
     gpu = bool(gpus)
+    emulated = _emulation(data)
+    if emulated is not None:
+        log.info("the image is linux/%s, this host linux/%s: its checks run under emulation (%s)",
+                 emulated["image_arch"], emulated["host_arch"], emulated["how"])
     log.info("gate %s (%s) with %s: %d check(s), %s", target.ref, ident.digest[:19], target.spec_display,
              len(spec.checks), f"GPU: {gpus[0]}" if gpu else "no GPU on this host")
 
@@ -390,9 +424,9 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
             with _sigterm_as_interrupt():
                 log.info("starting container %s (entrypoint overridden, --network none%s)", name,
                          ", --gpus all" if gpu else "")
-                _start_container(name, target.ref, ident.digest, gpu)
-                watchdog.start()
                 with tempfile.TemporaryDirectory(prefix="imagebuild-gate-") as tmp, _clean_pytest_env():
+                    _start_container(name, target.ref, ident.digest, gpu, emulated, Path(tmp))
+                    watchdog.start()
                     ini = Path(tmp) / "pytest.ini"
                     ini.write_text("[pytest]\n", encoding="utf-8")
                     # pytest writes the report beside its ini; it reaches --junit whole, in one rename,
@@ -445,6 +479,7 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
         "checks": checks,
         "host": {"hostname": socket.gethostname(), "arch": platform.machine(), "gpus": gpus,
                  "gpu_model": gpus[0] if gpus else None},
+        "emulated": emulated,
         "imagebuild_version": __version__,
         "run": {"started": started, "finished": _now(), "duration_s": round(time.monotonic() - t0, 3)},
         "log": log_file.relative_to(receipts.receipts_dir(target.root).parent).as_posix(),

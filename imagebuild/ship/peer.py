@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagebuild.core import remote
+from imagebuild.core import emulation, remote
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import GuardRefused, OperationFailed
 from imagebuild.ship import peer_agent
@@ -391,6 +391,7 @@ class PeerState:
     has_signature: bool = False  # the receipt's .json.sig is there too
     quick: bool = False  # only the target was inspected (it is the image already)
     synclock: tuple[str, str] = ("none", "")  # the image's sync lock at the probe: none | free | held, its holder
+    binfmt: list = field(default_factory=list)  # the peer kernel's binfmt_misc handlers (emulation.Handler)
 
     @property
     def store(self) -> str:
@@ -527,6 +528,11 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
         if len(parts) == 3 and parts[0].isdigit():
             name = os.path.basename(parts[2])
             st.incoming[name] = max(st.incoming.get(name, 0), int(parts[0]))
+    entries: dict[str, list[str]] = {}
+    for line in res.lines("binfmt"):
+        name, _, rest = line.partition(" ")
+        entries.setdefault(name, []).append(rest)
+    st.binfmt = [h for h in (emulation.parse_entry(n, "\n".join(ls)) for n, ls in entries.items()) if h is not None]
     st.records = [r for r in (_json_or_none(ln.split(" ", 1)[1]) for ln in res.lines("records") if " " in ln)
                   if isinstance(r, dict)]
     st.pending = [r for r in (_json_or_none(ln.split(" ", 1)[1]) for ln in res.lines("pending") if " " in ln)

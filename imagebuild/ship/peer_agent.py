@@ -198,6 +198,12 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   ib_sect containers
   cat "$t/containers" 2>/dev/null
   rm -rf "$t"
+  # the kernel's binfmt_misc handlers: can this peer run an image of another architecture (emulation.py)
+  ib_sect binfmt
+  for f in /proc/sys/fs/binfmt_misc/*; do
+    case "${f##*/}" in register|status) continue ;; esac
+    [ -f "$f" ] && head -c 4096 "$f" 2>/dev/null | sed "s|^|${f##*/} |"
+  done
   ib_sect incoming
   ib_list_files "$CACHE/incoming"
   ib_sect partial

@@ -733,6 +733,7 @@ class _PeerSync:
                 res.status, res.message = "unchanged", f"{s.ref} already is identity {s.identity}"
             return None
         self._preflight_tools(st)
+        self._check_runs_there(st)
         old_id = (st.target or {}).get("Id")
         self._check_serving(st, old_id)
         self._check_not_older(st)
@@ -805,6 +806,29 @@ class _PeerSync:
             raise OperationFailed(f"missing on the peer: {', '.join(missing)}",
                                   hint=f"install them on {self.host} (Debian/Ubuntu: apt-get install rsync "
                                   "util-linux coreutils tar)")
+
+    def _check_runs_there(self, st: peer_mod.PeerState) -> None:
+        """The peer's engine runs the image's architecture natively, or its kernel has a handler that runs
+        it in containers (binfmt_misc, the F flag); else nothing is sent (exit 3). Every peer shares no
+        kernel with this host, so the peer's own table decides, read by the probe."""
+        from imagebuild.core import emulation
+
+        want = emulation.docker_arch(str(self.s.img.identity.document().get("architecture") or ""))
+        have = emulation.docker_arch(str(st.engine.get("Architecture") or ""))
+        if not want or not have or want == have:
+            return
+        h = emulation.handler_for(want, st.binfmt)
+        if h is not None and h.in_containers:
+            self.say("the image is linux/%s, the peer's engine linux/%s: it runs there under emulation (%s)",
+                     want, have, h.describe())
+            return
+        why = (f"its handler {h.describe()} lacks the F flag, so containers cannot use it" if h is not None else
+               f"its kernel has no enabled binfmt_misc handler for {emulation.qemu_name(want)} ELF files")
+        raise GuardRefused(f"{self.s.ref} is linux/{want} and the peer's engine runs linux/{have}: {why}, so the "
+                           "image could not run there; nothing was sent",
+                           hint=f"sync it to a linux/{want} node, or register a handler on {self.host}: "
+                           + emulation.REGISTER_HINT.format(qemu=emulation.qemu_name(want)).removeprefix(
+                               "register a QEMU user-mode handler on the engine's host, as root: "))
 
     def _check_serving(self, st: peer_mod.PeerState, old_id: str | None) -> None:
         if not old_id:

@@ -266,3 +266,18 @@ def test_a_signing_failure_still_withdraws_an_earlier_pass(setup):
     assert json.loads(path.read_text())["result"] == "failed"
     assert not Path(str(path) + ".sig").exists()
     assert not _verdict(root, a, spec, sd).trusted
+
+
+def test_a_receipt_that_misstates_its_emulation_is_untrusted(setup):
+    _, _, spec_digest = setup
+    ident = identity.from_inspect(_inspect("a"))
+    doc = _doc(ident, spec_digest, {"ok": "passed", "bad": "passed", "soft": "passed", "gpu": "passed"})
+    assert receipts.problem(doc, ident.digest, spec_digest) is None
+    doc["emulated"] = {"image_arch": "amd64", "host_arch": "arm64", "how": "binfmt handler qemu-x86_64",
+                       "cpuinfo": None}
+    assert receipts.problem(doc, ident.digest, spec_digest) is None
+    doc["emulated"]["image_arch"] = "arm64"  # the image is amd64
+    reason, untrusted = receipts.problem(doc, ident.digest, spec_digest)
+    assert untrusted and "emulation of 'arm64'" in reason
+    doc["emulated"] = "yes"
+    assert receipts.problem(doc, ident.digest, spec_digest)[1]
