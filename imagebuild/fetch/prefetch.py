@@ -40,6 +40,7 @@ from imagebuild.core import lock, state
 from imagebuild.core.errors import (
     CommandFailed,
     DefinitionError,
+    ImagebuildError,
     OperationFailed,
     Problem,
     UsageError,
@@ -117,12 +118,13 @@ class ImageReport:
     notices: list[str] = field(default_factory=list)
     packages: dict | None = None  # base images, wheels, apt (packages.summary)
     would_write: dict | None = None  # --dry-run: the pins and lock sources a run would write
+    error: dict | None = None  # status "failed": {exit_code, message, hint} (several images: the run goes on)
 
     def as_dict(self) -> dict:
         return {"image": self.image, "status": self.status, "lock": self.lock, "build_id": self.build_id,
                 "sources": self.sources, "pinned": self.pinned, "moved": self.moved,
                 "pr_states": self.pr_states, "notices": self.notices, "packages": self.packages,
-                "would_write": self.would_write}
+                "would_write": self.would_write, "error": self.error}
 
 
 @dataclass
@@ -134,10 +136,15 @@ class Report:
     retries: int
     seconds: float
 
+    @property
+    def exit_code(self) -> int:
+        """The worst (highest) exit code of the images that failed; 0 when none did."""
+        return max((i.error["exit_code"] for i in self.images if i.error), default=0)
+
     def as_dict(self) -> dict:
         return {"schema": REPORT_SCHEMA, "version": REPORT_VERSION, "cache": self.cache,
                 "network_operations": self.network_operations, "fetches": self.fetches,
-                "retries": self.retries, "images": [i.as_dict() for i in self.images]}
+                "retries": self.retries, "exit_code": self.exit_code, "images": [i.as_dict() for i in self.images]}
 
 
 # ------------------------------------------------------------------------------------------------ entry
@@ -157,14 +164,27 @@ def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *
         raise UsageError("--refresh needs the network; it cannot be combined with --offline")
     ctx = context_mod.of(ctx)
     root = ctx.root
-    if images:
-        defns = [d.load(root, n) for n in images]
-    else:  # every image with git sources or packages (a broken definition is reported, not skipped)
-        defns = [x for x in (d.load(root, n) for n in d.list_images(root))
-                 if x.sources or packages.has_packages(x)]
-    names = [x.name for x in defns]
+    # Several images (none named: every image with git sources or packages): each one on its own, a
+    # failure reported in its row and the run going on to the next; the exit code is the worst.
+    # One image named: its error is raised as it is.
+    go_on = not images or len(images) > 1
+    defns: list = []
+    failed: dict[str, ImageReport] = {}
+    for n in images or d.list_images(root):
+        try:
+            x = d.load(root, n)
+        except DefinitionError as exc:
+            if not go_on:
+                raise
+            failed[n] = _failed(n, exc)
+            defns.append(n)
+            continue
+        if images or x.sources or packages.has_packages(x):
+            defns.append(x)
+    loaded = [x for x in defns if not isinstance(x, str)]
+    names = [x.name for x in loaded]
     if refresh:
-        known = {s for defn in defns for s in defn.sources}
+        known = {s for defn in loaded for s in defn.sources}
         unknown = [r for r in refresh if r not in known]
         if unknown:
             raise UsageError(f"--refresh {unknown[0]}: no such git source in "
@@ -173,24 +193,45 @@ def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *
     cache = gitcache.Cache(gitcache.default_cache_dir(cache_dir), offline=offline)
     reports = []
     for defn in defns:
-        if dry_run:
-            reports.append(_prefetch_image(defn, cache, refresh, jobs, dry_run=True))
+        if isinstance(defn, str):
+            reports.append(failed[defn])
             continue
-        with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
-            ir = _prefetch_image(defn, cache, refresh, jobs)
-            if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
-                pdefn, prep = packages.prefetch_packages(ctx, defn.name, offline=offline)
-                ir.packages = packages.summary(prep)
-                for w in check_rust_toolchain(pdefn, lock.read(defn.dir)):  # before the lock is written
-                    ir.notices.append(w)
-                    log.warning("warning: %s", w)
-        if ir.lock is not None or packages.has_packages(defn):
-            ir.lock = defn.rel(lock.lock_path(defn.dir))
-            ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
-            log.info("%s: lock %s (build id %s)", defn.name, ir.lock, ir.build_id)
-        reports.append(ir)
+        try:
+            reports.append(_prefetch_one(ctx, defn, cache, refresh, jobs, offline, dry_run))
+        except ImagebuildError as exc:
+            if not go_on:
+                raise
+            reports.append(_failed(defn.name, exc))
     st = cache.stats
     return Report(reports, str(cache.root), st.network, st.fetch, st.retries, time.monotonic() - t0)
+
+
+def _prefetch_one(ctx: context_mod.Context, defn: d.Definition, cache: gitcache.Cache, refresh: list[str] | None,
+                  jobs: int, offline: bool, dry_run: bool) -> ImageReport:
+    """One image's prefetch: its git sources, then its packages; the lock written once."""
+    if dry_run:
+        return _prefetch_image(defn, cache, refresh, jobs, dry_run=True)
+    with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
+        ir = _prefetch_image(defn, cache, refresh, jobs)
+        if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
+            pdefn, prep = packages.prefetch_packages(ctx, defn.name, offline=offline)
+            ir.packages = packages.summary(prep)
+            for w in check_rust_toolchain(pdefn, lock.read(defn.dir)):  # before the lock is written
+                ir.notices.append(w)
+                log.warning("warning: %s", w)
+    if ir.lock is not None or packages.has_packages(defn):
+        ir.lock = defn.rel(lock.lock_path(defn.dir))
+        ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
+        log.info("%s: lock %s (build id %s)", defn.name, ir.lock, ir.build_id)
+    return ir
+
+
+def _failed(image: str, exc: ImagebuildError) -> ImageReport:
+    """The row of an image whose prefetch failed, the run going on: its error as the CLI would print it
+    (on stderr now, in full), and in the report (the first line of its message, the exit code)."""
+    log.error("%s", exc.render())
+    return ImageReport(image, status="failed", error={"exit_code": exc.exit_code, "message": exc.message,
+                                                      "hint": exc.hint})
 
 
 def _pmap(fn: Callable, items: Iterable, jobs: int) -> list:
@@ -1095,6 +1136,9 @@ def _prune(srcdir: Path, keep: set[str]) -> None:
 def render(report: Report) -> str:
     lines = []
     for ir in report.images:
+        if ir.error:  # one line: the error in full is on stderr
+            lines.append(f"{ir.image}: failed (exit {ir.error['exit_code']})  {ir.error['message'].splitlines()[0]}")
+            continue
         lines.append(f"{ir.image}: {ir.status}  lock {ir.lock or '-'}  build id {ir.build_id or '-'}")
         for name, e in sorted(ir.sources.items()):
             prs = " ".join(f"#{x['number']}@{x['sha'][:12]}" for x in e.get("prs", []))
