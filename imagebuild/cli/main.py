@@ -1427,7 +1427,7 @@ def _sync_promoted(args, ctx, delivery) -> int:
         if not args.json:
             print(sync_mod.render(report) + "\n")
         peers = ", ".join(f"{p.peer} {p.status}" for p in report.peers)
-        rows.append((name, "synced" if report.ok else "not synced", f"{report.ref}: {peers}"))
+        rows.append((name, "ok" if report.ok else "not synced", f"{report.ref}: {peers}"))
     if not reports:
         raise OperationFailed("nothing to sync: no definition of this project has a promoted :local here ("
                               + "; ".join(f"{n}: {w}" for n, _, w in rows) + ")",
