@@ -446,8 +446,15 @@ def _ref_updates(defn: d.Definition, pins: dict[str, Pin], rep: ImageReport) -> 
 
 
 def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
-    """Check each patching stage's patches against the composed tree of its first source, as the
-    build will apply them, without writing anything: {source: {stage: [outcome, ...]}}.
+    """Check each patching stage's patches against a composed tree, as the build will apply them,
+    without writing anything: {source: {stage: [outcome, ...]}}.
+
+    A stage with sources: the composed tree of its first source. A stage without sources of its own
+    that installs what earlier stages built (their images reach it through ``STAGE_*`` build args; glm53's
+    runner patches the installed ``vllm`` package): the composed tree of each such stage's first source
+    (its ``vllm/`` is the installed package, at the same relative paths), with that stage's own patches
+    applied first, as the installed package has them. A patch is recorded under the first of those
+    trees where it is not ``not-applicable`` (else under the first tree).
 
     The packed tarball (the bytes the build gets) is extracted into a scratch folder, where the
     patches run in another process, twice (definition/patchcheck.py: nothing of a patch runs here).
@@ -459,20 +466,34 @@ def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
 
     from imagebuild.definition import patchcheck, patching
 
+    def patch_paths(st) -> list:
+        return [i.path for i in st.inputs if i.kind == "patch"]
+
+    by_arg = {d.stage_arg(s.name): s for s in defn.stages}
     out: dict = {}
     for st in defn.stages:
-        paths = [i.path for i in st.inputs if i.kind == "patch"]
-        if not paths or not st.sources or st.sources[0] not in sources:
+        paths = patch_paths(st)
+        if not paths:
             continue
-        name = st.sources[0]
-        with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
-            with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
-                tf.extractall(tmp, filter="data")
-            results = patchcheck.check(paths, Path(tmp), copy=False)
-        entries = [{"patch": r.patch, "outcome": r.outcome, "message": r.message, "sha256": r.sha256}
-                   for r in results]
-        out.setdefault(name, {})[st.name] = entries
-        for r in results:
+        if st.sources:
+            trees = [(st.sources[0], [])] if st.sources[0] in sources else []
+        else:
+            used = [by_arg.get(a) for a in st.stage_deps]
+            trees = [(u.sources[0], patch_paths(u)) for u in used
+                     if u is not None and u.sources and u.sources[0] in sources]
+        if not trees:
+            continue
+        found = {}
+        for name, before in trees:
+            with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
+                with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
+                    tf.extractall(tmp, filter="data")
+                found[name] = patchcheck.check([*before, *paths], Path(tmp), copy=False)[len(before):]
+        for i in range(len(paths)):
+            name = next((n for n, _ in trees if found[n][i].outcome != patching.NOT_APPLICABLE), trees[0][0])
+            r = found[name][i]
+            out.setdefault(name, {}).setdefault(st.name, []).append(
+                {"patch": r.patch, "outcome": r.outcome, "message": r.message, "sha256": r.sha256})
             if r.outcome == patching.FAILED:
                 msg = (f"stage {st.name!r}: patch {r.patch} fails on the composed {name} "
                        f"({r.message.splitlines()[0] if r.message else 'failed'}); the build would stop there "
