@@ -368,6 +368,12 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         if digest is None:
             log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
             digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
+        version = _local(lambda: compose_mod.scm_version(m, c.commit))
+        if version is None and not p.opts.dependency_of:  # never a null version where a build reads one
+            raise OperationFailed(f"{p.name}: cannot derive the version of the composed commit {c.commit[:12]}: "
+                                  f"the mirror {m.path} is shallow, so its history cannot be counted",
+                                  hint="run prefetch without --offline (it fetches the history), or remove "
+                                  "that mirror folder")
         crates = _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep)
         decl = info.decl if info else None
         scanned = p.name in scans
@@ -376,7 +382,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             "prs": [{"number": n, "sha": s} for n, s in p.prs],
             "commit": c.commit, "tree": tree, "source_tree": c.tree, "tree_pin": p.tree,
             "source_date_epoch": c.epoch,
-            "version": _local(lambda: compose_mod.scm_version(m, c.commit)),
+            "version": version,
             "packed_id": pid, "tarball_format": tarball.FORMAT,
             "tarball": d.display_path(defn.root, dest), "sha256": digest,
             "dependency_of": p.opts.dependency_of,
@@ -679,6 +685,14 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
                 return None, f"{p.name}: {cg['tarball']} is missing or does not match the lock's sha256"
         if p.opts.cargo_switch and defn.env.get(p.opts.cargo_switch) != ("1" if cg else "0"):
             return None, f"{p.name}: {p.opts.cargo_switch} in versions.env does not follow the lock's Rust crates"
+        if not p.opts.dependency_of and not e.get("version"):
+            return None, f"{p.name}: the lock has no version for it (written from a history-less mirror)"
+    checked = {st for e in srcs.values() if isinstance(e, dict) for st in (e.get("patch_check") or {})}
+    by_arg = {d.stage_arg(s.name): s for s in defn.stages}
+    for st in defn.stages:  # a patching stage without sources of its own is checked too (_check_patches)
+        used = [u for u in (by_arg.get(a) for a in st.stage_deps) if u is not None and u.sources]
+        if not st.sources and used and any(i.kind == "patch" for i in st.inputs) and st.name not in checked:
+            return None, f"stage {st.name}: the lock predates the check of its patches on the composed tree"
     sums = state.deps_dir(defn.root, defn.name) / "src" / SUMS_FILE
     if not sums.is_file():
         return None, f"{defn.rel(sums)} is missing"
@@ -853,7 +867,10 @@ def _github_states(url: str, numbers: list[int]) -> dict[int, dict]:
 def _fetch(cache: gitcache.Cache, url: str, pins: list[Pin]) -> None:
     m = cache.mirror(url)
     shas = [s for p in pins for s in p.shas()]
-    shallow = all(not p.prs for p in pins)
+    # history: to merge PR heads, and for every source that is no FetchContent dependency, whose version
+    # (0.1.dev<commits>+g<sha>, compose.scm_version) counts it, PRs or not; a dependency without PRs is
+    # fetched at depth 1 (its build reads no version)
+    shallow = all(not p.prs and p.opts.dependency_of for p in pins)
     name = "/".join(p.name for p in pins)
     missing = m.missing(shas)
     if cache.offline:
@@ -863,8 +880,10 @@ def _fetch(cache: gitcache.Cache, url: str, pins: list[Pin]) -> None:
                 f"{p.name}: --offline: commit {missing[0]} ({p.what(missing[0])}) is not in the cache "
                 f"{m.path}", hint="run prefetch once without --offline")
         if not shallow and m.is_shallow():
-            raise gitcache.OfflineMissing(f"{name}: --offline: the cached mirror {m.path} is shallow and "
-                                          "merging the PRs needs history", hint="run once without --offline")
+            why = ("merging the PRs needs history" if any(p.prs for p in pins) else
+                   "deriving its version (0.1.dev<commits>+g<sha>) needs its history")
+            raise gitcache.OfflineMissing(f"{name}: --offline: the cached mirror {m.path} is shallow and {why}",
+                                          hint="run once without --offline")
         return
     if not missing and not (not shallow and m.is_shallow()):
         return
