@@ -24,7 +24,11 @@ EDITS = [
             "                AttentionBackendEnum.TRITON_MLA,\n"
         ),
         marker="imagebuild-patch: sm12x-b12x",
-        applies_if=["major == 12:"],  # the capability-12 MLA backend list: not there -> not applicable
+        # the feature it repairs, not its shape (docs/patches.md): vLLM's backend priorities by device
+        # capability. A tree that has them with the sm12x branch in another shape (28be48fa's
+        # `major in (10, 12)`) fails, naming the anchor; only a tree without them is not applicable (and
+        # the gate's sm12x-patch check refuses that image)
+        applies_if=["_get_backend_priorities"],
         # the fork's own list already starting with B12X
         upstream=[
             "        elif device_capability.major == 12:\n"

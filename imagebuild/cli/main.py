@@ -403,7 +403,9 @@ prefetch environment:
                         "check of severity error, zero checks, a timeout), 2 for a malformed spec. "
                         "Format and check kinds: docs/gate.md.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sp.add_argument("target", metavar="IMAGE|REF", help="definition name, or an image reference (with --spec)")
+    sp.add_argument("target", metavar="IMAGE|REF", nargs="?", help="definition name, or an image reference (with "
+                    "--spec); none: every definition's newest build recorded here that has no receipt of its "
+                    "current gate spec yet, one line per definition")
     sp.add_argument("--ref", metavar="REF", help="with IMAGE: the image to gate (default: IMAGE:candidate)")
     sp.add_argument("--spec", metavar="FILE", help="gate spec file (required for a REF; overrides a "
                     "definition's own spec)")
@@ -930,7 +932,7 @@ def cmd_prefetch(args) -> int:
         common.print_json(report.as_dict())
     else:
         print(prefetch_mod.render(report))
-    return EXIT_OK
+    return report.exit_code
 
 
 def cmd_bundle(args) -> int:
@@ -984,6 +986,8 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_gate(args) -> int:
+    if args.target is None:
+        return _gate_pending(args)
     if args.check_receipt:
         return _check_receipt(args)
     from imagebuild.gate import runner as gate_mod  # imports pytest: only when gating
@@ -1002,6 +1006,51 @@ def cmd_gate(args) -> int:
     if not receipt.passed:
         raise gate_mod.failure(receipt)
     return EXIT_OK
+
+
+def _gate_pending(args) -> int:
+    """``imagebuild gate`` alone: gate what was built here and not yet gated (gate_mod.pending says
+    which, and why not the others); the tables of those gated, then one line per definition. The
+    exit code is the worst: 4 when a gate failed, 2 for a definition that does not load."""
+    given = [f for f, v in (("--ref", args.ref), ("--spec", args.spec), ("--check-receipt", args.check_receipt),
+                            ("--junit", args.junit)) if v]
+    if given:
+        raise UsageError(f"{given[0]} needs an IMAGE or REF", hint=f"imagebuild gate IMAGE {given[0]} ...")
+    from imagebuild.gate import runner as gate_mod  # imports pytest: only when gating
+
+    rows = []
+    for p in gate_mod.pending(common.ctx(args)):
+        if p.target is None:
+            rows.append({"image": p.image, "status": p.status, "ref": None, "detail": p.detail,
+                         "receipt": None, "exit_code": p.exit_code})
+            continue
+        log.info("%s: gating %s (built here, not yet gated)", p.image, p.target.ref)
+        try:
+            receipt = gate_mod.execute(p.target, require_gpu=args.require_gpu)
+        except ImagebuildError as exc:  # the next definition is still gated; the error in full on stderr
+            _say(args, "error", exc.render())
+            rows.append({"image": p.image, "status": "failed", "ref": p.target.ref,
+                         "detail": exc.message.splitlines()[0], "receipt": None, "exit_code": exc.exit_code})
+            continue
+        s = receipt.data["summary"]
+        detail = (f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped of {s['total']}"
+                  + (f" ({receipt.data['reason']})" if receipt.data["reason"] else "")
+                  + (f"; :local unchanged: imagebuild build {p.image} promotes it" if receipt.passed else ""))
+        rows.append({"image": p.image, "status": "passed" if receipt.passed else "failed", "ref": p.target.ref,
+                     "detail": detail, "receipt": str(receipt.path),
+                     "exit_code": EXIT_OK if receipt.passed else EXIT_GATE_FAILED})
+        if not args.json:
+            print(_verdicts(gate_mod.render_table(receipt, p.target.root)) + "\n")
+    code = max((r["exit_code"] for r in rows), default=EXIT_OK)
+    if args.json:
+        common.print_json({"schema": "imagebuild.gate-pending", "version": 1, "exit_code": code, "images": rows})
+        return code
+    if not rows:
+        print("no image definitions")
+    for r in rows:
+        what = f"{r['status']} {r['ref']}" if r["ref"] else r["status"]
+        print(_verdicts(f"{r['image']}: {what}: {r['detail']}"))
+    return code
 
 
 def _check_receipt(args) -> int:
@@ -1347,6 +1396,9 @@ def cmd_sync(args) -> int:
         from imagebuild.ship import registry_sync
 
         delivery = registry_sync.delivery(reg, args.tunnel)
+    sync_mod.image_named_as_peer(ctx, args.peers)
+    if args.image is None and ctx is not None and len(defn_mod.list_images(ctx.root)) > 1:
+        return _sync_promoted(args, ctx, delivery)
     report = sync_mod.sync(ctx, args.peers, image=args.image, jobs=args.jobs, force=args.force,
                            dry_run=args.dry_run, delivery=delivery)
     if args.json:
@@ -1354,6 +1406,42 @@ def cmd_sync(args) -> int:
     else:
         print(sync_mod.render(report))
     return report.exit_code
+
+
+def _sync_promoted(args, ctx, delivery) -> int:
+    """``imagebuild sync PEER...`` without --image in a project of several definitions: every promoted
+    ``:local`` (sync_mod.promoted), one sync each; each report, then one line per definition. The
+    exit code is the worst of the syncs; 1 when nothing is promoted."""
+    from imagebuild.core.errors import OperationFailed
+    from imagebuild.ship import sync as sync_mod
+
+    sync_mod.resolve_peers(ctx, args.peers)  # exit 2 for no peer, before any image is looked at
+    rows, reports = [], []
+    for name, why in sync_mod.promoted(ctx):
+        if why is not None:
+            rows.append((name, "skipped", why))
+            continue
+        report = sync_mod.sync(ctx, args.peers, image=name, jobs=args.jobs, force=args.force,
+                               dry_run=args.dry_run, delivery=delivery)
+        reports.append(report)
+        if not args.json:
+            print(sync_mod.render(report) + "\n")
+        peers = ", ".join(f"{p.peer} {p.status}" for p in report.peers)
+        rows.append((name, "ok" if report.ok else "not synced", f"{report.ref}: {peers}"))
+    if not reports:
+        raise OperationFailed("nothing to sync: no definition of this project has a promoted :local here ("
+                              + "; ".join(f"{n}: {w}" for n, _, w in rows) + ")",
+                              hint="imagebuild build IMAGE (it promotes a gated build), or imagebuild sync "
+                              "--image IMAGE|REF PEER")
+    code = max(r.exit_code for r in reports)
+    if args.json:
+        common.print_json({"schema": "imagebuild.sync-promoted", "version": 1, "exit_code": code,
+                           "images": [{"image": n, "status": st, "detail": d} for n, st, d in rows],
+                           "reports": [r.as_dict() for r in reports]})
+        return code
+    for name, st, detail in rows:
+        print(f"{name}: {st}: {detail}")
+    return code
 
 
 def cmd_rollback(args) -> int:

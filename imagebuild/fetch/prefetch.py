@@ -40,6 +40,7 @@ from imagebuild.core import lock, state
 from imagebuild.core.errors import (
     CommandFailed,
     DefinitionError,
+    ImagebuildError,
     OperationFailed,
     Problem,
     UsageError,
@@ -117,12 +118,13 @@ class ImageReport:
     notices: list[str] = field(default_factory=list)
     packages: dict | None = None  # base images, wheels, apt (packages.summary)
     would_write: dict | None = None  # --dry-run: the pins and lock sources a run would write
+    error: dict | None = None  # status "failed": {exit_code, message, hint} (several images: the run goes on)
 
     def as_dict(self) -> dict:
         return {"image": self.image, "status": self.status, "lock": self.lock, "build_id": self.build_id,
                 "sources": self.sources, "pinned": self.pinned, "moved": self.moved,
                 "pr_states": self.pr_states, "notices": self.notices, "packages": self.packages,
-                "would_write": self.would_write}
+                "would_write": self.would_write, "error": self.error}
 
 
 @dataclass
@@ -134,10 +136,15 @@ class Report:
     retries: int
     seconds: float
 
+    @property
+    def exit_code(self) -> int:
+        """The worst (highest) exit code of the images that failed; 0 when none did."""
+        return max((i.error["exit_code"] for i in self.images if i.error), default=0)
+
     def as_dict(self) -> dict:
         return {"schema": REPORT_SCHEMA, "version": REPORT_VERSION, "cache": self.cache,
                 "network_operations": self.network_operations, "fetches": self.fetches,
-                "retries": self.retries, "images": [i.as_dict() for i in self.images]}
+                "retries": self.retries, "exit_code": self.exit_code, "images": [i.as_dict() for i in self.images]}
 
 
 # ------------------------------------------------------------------------------------------------ entry
@@ -157,14 +164,27 @@ def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *
         raise UsageError("--refresh needs the network; it cannot be combined with --offline")
     ctx = context_mod.of(ctx)
     root = ctx.root
-    if images:
-        defns = [d.load(root, n) for n in images]
-    else:  # every image with git sources or packages (a broken definition is reported, not skipped)
-        defns = [x for x in (d.load(root, n) for n in d.list_images(root))
-                 if x.sources or packages.has_packages(x)]
-    names = [x.name for x in defns]
+    # Several images (none named: every image with git sources or packages): each one on its own, a
+    # failure reported in its row and the run going on to the next; the exit code is the worst.
+    # One image named: its error is raised as it is.
+    go_on = not images or len(images) > 1
+    defns: list = []
+    failed: dict[str, ImageReport] = {}
+    for n in images or d.list_images(root):
+        try:
+            x = d.load(root, n)
+        except DefinitionError as exc:
+            if not go_on:
+                raise
+            failed[n] = _failed(n, exc)
+            defns.append(n)
+            continue
+        if images or x.sources or packages.has_packages(x):
+            defns.append(x)
+    loaded = [x for x in defns if not isinstance(x, str)]
+    names = [x.name for x in loaded]
     if refresh:
-        known = {s for defn in defns for s in defn.sources}
+        known = {s for defn in loaded for s in defn.sources}
         unknown = [r for r in refresh if r not in known]
         if unknown:
             raise UsageError(f"--refresh {unknown[0]}: no such git source in "
@@ -173,24 +193,45 @@ def prefetch(ctx: context_mod.Context | Path, images: list[str] | None = None, *
     cache = gitcache.Cache(gitcache.default_cache_dir(cache_dir), offline=offline)
     reports = []
     for defn in defns:
-        if dry_run:
-            reports.append(_prefetch_image(defn, cache, refresh, jobs, dry_run=True))
+        if isinstance(defn, str):
+            reports.append(failed[defn])
             continue
-        with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
-            ir = _prefetch_image(defn, cache, refresh, jobs)
-            if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
-                pdefn, prep = packages.prefetch_packages(ctx, defn.name, offline=offline)
-                ir.packages = packages.summary(prep)
-                for w in check_rust_toolchain(pdefn, lock.read(defn.dir)):  # before the lock is written
-                    ir.notices.append(w)
-                    log.warning("warning: %s", w)
-        if ir.lock is not None or packages.has_packages(defn):
-            ir.lock = defn.rel(lock.lock_path(defn.dir))
-            ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
-            log.info("%s: lock %s (build id %s)", defn.name, ir.lock, ir.build_id)
-        reports.append(ir)
+        try:
+            reports.append(_prefetch_one(ctx, defn, cache, refresh, jobs, offline, dry_run))
+        except ImagebuildError as exc:
+            if not go_on:
+                raise
+            reports.append(_failed(defn.name, exc))
     st = cache.stats
     return Report(reports, str(cache.root), st.network, st.fetch, st.retries, time.monotonic() - t0)
+
+
+def _prefetch_one(ctx: context_mod.Context, defn: d.Definition, cache: gitcache.Cache, refresh: list[str] | None,
+                  jobs: int, offline: bool, dry_run: bool) -> ImageReport:
+    """One image's prefetch: its git sources, then its packages; the lock written once."""
+    if dry_run:
+        return _prefetch_image(defn, cache, refresh, jobs, dry_run=True)
+    with lock.batch(defn.dir, defn.name):  # the lock is written once, when every step succeeded
+        ir = _prefetch_image(defn, cache, refresh, jobs)
+        if packages.has_packages(defn):  # base images by digest, wheels, apt debs (packages.py)
+            pdefn, prep = packages.prefetch_packages(ctx, defn.name, offline=offline)
+            ir.packages = packages.summary(prep)
+            for w in check_rust_toolchain(pdefn, lock.read(defn.dir)):  # before the lock is written
+                ir.notices.append(w)
+                log.warning("warning: %s", w)
+    if ir.lock is not None or packages.has_packages(defn):
+        ir.lock = defn.rel(lock.lock_path(defn.dir))
+        ir.build_id = _build_id(defn)  # one id, from the lock as written: the same on stderr and stdout
+        log.info("%s: lock %s (build id %s)", defn.name, ir.lock, ir.build_id)
+    return ir
+
+
+def _failed(image: str, exc: ImagebuildError) -> ImageReport:
+    """The row of an image whose prefetch failed, the run going on: its error as the CLI would print it
+    (on stderr now, in full), and in the report (the first line of its message, the exit code)."""
+    log.error("%s", exc.render())
+    return ImageReport(image, status="failed", error={"exit_code": exc.exit_code, "message": exc.message,
+                                                      "hint": exc.hint})
 
 
 def _pmap(fn: Callable, items: Iterable, jobs: int) -> list:
@@ -327,6 +368,12 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         if digest is None:
             log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
             digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
+        version = _local(lambda: compose_mod.scm_version(m, c.commit))
+        if version is None and not p.opts.dependency_of:  # never a null version where a build reads one
+            raise OperationFailed(f"{p.name}: cannot derive the version of the composed commit {c.commit[:12]}: "
+                                  f"the mirror {m.path} is shallow, so its history cannot be counted",
+                                  hint="run prefetch without --offline (it fetches the history), or remove "
+                                  "that mirror folder")
         crates = _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep)
         decl = info.decl if info else None
         scanned = p.name in scans
@@ -335,7 +382,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             "prs": [{"number": n, "sha": s} for n, s in p.prs],
             "commit": c.commit, "tree": tree, "source_tree": c.tree, "tree_pin": p.tree,
             "source_date_epoch": c.epoch,
-            "version": _local(lambda: compose_mod.scm_version(m, c.commit)),
+            "version": version,
             "packed_id": pid, "tarball_format": tarball.FORMAT,
             "tarball": d.display_path(defn.root, dest), "sha256": digest,
             "dependency_of": p.opts.dependency_of,
@@ -405,8 +452,15 @@ def _ref_updates(defn: d.Definition, pins: dict[str, Pin], rep: ImageReport) -> 
 
 
 def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
-    """Check each patching stage's patches against the composed tree of its first source, as the
-    build will apply them, without writing anything: {source: {stage: [outcome, ...]}}.
+    """Check each patching stage's patches against a composed tree, as the build will apply them,
+    without writing anything: {source: {stage: [outcome, ...]}}.
+
+    A stage with sources: the composed tree of its first source. A stage without sources of its own
+    that installs what earlier stages built (their images reach it through ``STAGE_*`` build args; glm53's
+    runner patches the installed ``vllm`` package): the composed tree of each such stage's first source
+    (its ``vllm/`` is the installed package, at the same relative paths), with that stage's own patches
+    applied first, as the installed package has them. A patch is recorded under the first of those
+    trees where it is not ``not-applicable`` (else under the first tree).
 
     The packed tarball (the bytes the build gets) is extracted into a scratch folder, where the
     patches run in another process, twice (definition/patchcheck.py: nothing of a patch runs here).
@@ -418,20 +472,34 @@ def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
 
     from imagebuild.definition import patchcheck, patching
 
+    def patch_paths(st) -> list:
+        return [i.path for i in st.inputs if i.kind == "patch"]
+
+    by_arg = {d.stage_arg(s.name): s for s in defn.stages}
     out: dict = {}
     for st in defn.stages:
-        paths = [i.path for i in st.inputs if i.kind == "patch"]
-        if not paths or not st.sources or st.sources[0] not in sources:
+        paths = patch_paths(st)
+        if not paths:
             continue
-        name = st.sources[0]
-        with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
-            with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
-                tf.extractall(tmp, filter="data")
-            results = patchcheck.check(paths, Path(tmp), copy=False)
-        entries = [{"patch": r.patch, "outcome": r.outcome, "message": r.message, "sha256": r.sha256}
-                   for r in results]
-        out.setdefault(name, {})[st.name] = entries
-        for r in results:
+        if st.sources:
+            trees = [(st.sources[0], [])] if st.sources[0] in sources else []
+        else:
+            used = [by_arg.get(a) for a in st.stage_deps]
+            trees = [(u.sources[0], patch_paths(u)) for u in used
+                     if u is not None and u.sources and u.sources[0] in sources]
+        if not trees:
+            continue
+        found = {}
+        for name, before in trees:
+            with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
+                with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
+                    tf.extractall(tmp, filter="data")
+                found[name] = patchcheck.check([*before, *paths], Path(tmp), copy=False)[len(before):]
+        for i in range(len(paths)):
+            name = next((n for n, _ in trees if found[n][i].outcome != patching.NOT_APPLICABLE), trees[0][0])
+            r = found[name][i]
+            out.setdefault(name, {}).setdefault(st.name, []).append(
+                {"patch": r.patch, "outcome": r.outcome, "message": r.message, "sha256": r.sha256})
             if r.outcome == patching.FAILED:
                 msg = (f"stage {st.name!r}: patch {r.patch} fails on the composed {name} "
                        f"({r.message.splitlines()[0] if r.message else 'failed'}); the build would stop there "
@@ -617,6 +685,14 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
                 return None, f"{p.name}: {cg['tarball']} is missing or does not match the lock's sha256"
         if p.opts.cargo_switch and defn.env.get(p.opts.cargo_switch) != ("1" if cg else "0"):
             return None, f"{p.name}: {p.opts.cargo_switch} in versions.env does not follow the lock's Rust crates"
+        if not p.opts.dependency_of and not e.get("version"):
+            return None, f"{p.name}: the lock has no version for it (written from a history-less mirror)"
+    checked = {st for e in srcs.values() if isinstance(e, dict) for st in (e.get("patch_check") or {})}
+    by_arg = {d.stage_arg(s.name): s for s in defn.stages}
+    for st in defn.stages:  # a patching stage without sources of its own is checked too (_check_patches)
+        used = [u for u in (by_arg.get(a) for a in st.stage_deps) if u is not None and u.sources]
+        if not st.sources and used and any(i.kind == "patch" for i in st.inputs) and st.name not in checked:
+            return None, f"stage {st.name}: the lock predates the check of its patches on the composed tree"
     sums = state.deps_dir(defn.root, defn.name) / "src" / SUMS_FILE
     if not sums.is_file():
         return None, f"{defn.rel(sums)} is missing"
@@ -791,7 +867,10 @@ def _github_states(url: str, numbers: list[int]) -> dict[int, dict]:
 def _fetch(cache: gitcache.Cache, url: str, pins: list[Pin]) -> None:
     m = cache.mirror(url)
     shas = [s for p in pins for s in p.shas()]
-    shallow = all(not p.prs for p in pins)
+    # history: to merge PR heads, and for every source that is no FetchContent dependency, whose version
+    # (0.1.dev<commits>+g<sha>, compose.scm_version) counts it, PRs or not; a dependency without PRs is
+    # fetched at depth 1 (its build reads no version)
+    shallow = all(not p.prs and p.opts.dependency_of for p in pins)
     name = "/".join(p.name for p in pins)
     missing = m.missing(shas)
     if cache.offline:
@@ -801,8 +880,10 @@ def _fetch(cache: gitcache.Cache, url: str, pins: list[Pin]) -> None:
                 f"{p.name}: --offline: commit {missing[0]} ({p.what(missing[0])}) is not in the cache "
                 f"{m.path}", hint="run prefetch once without --offline")
         if not shallow and m.is_shallow():
-            raise gitcache.OfflineMissing(f"{name}: --offline: the cached mirror {m.path} is shallow and "
-                                          "merging the PRs needs history", hint="run once without --offline")
+            why = ("merging the PRs needs history" if any(p.prs for p in pins) else
+                   "deriving its version (0.1.dev<commits>+g<sha>) needs its history")
+            raise gitcache.OfflineMissing(f"{name}: --offline: the cached mirror {m.path} is shallow and {why}",
+                                          hint="run once without --offline")
         return
     if not missing and not (not shallow and m.is_shallow()):
         return
@@ -1095,6 +1176,9 @@ def _prune(srcdir: Path, keep: set[str]) -> None:
 def render(report: Report) -> str:
     lines = []
     for ir in report.images:
+        if ir.error:  # one line: the error in full is on stderr
+            lines.append(f"{ir.image}: failed (exit {ir.error['exit_code']})  {ir.error['message'].splitlines()[0]}")
+            continue
         lines.append(f"{ir.image}: {ir.status}  lock {ir.lock or '-'}  build id {ir.build_id or '-'}")
         for name, e in sorted(ir.sources.items()):
             prs = " ".join(f"#{x['number']}@{x['sha'][:12]}" for x in e.get("prs", []))

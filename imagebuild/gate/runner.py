@@ -557,3 +557,68 @@ def render_table(receipt: receipts.Receipt, root: Path | None = None) -> str:
     if sig.is_file():
         lines.append(f"signed  {_shown(sig)} (ssh-keygen -Y, namespace {signing.NAMESPACE})")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ `gate` alone
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What ``imagebuild gate`` with no IMAGE does with one definition: ``target`` to gate, or none and
+    ``status`` (skipped, already-gated, failed) with ``detail`` saying why."""
+
+    image: str
+    status: str  # "gate", "skipped", "already-gated", "failed"
+    detail: str
+    target: Target | None = None
+    exit_code: int = 0  # "failed": the error's exit code
+
+
+def pending(ctx: context_mod.Context | Path) -> list[Pending]:
+    """Every definition of the project, in name order, with what a bare ``imagebuild gate`` does with it.
+
+    The rule (docs/cli.md): the newest build of the image recorded here (its run record with a release,
+    ``imagebuild log IMAGE``) is gated, as its release tag ``IMAGE:b-<build id>``, when no receipt of
+    the definition's current gate spec exists for its identity. Skipped, saying why: a definition
+    without a gate spec, one never built here, a release no longer in the engine, and a build that
+    already has a receipt of that spec (passed or failed: ``imagebuild gate IMAGE --ref REF`` runs it
+    again). A definition that does not load is failed (exit 2)."""
+    from imagebuild.core.errors import DefinitionError
+
+    ctx = context_mod.of(ctx)
+    out: list[Pending] = []
+    for name in defn_mod.list_images(ctx.root):
+        try:
+            dfn = defn_mod.load(ctx.root, name)
+        except DefinitionError as exc:
+            out.append(Pending(name, "failed", f"{exc.message}: imagebuild validate {name}",
+                               exit_code=exc.exit_code))
+            continue
+        if dfn.gate is None:
+            out.append(Pending(name, "skipped", "no gate spec"))
+            continue
+        built = next((r.summary() for r in runs.list_runs(ctx, name) if r.summary()["identity"]
+                      and r.summary()["build_id"]), None)
+        if built is None:
+            out.append(Pending(name, "skipped", f"no build recorded here (imagebuild build {name})"))
+            continue
+        ref = f"{name}:b-{built['build_id']}"
+        try:
+            ident = identity_mod.inspect(ref)
+        except OperationFailed:
+            out.append(Pending(name, "skipped", f"the release {ref} of run {built['run_id']} is no longer in the "
+                               f"engine (imagebuild build {name} makes it again)"))
+            continue
+        if ident.digest != built["identity"]:
+            out.append(Pending(name, "skipped", f"{ref} is identity {ident.digest}, not the {built['identity']} "
+                               f"run {built['run_id']} recorded (imagebuild build {name})"))
+            continue
+        spec_digest = gatespec.digest(dfn.gate)
+        have = receipts.read(ctx, ident.digest, spec_digest)
+        if have is not None:
+            path = receipts.receipt_path(ctx, ident.digest, spec_digest)
+            out.append(Pending(name, "already-gated", f"{ref} already gated: {have.get('result')} "
+                               f"(receipt {_shown(path)})"))
+            continue
+        out.append(Pending(name, "gate", ref, resolve(ctx, name, ref=ref)))
+    return out

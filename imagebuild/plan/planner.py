@@ -153,17 +153,28 @@ def context_inputs(root, inputs) -> list:
 
 
 def _patch_check(lock: dict | None, st) -> tuple[dict, ...]:
-    """What prefetch found for each of the stage's patches on the composed tree of its first source
-    (the lock's ``sources.<NAME>.patch_check``): outcome and reason, ``stale`` when the patch file
+    """What prefetch found for each of the stage's patches on the composed tree of its first source, or
+    for a stage without sources on the trees of the stages it uses (the lock's
+    ``sources.<NAME>.patch_check``): outcome and reason, ``stale`` when the patch file
     changed since, ``not-checked`` when the lock has no entry for it. Reads files' bytes only."""
     from imagebuild.core.fsutil import sha256_file
 
     patches = [i for i in st.inputs if i.kind == "patch"]
-    if not patches or not st.sources:
+    if not patches:
         return ()
-    src = ((lock or {}).get("sources") or {}).get(st.sources[0])
-    per = (src.get("patch_check") or {}).get(st.name) if isinstance(src, dict) else None
-    by_name = {e.get("patch"): e for e in per or [] if isinstance(e, dict)}
+    locked = (lock or {}).get("sources") or {}
+    # a stage without sources (glm53's runner, patching the installed vllm) was checked on the trees of
+    # the stages it uses: its entries are under those sources
+    names = [st.sources[0]] if st.sources else list(locked) if isinstance(locked, dict) else []
+    by_name = {}
+    for name in names:
+        src = locked.get(name)
+        per = (src.get("patch_check") or {}).get(st.name) if isinstance(src, dict) else None
+        for e in per or []:
+            if isinstance(e, dict):
+                by_name.setdefault(e.get("patch"), e)
+    if not st.sources and not by_name:
+        return ()
     out = []
     for i in patches:
         e = by_name.get(i.path.name)

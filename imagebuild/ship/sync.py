@@ -46,7 +46,7 @@ from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import remote as remote_mod
 from imagebuild.core import run as run_mod
-from imagebuild.core.errors import GuardRefused, OperationFailed, UsageError
+from imagebuild.core.errors import DefinitionError, GuardRefused, OperationFailed, UsageError
 from imagebuild.definition import reader as defn_mod
 from imagebuild.ship import localblobs, peer_agent
 from imagebuild.ship import peer as peer_mod
@@ -207,6 +207,56 @@ def resolve_image(ctx: context_mod.Context | Path | None, image: str | None, ref
         return names[0], f"{names[0]}:local"
     raise UsageError("which image? (--image IMAGE or --image REF)",
                      hint=f"definitions here: {', '.join(names) or 'none'}")
+
+
+def promoted(ctx: context_mod.Context | Path) -> list[tuple[str, str | None]]:
+    """Every definition of the project, in name order, with None when its ``:local`` is a promoted image
+    (it holds a trusted passing receipt of the definition's current gate spec here, as promotion asked),
+    else why it is not sent: what ``imagebuild sync PEER`` alone does (docs/cli.md)."""
+    from imagebuild.build import promote as promote_mod
+    from imagebuild.gate import receipts as receipts_mod
+
+    ctx = context_mod.of(ctx)
+    out: list[tuple[str, str | None]] = []
+    for name in defn_mod.list_images(ctx.root):
+        try:
+            spec_path = promote_mod.current_spec(ctx, name)
+        except DefinitionError as exc:
+            out.append((name, f"{exc.message} (imagebuild validate {name})"))
+            continue
+        if spec_path is None:
+            out.append((name, "no gate spec: nothing authorizes a sync"))
+            continue
+        try:
+            ident = identity_mod.inspect(f"{name}:local")
+        except OperationFailed:
+            out.append((name, f"no {name}:local in the engine (never promoted here)"))
+            continue
+        verdict = receipts_mod.check(ctx, ident.digest, promote_mod.current_spec_digest(ctx, name), spec=spec_path)
+        if not verdict.trusted:
+            out.append((name, f"{name}:local has no trusted passing receipt of the current gate spec here "
+                        f"(imagebuild sync --image {name} --force PEER sends it anyway)"))
+            continue
+        out.append((name, None))
+    return out
+
+
+def image_named_as_peer(ctx: context_mod.Context | Path | None, peers: list[str]) -> None:
+    """Exit 2 when a PEER word is the name of one of the project's definitions and not a peer of
+    imagebuild.yaml (``peers:``, ``peer_lists:``): ``imagebuild sync IMAGE`` meant ``--image IMAGE``."""
+    ctx = context_mod.maybe(ctx)
+    if ctx is None:
+        return
+    cfg = ctx.config
+    configured = set(cfg.peers) | {h for hosts in (getattr(cfg, "peer_lists", {}) or {}).values() for h in hosts}
+    for p in peers:
+        if p in configured or not defn_mod.NAME_RE.match(p) or \
+                not (ctx.root / defn_mod.IMAGES_DIR / p / defn_mod.IMAGE_FILE).is_file():
+            continue
+        others = [q for q in peers if q != p]
+        to = " ".join(others) if others else ("(the peers of imagebuild.yaml)" if cfg.peers else "PEER")
+        raise UsageError(f"{p!r} is an image of this project (docker-images/{p}/), not a peer",
+                         hint=f"imagebuild sync --image {p} {to}".rstrip())
 
 
 def _repo(ref: str) -> str:

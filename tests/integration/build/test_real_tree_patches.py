@@ -6,6 +6,8 @@ public here), so the expected outcome of each patch on this snapshot is recorded
 
   would-apply   the anchor is there once: the patch applies;
   not-needed    upstream already has the change (the patch's upstream string is there);
+  failed        the snapshot has the code the patch repairs in another shape: the patch fails, naming
+                its anchor (the build would stop there; prefetch warns);
   not-applicable  the snapshot does not have the code the patch targets (a file, or the regression
                 the patch repairs, came later): the patch declares what it repairs (its file, its
                 ``applies_if`` strings) and skips with the reason, as eugr's originals do. The test
@@ -39,9 +41,10 @@ ROOT = realtrees.ROOT
 
 @dataclass(frozen=True)
 class Expect:
-    outcome: str  # would-apply | not-needed | not-applicable
+    outcome: str  # would-apply | not-needed | not-applicable | failed
     why: str
-    proof: Callable[[Path], bool] | None = None  # for "not-applicable": True when the snapshot lacks the target
+    # "not-applicable": True when the snapshot lacks the target; "failed": True when it has another shape
+    proof: Callable[[Path], bool] | None = None
 
 
 def _missing(rel: str) -> Callable[[Path], bool]:
@@ -97,8 +100,11 @@ EXPECTED: dict[str, Expect] = {
     EUGR + "patch_vllm_spark_kv_cache_cleanup.py": Expect(
         "would-apply", "both anchors of gpu_worker.py are there (KV sizing after profiling, initialize_from_config)"),
     "glm53-jovian-r12/patch_cuda_sm12x.py": Expect(
-        "not-applicable", "this snapshot has no capability-12 MLA list (and no B12X attention backend) in platforms/cuda.py",
-        _lacks("vllm/platforms/cuda.py", "device_capability.major == 12:")),
+        "failed", "the snapshot has the feature it repairs (_get_backend_priorities) with the sm12x MLA branch in "
+        "another shape (`major in (10, 12)`, no TRITON_MLA-first list of its own): loud, never skipped",
+        lambda tree: "def _get_backend_priorities(" in (tree / "vllm/platforms/cuda.py").read_text()
+        and "device_capability.major in (10, 12):" in (tree / "vllm/platforms/cuda.py").read_text()
+        and "device_capability.major == 12:" not in (tree / "vllm/platforms/cuda.py").read_text()),
     "dsv4-flash-vision/patch_dsv4_plugin_register.py": Expect(
         "not-applicable", "targets the plugin's source tree (dsv4_vision/), not vLLM's", _missing("dsv4_vision/__init__.py")),
     "dsv4-flash-vision/patch_dsv4_supports_multimodal.py": Expect(
@@ -145,11 +151,19 @@ def test_patch_on_the_real_tree(key, vllm_tree):
                         "--src", str(vllm_tree), str(path)], capture_output=True, text=True, timeout=120)
     (res,) = json.loads(r.stdout)["patches"]
     print(f"{key}: {res['outcome']} -- {exp.why}")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == (1 if exp.outcome == "failed" else 0), r.stderr
     assert res["outcome"] == exp.outcome, res
     if exp.outcome == "not-applicable":
         assert res["message"].startswith("not applicable: "), res["message"]
         assert exp.proof is not None and exp.proof(vllm_tree), f"{key}: the snapshot has the target after all"
+    if exp.outcome == "failed":
+        assert "not found" in res["message"], res["message"]
+        assert exp.proof is not None and exp.proof(vllm_tree), f"{key}: the snapshot's shape is not the one said"
+
+
+def _code(keys: list[str]) -> int:
+    """`imagebuild patch --check`'s exit code for these patches: 1 when one fails."""
+    return 1 if any(EXPECTED[k].outcome == "failed" for k in keys) else 0
 
 
 @pytest.mark.parametrize("image", IMAGES)
@@ -168,10 +182,10 @@ def test_imagebuild_patch_check_reports_every_patch_of_every_stage(image, vllm_t
         every += keys
         res = run_cli("--root", str(ROOT), "patch", image, "--src", str(vllm_tree), "--check",
                       "--stage", stage.name, "--json")
-        assert res.code == 0, res.err
+        assert res.code == _code(keys), res.err
         assert [p["outcome"] for p in json.loads(res.out)["patches"]] == [EXPECTED[k].outcome for k in keys]
     res = run_cli("--root", str(ROOT), "patch", image, "--src", str(vllm_tree), "--check", "--json")
-    assert res.code == 0, res.err
+    assert res.code == _code(every), res.err
     assert [p["outcome"] for p in json.loads(res.out)["patches"]] == [EXPECTED[k].outcome for k in every]
     assert tree_state(vllm_tree) == before, "--check wrote nothing"
 

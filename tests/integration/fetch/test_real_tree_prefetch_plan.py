@@ -187,6 +187,16 @@ def test_prefetch_plan_and_dry_run_of_the_real_definition(served, github, engine
     pc = next(st for st in plan["stages"] if st["name"] == "vllm-wheel")["patch_check"]
     assert [(c["patch"], c["outcome"]) for c in pc] == [(c["patch"], c["outcome"]) for c in checked]
     assert not any(c["stale"] for c in pc)
+    # the runner's own patch (patch_cuda_sm12x.py, applied to the installed vllm) was checked on the composed
+    # tree's vllm/ too, after the vllm-wheel patches: this snapshot has the sm12x MLA branch in another shape
+    # (`major in (10, 12)`), so it fails, said at prefetch and in the plan (it used to be skipped, silently)
+    (rc,) = s["VLLM"]["patch_check"]["runner"]
+    assert (rc["patch"], rc["outcome"]) == ("patch_cuda_sm12x.py", "failed"), rc
+    assert "stage 'runner': patch patch_cuda_sm12x.py fails on the composed VLLM" in notices
+    rpc = next(st for st in plan["stages"] if st["name"] == "runner")["patch_check"]
+    assert [(c["patch"], c["outcome"]) for c in rpc] == [("patch_cuda_sm12x.py", "failed")]
+    # every composed source has a version (VLLM and B12X: setuptools-scm's form of the composed commit)
+    assert all(s[n]["version"] and s[n]["version"].endswith("+g" + s[n]["commit"][:9]) for n in ("VLLM", "B12X"))
     text_plan = run_cli("--root", str(root), "plan", IMAGE).out
     assert f"   patch       not-applicable  {na[0]['patch']}" in text_plan, text_plan
     # a patch edited after prefetch is marked stale

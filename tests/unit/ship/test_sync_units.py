@@ -352,3 +352,24 @@ def test_the_load_streams_only_where_the_peers_dd_reads_by_byte_offsets(monkeypa
     assert not sync._PeerSync._can_stream(object.__new__(sync._PeerSync), st, [la], set())
     line = next(ln for ln in peer_agent.AGENT.splitlines() if "dd-bytes yes" in ln)
     assert subprocess.run(["sh", "-c", line], capture_output=True, text=True).stdout == "dd-bytes yes\n"
+
+
+def test_an_image_name_where_a_peer_goes_is_said(tmp_path):
+    """`imagebuild sync hce4-slow` with hce4-slow a definition: exit 2 naming the right form; a peer of
+    imagebuild.yaml with that name, or any other word, is a peer."""
+    for name in ("hce4-slow", "other"):
+        (tmp_path / "docker-images" / name).mkdir(parents=True)
+        (tmp_path / "docker-images" / name / "image.yaml").write_text("stages: []\n")
+    with pytest.raises(UsageError, match="'hce4-slow' is an image of this project") as exc:
+        sync.image_named_as_peer(tmp_path, ["hce4-slow"])
+    assert exc.value.hint == "imagebuild sync --image hce4-slow PEER"
+    with pytest.raises(UsageError) as exc:
+        sync.image_named_as_peer(tmp_path, ["dgx4", "hce4-slow"])
+    assert exc.value.hint == "imagebuild sync --image hce4-slow dgx4"
+    sync.image_named_as_peer(tmp_path, ["dgx4", "root@dgx5"])  # peers
+    (tmp_path / "imagebuild.yaml").write_text("peers: [dgx4]\npeer_lists:\n  odd: [hce4-slow]\n")
+    sync.image_named_as_peer(tmp_path, ["hce4-slow"])  # a configured peer of that name is a peer
+    with pytest.raises(UsageError) as exc:
+        sync.image_named_as_peer(tmp_path, ["other"])
+    assert exc.value.hint == "imagebuild sync --image other (the peers of imagebuild.yaml)"
+    sync.image_named_as_peer(None, ["hce4-slow"])  # outside a project: nothing to compare with
