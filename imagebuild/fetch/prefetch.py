@@ -54,6 +54,7 @@ from imagebuild.definition import reader as d
 from imagebuild.fetch import cargo as cargo_mod
 from imagebuild.fetch import compose as compose_mod
 from imagebuild.fetch import depcheck, fetchcontent, gitcache, packages, tarball
+from imagebuild.fetch import rust as rust_mod
 
 log = logging.getLogger("imagebuild")
 
@@ -500,20 +501,21 @@ def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dic
 
 
 def _with_rust_version(rec: dict, m: gitcache.Mirror, listing, subdir: str | None, locks) -> dict:
-    """``rec`` with ``rust_version``: [version, who], the highest ``rust-version`` among the tree's own
-    manifests (read from the commit every time: they are not in the vendor id) and the vendored
-    crates (recorded when they were vendored); None when nothing declares one."""
+    """``rec`` with what Rust the tree asks for (fetch/rust.py, read from the commit every time: the
+    toolchain file, editions, the Cargo.lock version and rust-version are not in the vendor id):
+    ``rust_needs`` ([version, file, what asks]), ``toolchain`` (the channel file, or None) and
+    ``rust_version``: [version, who], the highest of them and of the vendored crates' rust-version."""
     prefix = (subdir.rstrip("/") + "/") if subdir else ""
     blobs = {path[len(prefix):]: sha for _, sha, path in listing if path.startswith(prefix)}
-    own = []
-    for x in locks:
-        manifest = str(Path(x.path).with_name("Cargo.toml"))
-        if manifest in blobs:
-            text = _local(lambda b=blobs[manifest]: m.out("cat-file", "blob", b))
-            own.append((cargo_mod.manifest_rust_version(text), manifest))
+    needs, chains = rust_mod.tree_needs(blobs, [x.path for x in locks],
+                                        lambda b: _local(lambda: m.out("cat-file", "blob", b)))
+    top = rust_mod.highest(needs)
+    pairs = [(top.version, top.who)] if top else []
     crates = rec.get("crates_rust_version")
-    found = cargo_mod.highest(own + ([tuple(crates)] if isinstance(crates, list) and len(crates) == 2 else []))
-    return {**rec, "rust_version": list(found) if found else None}
+    found = cargo_mod.highest(pairs + ([tuple(crates)] if isinstance(crates, list) and len(crates) == 2 else []))
+    return {**rec, "rust_needs": [n.as_list() for n in needs],
+            "toolchain": {"file": chains[0].file, "channel": chains[0].channel} if chains else None,
+            "rust_version": list(found) if found else None}
 
 
 RUSTC_PACKAGE = re.compile(r"^rustc(?:-\d+\.\d+)?$")  # Debian/Ubuntu: rustc, or a versioned rustc-1.NN
@@ -553,11 +555,17 @@ def check_rust_toolchain(defn: d.Definition, data: dict | None) -> list[str]:
             if isinstance(need, list) and len(need) == 2 and cargo_mod.version_tuple(need[0]) \
                     and cargo_mod.version_tuple(rustc[1]) < cargo_mod.version_tuple(need[0]):
                 lst = rustc[2].apt.display if rustc[2].apt else f"stage {rustc[2].name!r}"
+                have = cargo_mod.version_tuple(rustc[1])
+                also = [f"{n[0]}: {n[1]} ({n[2]})" for n in rec.get("rust_needs") or ()
+                        if isinstance(n, list) and len(n) == 3 and (cargo_mod.version_tuple(n[0]) or (0,)) > have
+                        and f"{n[1]} ({n[2]})" != need[1]]
                 raise OperationFailed(
-                    f"{lst}: {rustc[0]}={rustc[1]} is older than the Rust {need[0]} that {need[1]} of {name} "
-                    f"declares (rust-version; {lockfiles}): stage {st.name!r} could not build its crates",
-                    hint="pin a newer Rust toolchain in that apt list (`apt-cache search --names-only ^rustc` in the "
-                    "base lists the archive's versioned toolchains), or the fork's crates at an older rust-version")
+                    f"{lst}: {rustc[0]}={rustc[1]} is older than the Rust {need[0]} that {need[1]} of {name} asks for: "
+                    f"stage {st.name!r} needs it to cargo-build {lockfiles}"
+                    + (f" (also too old for {'; '.join(also)})" if also else ""),
+                    hint="pin a Rust toolchain at least that new in that apt list (`apt-cache search --names-only "
+                    "^rustc` in the base lists the archive's versioned toolchains, rustc-1.NN), or a tree that asks "
+                    "for less")
     return warnings
 
 
@@ -612,6 +620,8 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
         if cg is not None:
             if not isinstance(cg, dict) or cg.get("format") != cargo_mod.FORMAT or not isinstance(cg.get("tarball"), str):
                 return None, f"{p.name}: the lock's cargo record is of another format"
+            if "rust_needs" not in cg:
+                return None, f"{p.name}: the lock predates reading the Rust the tree asks for (toolchain file, edition)"
             cpath = defn.root / cg["tarball"]
             if not cpath.is_file() or sha256_file(cpath) != cg.get("sha256"):
                 return None, f"{p.name}: {cg['tarball']} is missing or does not match the lock's sha256"

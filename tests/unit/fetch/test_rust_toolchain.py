@@ -93,3 +93,64 @@ def test_glm53_builds_its_rust_frontend_with_an_apt_rustc_in_the_wheel_stage_onl
     assert all(a.name not in ("rustc", "cargo") for st in ("apt", "torch") for a in (defn.stage(st).apt.items
                                                                                     if defn.stage(st).apt else ()))
     assert "install.sh" in wheel.dockerfile_bytes.decode() and "cargo --version" in wheel.dockerfile_bytes.decode()
+
+
+# ------------------------------------------------------------------ what the tree asks for (fetch/rust.py)
+NEWER_TREE = {  # the shape of the fork's newer trees (../shared/FACTS.md): no rust-version anywhere
+    "rust-toolchain.toml": '[toolchain]\nchannel = "1.95"\ncomponents = ["rustfmt"]\n',
+    "rust/Cargo.toml": '[workspace]\nmembers = ["parser"]\nresolver = "3"\n[workspace.package]\nedition = "2024"\n',
+    "rust/parser/Cargo.toml": '[package]\nname = "parser"\nversion = "0.1.0"\nedition.workspace = true\n',
+    "rust/Cargo.lock": "# generated\nversion = 4\n\n[[package]]\nname = \"parser\"\nversion = \"0.1.0\"\n",
+    "third_party/x/Cargo.toml": '[package]\nname = "x"\nedition = "2024"\nrust-version = "1.99"\n',
+}
+
+
+def _needs(tree: dict[str, str], locks=("rust/Cargo.lock",)):
+    from imagebuild.fetch import rust
+
+    files = {p: p for p in tree}  # blob id = path, read from the dict
+    return rust.tree_needs(files, list(locks), lambda b: tree[b])
+
+
+def test_the_newer_tree_asks_for_its_toolchain_edition_and_lockfile_version():
+    from imagebuild.fetch import rust
+
+    needs, chains = _needs(NEWER_TREE)
+    assert [n.as_list() for n in needs] == [
+        ["1.95", "rust-toolchain.toml", 'channel = "1.95"'],
+        ["1.85", "rust/Cargo.toml", 'edition = "2024"'],
+        ["1.78", "rust/Cargo.lock", "version = 4"],
+    ]
+    assert rust.highest(needs).who == 'rust-toolchain.toml (channel = "1.95")'
+    assert chains == [rust.Toolchain("rust-toolchain.toml", "1.95")]
+    # the nearest toolchain file wins (rust/ over the root); a legacy bare rust-toolchain is read too
+    tree = {**NEWER_TREE, "rust/rust-toolchain": "1.90.0\n"}
+    needs, chains = _needs(tree)
+    assert needs[0].as_list() == ["1.90.0", "rust/rust-toolchain", 'channel = "1.90.0"']
+    # a channel that is no version is recorded, never turned into one
+    needs, chains = _needs({**NEWER_TREE, "rust-toolchain.toml": '[toolchain]\nchannel = "nightly-2026-05-01"\n'})
+    assert needs[0].version == "1.85" and chains[0].channel == "nightly-2026-05-01" and chains[0].version is None
+    assert rust.lockfile_version("[[package]]\nname = \"a\"\nversion = \"4.0.0\"\n") is None  # a v1 lock
+
+
+def test_debian_rustc_1_63_is_refused_for_the_newer_tree_naming_the_toolchain_file(tmp_path):
+    """R4: bookworm's rustc 1.63 passed with no word (no crate declares rust-version)."""
+    from imagebuild.fetch import rust
+
+    needs, _ = _needs(NEWER_TREE)
+    top = rust.highest(needs)
+    defn = _definition(tmp_path, build_apt="rustc=1.63.0+dfsg1-2\ncargo=0.66.0+ds1-1\n")
+    lock = _lock([top.version, top.who], build=[("rustc", "1.63.0+dfsg1-2"), ("cargo", "0.66.0+ds1-1")])
+    lock["sources"]["APP"]["cargo"]["rust_needs"] = [n.as_list() for n in needs]
+    with pytest.raises(OperationFailed) as exc:
+        check_rust_toolchain(defn, lock)
+    msg = exc.value.message
+    assert "build-apt.txt: rustc=1.63.0+dfsg1-2 is older than the Rust 1.95" in msg
+    assert 'rust-toolchain.toml (channel = "1.95")' in msg and "stage 'build' needs it to cargo-build rust/Cargo.lock" in msg
+    assert 'rust/Cargo.toml (edition = "2024")' in msg and "rust/Cargo.lock (version = 4)" in msg
+    # noble's 1.75 is refused too; a versioned rustc-1.95 passes
+    lock["apt"]["build"]["files"][0]["version"] = "1.75.0+dfsg0ubuntu1-0ubuntu1"
+    with pytest.raises(OperationFailed):
+        check_rust_toolchain(defn, lock)
+    lock["apt"]["build"]["files"].append({"name": "rustc-1.95", "version": "1.95.0+dfsg-0ubuntu1", "filename": "x.deb"})
+    assert check_rust_toolchain(defn, lock) == []
