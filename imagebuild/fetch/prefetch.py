@@ -328,7 +328,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         if digest is None:
             log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
             digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
-        crates = _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep)
+        crates = _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep, cache)
         decl = info.decl if info else None
         scanned = p.name in scans
         return {
@@ -470,9 +470,9 @@ def _reusable(defn: d.Definition, p: Pin, old: dict | None, dest: Path, pid: str
 
 
 def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dict | None, srcdir: Path,
-           rep: ImageReport) -> dict | None:
+           rep: ImageReport, cache: gitcache.Cache) -> dict | None:
     """The lock's ``cargo`` record of a source: its Cargo.lock files vendored into one tarball
-    (fetch/cargo.py); None when the packed tree has none. Kept without running cargo when the
+    (fetch/cargo.py, fetch/crates.py); None when the packed tree has none. Kept as it is when the
     lock already has the same Cargo.lock files and the tarball is intact."""
     listing = _local(lambda: tarball.list_tree(m, commit))
     locks = cargo_mod.find_lockfiles(listing, p.opts.subdir)
@@ -492,11 +492,13 @@ def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dic
         rep.notices.append(msg)
         log.warning("  warning: %s", msg)
     log.info("  %s: vendoring the crates of %s into %s", p.name, ", ".join(x.path for x in locks), defn.rel(dest))
-    v = cargo_mod.vendor(p.name, m, commit, p.opts.subdir, locks, dest)
-    log.info("  %s: %d crates vendored (%s)", p.name, v.crates, v.cargo)
+    v = cargo_mod.vendor(p.name, m, commit, p.opts.subdir, locks, dest, cache=cache)
+    log.info("  %s: %d crates vendored from the Cargo.lock (%d from a registry, %d from git)", p.name, v.crates,
+             v.registry, v.git)
     return _with_rust_version({"format": cargo_mod.FORMAT, "vendor_id": vid, "tarball": shown, "sha256": v.tarball_sha256,
                                "lockfiles": [{"path": x.path, "blob": x.blob} for x in locks], "crates": v.crates,
-                               "config": v.config, "cargo": v.cargo, "crates_rust_version": v.rust_version},
+                               "config": v.config, "registry_crates": v.registry, "git_crates": v.git,
+                               "crates_rust_version": v.rust_version},
                               m, listing, p.opts.subdir, locks)
 
 
