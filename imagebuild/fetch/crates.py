@@ -175,7 +175,7 @@ def registry_for(source: str) -> Registry:
 # ------------------------------------------------------------------------------------------ download
 
 
-def _http_get(url: str, what: str) -> bytes:
+def http_get(url: str, what: str) -> bytes:
     timeout = float(os.environ.get("CARGO_HTTP_TIMEOUT", "30"))
     attempts = 1 + int(os.environ.get("CARGO_NET_RETRY", "2"))
     last = ""
@@ -205,7 +205,7 @@ class _Dl:
     def url(self, reg: Registry, c: Crate) -> str:
         if reg.where not in self._dl:
             base = reg.where if reg.where.endswith("/") else reg.where + "/"
-            raw = _http_get(base + "config.json", f"registry {gitcache.redact(reg.where)} ({reg.origin})")
+            raw = http_get(base + "config.json", f"registry {gitcache.redact(reg.where)} ({reg.origin})")
             try:
                 dl = json.loads(raw)["dl"]
             except (ValueError, KeyError, TypeError):
@@ -287,7 +287,7 @@ def _registry_crate(c: Crate, out: Path, cache_dir: Path, offline: bool, dl: _Dl
         raise OfflineMissing(f"{where}: --offline: not in the crates cache ({cache_dir})",
                              hint="run prefetch without --offline once to fill the cache")
     url = dl.url(reg, c)
-    data = _http_get(url, where)
+    data = http_get(url, where)
     got = hashlib.sha256(data).hexdigest()
     if got != c.checksum:
         raise OperationFailed(f"{where}: {gitcache.redact(url)} has sha256 {got}, the Cargo.lock says {c.checksum}")

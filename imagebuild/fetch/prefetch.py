@@ -53,7 +53,7 @@ from imagebuild.core.fsutil import (
 from imagebuild.definition import reader as d
 from imagebuild.fetch import cargo as cargo_mod
 from imagebuild.fetch import compose as compose_mod
-from imagebuild.fetch import depcheck, fetchcontent, gitcache, packages, tarball
+from imagebuild.fetch import depcheck, fetchcontent, gitcache, packages, rust_dist, tarball
 from imagebuild.fetch import rust as rust_mod
 
 log = logging.getLogger("imagebuild")
@@ -328,7 +328,8 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         if digest is None:
             log.info("  %s: packing %d files into %s", p.name, len(entries), defn.rel(dest))
             digest = _local(lambda: tarball.pack(entries, dest, c.epoch))
-        crates = _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep, cache)
+        crates = _rust_dist(defn, p, _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep, cache),
+                            old_sources.get(p.name), srcdir, cache)
         decl = info.decl if info else None
         scanned = p.name in scans
         return {
@@ -375,6 +376,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
     packed = {Path(x["tarball"]).name: x["sha256"] for e in sources.values()
               for x in (e, e.get("cargo")) if isinstance(x, dict)}
+    packed.update({Path(tb).name: sha for e in sources.values() for tb, sha in rust_dist.lock_files(e.get("cargo"))})
     sums = "".join(f"{sha}  {name}\n" for name, sha in sorted(packed.items()))
 
     def commit() -> None:  # after the lock (the commit point): SHA256SUMS, then the old tarballs go
@@ -502,6 +504,20 @@ def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dic
                               m, listing, p.opts.subdir, locks)
 
 
+def _rust_dist(defn: d.Definition, p: Pin, rec: dict | None, old: dict | None, srcdir: Path,
+               cache: gitcache.Cache) -> dict | None:
+    """``rec`` with ``toolchain_dist`` (fetch/rust_dist.py) when the source asks for the toolchain its
+    tree names (``rust_toolchain: dist``), without it otherwise."""
+    if rec is None:
+        return None
+    rec = {k: v for k, v in rec.items() if k != "toolchain_dist"}
+    if p.opts.rust_toolchain != "dist":
+        return rec
+    prev = ((old or {}).get("cargo") or {}).get("toolchain_dist") if isinstance((old or {}).get("cargo"), dict) else None
+    return {**rec, "toolchain_dist": rust_dist.fetch(p.name, rec.get("toolchain"), defn.platform, srcdir, defn.root,
+                                                     cache, prev, lambda x: d.display_path(defn.root, x))}
+
+
 def _with_rust_version(rec: dict, m: gitcache.Mirror, listing, subdir: str | None, locks) -> dict:
     """``rec`` with what Rust the tree asks for (fetch/rust.py, read from the commit every time: the
     toolchain file, editions, the Cargo.lock version and rust-version are not in the vendor id):
@@ -539,6 +555,15 @@ def check_rust_toolchain(defn: d.Definition, data: dict | None) -> list[str]:
             if not isinstance(rec, dict):
                 continue
             need = rec.get("rust_version")
+            td = rec.get("toolchain_dist")
+            if isinstance(td, dict):  # the pinned toolchain the tree names: it must reach the rest too
+                if isinstance(need, list) and len(need) == 2 and cargo_mod.version_tuple(need[0]) \
+                        and (cargo_mod.version_tuple(str(td.get("version"))) or (0,)) < cargo_mod.version_tuple(need[0]):
+                    raise OperationFailed(
+                        f"{name}: {td.get('file')}: Rust {td.get('version')} (channel {td.get('channel')}) is older than "
+                        f"the Rust {need[0]} that {need[1]} asks for: stage {st.name!r} could not cargo-build it",
+                        hint="name a newer channel in the toolchain file")
+                continue
             rustc, chain, cur = None, [], st
             while cur is not None:
                 chain.append(cur.name)
@@ -622,6 +647,9 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
         if cg is not None:
             if not isinstance(cg, dict) or cg.get("format") != cargo_mod.FORMAT or not isinstance(cg.get("tarball"), str):
                 return None, f"{p.name}: the lock's cargo record is of another format"
+            bad = rust_dist.intact(defn.root, cg)
+            if bad or (p.opts.rust_toolchain == "dist") != isinstance(cg.get("toolchain_dist"), dict):
+                return None, f"{p.name}: {bad or 'the pinned Rust toolchain does not follow rust_toolchain'}"
             if "rust_needs" not in cg:
                 return None, f"{p.name}: the lock predates reading the Rust the tree asks for (toolchain file, edition)"
             cpath = defn.root / cg["tarball"]

@@ -345,3 +345,148 @@ def test_no_configured_registry_says_what_to_configure(env, tmp_path, monkeypatc
     assert r.code == 1, r.err
     assert "no registry to take the crates of" in r.err and "replace-with" in r.err, r.err
     assert "Traceback" not in r.err
+
+
+# ------------------------------------------------------------------ the toolchain the tree names (rust_dist.py)
+STANDIN_CACHE = Path(os.environ.get("IMAGEBUILD_TEST_RUST_STANDIN", "/tmp/imagebuild-test-rust-standin"))
+TARGET = "x86_64-unknown-linux-gnu"
+
+
+def _standin_archives() -> tuple[str, str, dict[str, Path]]:
+    """(rustc's version line, its X.Y.Z, {component: .tar.gz}): release-shaped archives of this
+    machine's rustup stable toolchain (rustup's own per-component file lists say what goes where),
+    made once and kept under STANDIN_CACHE (they are large)."""
+    tc = Path("/root/.rustup/toolchains") / f"stable-{TARGET}"
+    if not (tc / "bin/rustc").is_file() or not (tc / f"lib/rustlib/manifest-rustc-{TARGET}").is_file():
+        _unavailable(f"no rustup stable toolchain for {TARGET} to make stand-in release archives of")
+    line = subprocess.run([str(tc / "bin/rustc"), "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    version = line.split()[1]
+    if not version.startswith("1.95."):
+        _unavailable(f"the stand-in must be Rust 1.95 (the fixture's toolchain file); this machine has {line}")
+    out = STANDIN_CACHE / version
+    archives = {}
+    for comp in ("rustc", "cargo", "rust-std"):
+        pkg = f"{comp}-{version}-{TARGET}"
+        dest = out / f"{pkg}.tar.gz"
+        archives[comp] = dest
+        if dest.is_file():
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        cname = comp if comp != "rust-std" else f"rust-std-{TARGET}"
+        files = [ln.split(":", 1)[1] for ln in (tc / f"lib/rustlib/manifest-{comp}-{TARGET}").read_text().splitlines()
+                 if ln.startswith("file:")]
+        tmp = dest.with_suffix(".tmp")
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=1) as gz, \
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            def add_bytes(name: str, data: bytes) -> None:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o644
+                tf.addfile(info, io.BytesIO(data))
+            add_bytes(f"{pkg}/components", f"{cname}\n".encode())
+            add_bytes(f"{pkg}/rust-installer-version", b"3\n")
+            add_bytes(f"{pkg}/{cname}/manifest.in", "".join(f"file:{f}\n" for f in files).encode())
+            for f in files:
+                tf.add(str(tc / f), arcname=f"{pkg}/{cname}/{f}", recursive=False)
+        tmp.rename(dest)
+    return line, version, archives
+
+
+@pytest.fixture(scope="module")
+def dist_server(tmp_path_factory):
+    """A stand-in Rust dist server on 127.0.0.1: dist/channel-rust-1.95.toml (+ .sha256) listing the
+    stand-in archives with their sha256, under a published host that does not exist."""
+    line, version, archives = _standin_archives()
+    root = tmp_path_factory.mktemp("rustdist")
+    day = root / "dist" / "2026-04-16"
+    day.mkdir(parents=True)
+    lines = ['manifest-version = "2"', 'date = "2026-04-16"']
+    for comp, path in archives.items():
+        os.symlink(path, day / path.name)
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        lines += ["", f"[pkg.{comp}]", f'version = "{line.split(" ", 1)[1]}"', "",
+                  f"[pkg.{comp}.target.{TARGET}]", "available = true",
+                  f'url = "https://dist.invalid/dist/2026-04-16/{path.name}"', f'hash = "{sha}"']
+    text = "\n".join(lines) + "\n"
+    (root / "dist/channel-rust-1.95.toml").write_text(text)
+    (root / "dist/channel-rust-1.95.toml.sha256").write_text(
+        f"{hashlib.sha256(text.encode()).hexdigest()}  channel-rust-1.95.toml\n")
+    hits: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a):
+            hits.append(self.path)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield {"url": f"http://127.0.0.1:{srv.server_address[1]}", "version": version, "hits": hits,
+           "sha": {c: hashlib.sha256(p.read_bytes()).hexdigest() for c, p in archives.items()}}
+    srv.shutdown()
+
+
+def test_the_toolchain_the_tree_names_is_pinned_and_the_stage_builds_with_it_offline(env, dist_server, tmp_path,
+                                                                                     monkeypatch):
+    """rust_toolchain: dist: the archives of Rust 1.95 (rust-toolchain.toml) checked against the channel
+    manifest, packed into deps-src, recorded in the lock; the stage installs them (no rustup, no other
+    Rust on PATH) and builds the fixture offline; --offline prefetch again, with no network at all."""
+    if not _no_net_works():
+        _unavailable("unshare -n is not available (root needed)")
+    w = env
+    monkeypatch.setenv("RUSTUP_DIST_SERVER", dist_server["url"])
+    root = make_project(tmp_path / "a", w["app"].url(), w["with_rust"])
+    y = root / "docker-images" / IMAGE / "image.yaml"
+    y.write_text(y.read_text() + "    rust_toolchain: dist\n")
+    cache = tmp_path / "cache"
+    r = prefetch(root, cache)
+    assert r.code == 0, r.err
+    lock = read_lock(root)
+    td = lock["sources"]["APP"]["cargo"]["toolchain_dist"]
+    assert (td["channel"], td["version"], td["target"], td["file"]) == ("1.95", dist_server["version"], TARGET,
+                                                                       "rust-toolchain.toml")
+    assert [a["component"] for a in td["archives"]] == ["rustc", "cargo", "rust-std"]
+    for a in td["archives"]:
+        assert a["sha256"] == dist_server["sha"][a["component"]]
+        assert a["url"].startswith("https://dist.invalid/dist/2026-04-16/")  # as published, not the mirror's
+        assert hashlib.sha256((root / a["tarball"]).read_bytes()).hexdigest() == a["sha256"]
+        assert f"{a['sha256']}  {Path(a['tarball']).name}\n" in (root / f"deps-src/{IMAGE}/src/SHA256SUMS").read_text()
+
+    # the stage: nothing but the mounted tarballs; no Rust on PATH before the script
+    ms = source_mounts.source_mounts(lock, "build", ["APP"])
+    assert [m.name for m in ms.mounts] == ["APP", "APP.cargo-vendor", "APP.rust-rustc", "APP.rust-cargo",
+                                           "APP.rust-rust-std"]
+    fake = tmp_path / "stage"
+    mount = fake / "imagebuild/src"
+    mount.mkdir(parents=True)
+    for m in ms.mounts:
+        os.link(root / m.tarball, mount / m.file)
+    (mount / source_mounts.SCRIPT).write_text(ms.script().replace("/imagebuild/", f"{fake}/imagebuild/"))
+    cmd = (f'set -e; ! command -v cargo; . {mount}/{source_mounts.SCRIPT}; cd "$IMAGEBUILD_SRC_APP/rust"; '
+           'command -v cargo; rustc --version; cargo build --offline --locked -q; ./target/debug/fixture')
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("CARGO", "RUSTUP", "GIT_CONFIG"))}
+    b = subprocess.run(["unshare", "-n", "sh", "-c", cmd], capture_output=True, text=True, env=clean)
+    assert b.returncode == 0, b.stdout + b.stderr
+    assert f"{fake}/imagebuild/work/rust/bin/cargo" in b.stdout and f"rustc {dist_server['version']}" in b.stdout
+    assert "fixture 4242 unix 42" in b.stdout
+    assert f"imagebuild-src: Rust {dist_server['version']} for {TARGET}" in b.stderr
+
+    # --offline, another project, the same cache, no network namespace route: all from the cache
+    fresh = make_project(tmp_path / "b", w["app"].url(), w["with_rust"])
+    yf = fresh / "docker-images" / IMAGE / "image.yaml"
+    yf.write_text(yf.read_text() + "    rust_toolchain: dist\n")
+    hits = len(dist_server["hits"])
+    r = subprocess.run(["unshare", "-n", sys.executable, "-m", "imagebuild", "--root", str(fresh), "prefetch",
+                        "--cache", str(cache), "--offline"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[3])
+    assert r.returncode == 0, r.stderr
+    assert len(dist_server["hits"]) == hits
+    assert read_lock(fresh)["sources"]["APP"]["cargo"]["toolchain_dist"]["archives"] == td["archives"]
+
+
+def test_no_dist_server_configured_says_so(env, tmp_path, monkeypatch):
+    w = env
+    monkeypatch.delenv("RUSTUP_DIST_SERVER", raising=False)
+    root = make_project(tmp_path, w["app"].url(), w["with_rust"])
+    y = root / "docker-images" / IMAGE / "image.yaml"
+    y.write_text(y.read_text() + "    rust_toolchain: dist\n")
+    r = prefetch(root, tmp_path / "cache")
+    assert r.code == 1 and "RUSTUP_DIST_SERVER is not set" in r.err, r.err
+    assert not (root / "docker-images" / IMAGE / "lock.json").exists()
