@@ -531,11 +531,13 @@ def _with_rust_version(rec: dict, m: gitcache.Mirror, listing, subdir: str | Non
     pairs = [(top.version, top.who)] if top else []
     crates = rec.get("crates_rust_version")
     found = cargo_mod.highest(pairs + ([tuple(crates)] if isinstance(crates, list) and len(crates) == 2 else []))
-    return {**rec, "rust_needs": [n.as_list() for n in needs],
+    protoc = rust_mod.protoc_need(blobs, [x.path for x in locks], lambda b: _local(lambda: m.out("cat-file", "blob", b)))
+    return {**rec, "rust_needs": [n.as_list() for n in needs], "protoc": protoc,
             "toolchain": {"file": chains[0].file, "channel": chains[0].channel} if chains else None,
             "rust_version": list(found) if found else None}
 
 
+PROTOC_PACKAGE = "protobuf-compiler"  # Debian's and Ubuntu's protoc
 RUSTC_PACKAGE = re.compile(r"^rustc(?:-\d+\.\d+)?$")  # Debian/Ubuntu: rustc, or a versioned rustc-1.NN
 
 
@@ -555,6 +557,20 @@ def check_rust_toolchain(defn: d.Definition, data: dict | None) -> list[str]:
             if not isinstance(rec, dict):
                 continue
             need = rec.get("rust_version")
+            pc = rec.get("protoc")
+            if isinstance(pc, dict) and pc.get("needed"):  # a build script runs protoc: an apt list must install it
+                has, cur = False, st
+                while cur is not None and not has:
+                    has = any(str(f.get("name")) == PROTOC_PACKAGE for f in (apt.get(cur.name) or {}).get("files") or ())
+                    cur = by_name.get(cur.parent.name) if cur.parent.kind == "stage" else None
+                if not has:
+                    lst = st.apt.display if st.apt else f"an apt list of stage {st.name!r}"
+                    raise OperationFailed(
+                        f"{name}: {'; '.join(pc.get('build_scripts') or ())} runs the protobuf compiler (protoc), and no "
+                        f"apt list of stage {st.name!r} or of the stages below it installs {PROTOC_PACKAGE}: the stage's "
+                        "cargo build would stop there",
+                        hint=f"add {PROTOC_PACKAGE} to {lst} (prefetch pins it and fetches its debs like the others), "
+                        "or a tree whose build uses the pure-Rust protox (vllm#52892)")
             td = rec.get("toolchain_dist")
             if isinstance(td, dict):  # the pinned toolchain the tree names: it must reach the rest too
                 if isinstance(need, list) and len(need) == 2 and cargo_mod.version_tuple(need[0]) \

@@ -156,3 +156,40 @@ def highest(needs: list[Need]) -> Need | None:
         if t and (best is None or t > cargo_mod.version_tuple(best.version)):
             best = n
     return best
+
+
+# ------------------------------------------------------------------------------------------------ protoc
+# build scripts that run a protobuf compiler: prost-build and tonic's builders call `protoc` (PROTOC or
+# PATH) unless they are handed a descriptor set made by a pure-Rust compiler
+PROTOC_USERS = re.compile(r"\b(tonic_prost_build|tonic_build|prost_build)\s*::")
+# crates that make a system protoc unnecessary: protox (the pure-Rust compiler vLLM moved to, vllm#52892),
+# or a protoc built or shipped by a crate
+PROTOC_FREE = ("protox", "protobuf-src", "protoc-bin-vendored")
+
+
+def protoc_need(files: dict[str, str], lock_paths: list[str], read: Callable[[str], str]) -> dict | None:
+    """Whether building the Cargo.lock files' packages runs a system ``protoc``: None when no build
+    script of the tree uses a protobuf builder; else {"needed", "build_scripts": [path: builder],
+    "compiler": the crate that replaces protoc, or None}."""
+    users: list[str] = []
+    for lp in lock_paths:
+        folder = PurePosixPath(lp).parent.as_posix()
+        prefix = "" if folder == "." else folder + "/"
+        for path in sorted(files):
+            parts = path.split("/")
+            if parts[-1] != "build.rs" or not path.startswith(prefix) \
+                    or any(p in cargo_mod.SKIP_DIRS or p.startswith(".") for p in parts[:-1]):
+                continue
+            m = PROTOC_USERS.search(read(files[path]))
+            if m and f"{path}: {m.group(1)}" not in users:
+                users.append(f"{path}: {m.group(1)}")
+    if not users:
+        return None
+    free = None
+    for lp in lock_paths:
+        if lp in files:
+            text = read(files[lp])
+            free = next((c for c in PROTOC_FREE if re.search(r'^name = "' + re.escape(c) + r'"$', text, re.M)), None)
+            if free:
+                break
+    return {"needed": free is None, "build_scripts": users, "compiler": free}

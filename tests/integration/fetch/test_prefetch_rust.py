@@ -490,3 +490,28 @@ def test_no_dist_server_configured_says_so(env, tmp_path, monkeypatch):
     r = prefetch(root, tmp_path / "cache")
     assert r.code == 1 and "RUSTUP_DIST_SERVER is not set" in r.err, r.err
     assert not (root / "docker-images" / IMAGE / "lock.json").exists()
+
+
+def test_a_build_script_that_runs_protoc_needs_an_apt_protoc_unless_protox(env, tmp_path):
+    """protoc: read from the commit (no build): tonic_prost_build in rust/build.rs needs it, and a stage
+    that installs none is refused at prefetch; with protox in the Cargo.lock (vllm#52892) it is not needed."""
+    w = env
+    build_rs = ('fn main() {\n    tonic_prost_build::configure()\n        .compile_protos(&["proto/x.proto"], '
+                '&["proto"])\n        .unwrap();\n}\n')
+    needs = w["app"].commit({"rust/build.rs": build_rs}, "a build script that runs protoc")
+    root = make_project(tmp_path / "a", w["app"].url(), needs)
+    r = prefetch(root, tmp_path / "cache")
+    # the stage installs no protoc (no apt list): refused before the lock is written, naming the script
+    assert r.code == 1, r.err
+    assert ("error: APP: rust/build.rs: tonic_prost_build runs the protobuf compiler (protoc), and no apt list of "
+            "stage 'build' or of the stages below it installs protobuf-compiler") in r.err, r.err
+    assert "Traceback" not in r.err and not (root / "docker-images" / IMAGE / "lock.json").exists()
+    lock_text = cargo_lock(w["reg"], w["commit"])
+    protox = w["app"].commit({"rust/Cargo.lock": lock_text.replace(
+        '[[package]]\nname = "itoa"', '[[package]]\nname = "protox"\nversion = "0.9.0"\n\n[[package]]\nname = "itoa"')},
+        "protox instead of protoc")
+    root = make_project(tmp_path / "c", w["app"].url(), protox)
+    r = prefetch(root, tmp_path / "cache")
+    assert r.code == 0, r.err
+    assert read_lock(root)["sources"]["APP"]["cargo"]["protoc"] == {
+        "needed": False, "build_scripts": ["rust/build.rs: tonic_prost_build"], "compiler": "protox"}

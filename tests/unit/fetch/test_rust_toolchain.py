@@ -154,3 +154,42 @@ def test_debian_rustc_1_63_is_refused_for_the_newer_tree_naming_the_toolchain_fi
         check_rust_toolchain(defn, lock)
     lock["apt"]["build"]["files"].append({"name": "rustc-1.95", "version": "1.95.0+dfsg-0ubuntu1", "filename": "x.deb"})
     assert check_rust_toolchain(defn, lock) == []
+
+
+BUILD_RS = 'fn main() -> Result<(), Box<dyn std::error::Error>> {\n    tonic_prost_build::configure()\n' \
+           '        .compile_protos(&["proto/inference.proto"], &["proto"])?;\n    Ok(())\n}\n'
+
+
+def test_a_build_script_that_runs_protoc_is_found_unless_the_tree_has_protox():
+    from imagebuild.fetch import rust
+
+    tree = {**NEWER_TREE, "rust/parser/build.rs": BUILD_RS,
+            "third_party/x/build.rs": "fn main() { prost_build::compile_protos(&[], &[]).unwrap(); }\n"}
+    files = {p: p for p in tree}
+    got = rust.protoc_need(files, ["rust/Cargo.lock"], lambda b: tree[b])
+    assert got == {"needed": True, "build_scripts": ["rust/parser/build.rs: tonic_prost_build"], "compiler": None}
+    # vllm#52892: the descriptor set comes from protox, a crate in the Cargo.lock: no protoc needed
+    tree["rust/Cargo.lock"] += '\n[[package]]\nname = "protox"\nversion = "0.9.0"\n'
+    got = rust.protoc_need(files, ["rust/Cargo.lock"], lambda b: tree[b])
+    assert got["needed"] is False and got["compiler"] == "protox"
+    assert rust.protoc_need({p: p for p in NEWER_TREE}, ["rust/Cargo.lock"], lambda b: NEWER_TREE[b]) is None
+
+
+def test_protoc_needed_and_no_apt_list_installs_it_is_refused_naming_the_build_script(tmp_path):
+    """protoc: the tree's build.rs runs tonic_prost_build; no stage installed protoc and nothing said so."""
+    defn = _definition(tmp_path, build_apt="rustc=1.95.0+dfsg-1\n")
+    lock = _lock(["1.95", 'rust-toolchain.toml (channel = "1.95")'], build=[("rustc", "1.95.0+dfsg-1")])
+    lock["sources"]["APP"]["cargo"]["protoc"] = {"needed": True, "compiler": None,
+                                                 "build_scripts": ["rust/build.rs: tonic_prost_build"]}
+    with pytest.raises(OperationFailed) as exc:
+        check_rust_toolchain(defn, lock)
+    msg = exc.value.message
+    assert "APP: rust/build.rs: tonic_prost_build runs the protobuf compiler (protoc)" in msg
+    assert "stage 'build'" in msg and "protobuf-compiler" in msg and "build-apt.txt" in exc.value.hint
+    # installed below the stage (pinned by prefetch like every deb): fine
+    lock["apt"]["tools"]["files"].append({"name": "protobuf-compiler", "version": "3.21.12-3", "filename": "p.deb"})
+    assert check_rust_toolchain(defn, lock) == []
+    # protox in the tree: nothing needed
+    lock["apt"]["tools"]["files"].pop()
+    lock["sources"]["APP"]["cargo"]["protoc"] = {"needed": False, "compiler": "protox", "build_scripts": ["x"]}
+    assert check_rust_toolchain(defn, lock) == []
