@@ -80,19 +80,22 @@ def test_no_rustc_in_any_apt_list_is_a_warning_the_base_may_carry_one(tmp_path):
     assert "'build'" in w and "no apt list" in w and "1.80 (itoa-1.0.15)" in w
 
 
-def test_glm53_builds_its_rust_frontend_with_an_apt_rustc_in_the_wheel_stage_only():
-    """glm53's vllm-wheel stage installs rustc and cargo (bare names, pinned by prefetch); the runner
-    starts from the torch stage, so no compiler reaches the served image."""
+def test_glm53_builds_its_rust_frontend_with_the_pinned_toolchain_and_apt_protoc_in_the_wheel_stage_only():
+    """glm53's vllm-wheel stage installs protoc from apt (bare name, pinned by prefetch) and takes the
+    Rust toolchain the tree names from its release archives (rust_toolchain: dist), not noble's 1.75;
+    the runner starts from the torch stage, so neither reaches the served image."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
     defn = d.load(root, "glm53-jovian-r12")
     wheel = defn.stage("vllm-wheel")
-    assert {a.name for a in wheel.apt.items} >= {"rustc", "cargo"}
+    assert {a.name for a in wheel.apt.items} == {"protobuf-compiler"}
+    assert defn.source_options["VLLM"].rust_toolchain == "dist"
     assert defn.stage("runner").parent == Parent("stage", "torch")
-    assert all(a.name not in ("rustc", "cargo") for st in ("apt", "torch") for a in (defn.stage(st).apt.items
-                                                                                    if defn.stage(st).apt else ()))
-    assert "install.sh" in wheel.dockerfile_bytes.decode() and "cargo --version" in wheel.dockerfile_bytes.decode()
+    assert all(a.name not in ("rustc", "cargo", "protobuf-compiler") for st in ("apt", "torch")
+               for a in (defn.stage(st).apt.items if defn.stage(st).apt else ()))
+    df = wheel.dockerfile_bytes.decode()
+    assert "install.sh" in df and "protoc --version" in df and "cargo --version" in df
 
 
 # ------------------------------------------------------------------ what the tree asks for (fetch/rust.py)
