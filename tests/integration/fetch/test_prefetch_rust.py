@@ -515,3 +515,49 @@ def test_a_build_script_that_runs_protoc_needs_an_apt_protoc_unless_protox(env, 
     assert r.code == 0, r.err
     assert read_lock(root)["sources"]["APP"]["cargo"]["protoc"] == {
         "needed": False, "build_scripts": ["rust/build.rs: tonic_prost_build"], "compiler": "protox"}
+
+
+@pytest.mark.engine
+def test_a_real_stage_builds_the_fixture_with_the_pinned_toolchain_from_deps_src_alone(env, dist_server, tmp_path,
+                                                                                        monkeypatch, engine_info):
+    """The acceptance build: `imagebuild build` of a stage (--network none, Debian bookworm base: a C
+    linker, no Rust at all) that sources imagebuild-src.sh and runs `cargo build --offline --locked`
+    with the Rust 1.95 the tree's rust-toolchain.toml names, every byte from deps-src."""
+    from tests.buildfixtures import cat, remove_images
+    from tests.peers import DEBIAN
+
+    w = env
+    image = "rust31"
+    monkeypatch.setenv("RUSTUP_DIST_SERVER", dist_server["url"])
+    root = tmp_path / "project"
+    img = root / "docker-images" / image
+    img.mkdir(parents=True)
+    (img / "versions.env").write_text(
+        f"BASE_IMAGE={DEBIAN}\nAPP_REPO={w['app'].url()}\nAPP_REF={w['with_rust']}\nAPP_REQUIRE_RUST=0\n")
+    (img / "image.yaml").write_text(
+        "platform: linux/amd64\nstages:\n  - name: build\n    from: BASE_IMAGE\n    sources: [APP]\n"
+        "sources:\n  APP:\n    scan_fetchcontent: false\n    cargo_switch: APP_REQUIRE_RUST\n    rust_toolchain: dist\n")
+    (img / "Dockerfile.build").write_text(
+        "ARG PARENT\nFROM ${PARENT}\n"
+        "RUN ! command -v cargo && ! command -v rustc\n"
+        "RUN --mount=type=bind,from=imagebuild-src,target=/imagebuild/src \\\n"
+        "    . /imagebuild/src/imagebuild-src.sh && cd \"$IMAGEBUILD_SRC_APP/rust\" \\\n"
+        "    && mkdir -p /out && rustc --version > /out/rustc.txt \\\n"
+        "    && cargo build --offline --locked --release -q && ./target/release/fixture > /out/fixture.txt \\\n"
+        "    && cd / && rm -rf /imagebuild/work\n")
+    r = prefetch(root, tmp_path / "cache")
+    assert r.code == 0, r.err
+    remove_images(f"imagebuild/{image}", image)
+    try:
+        r = run_cli("--root", str(root), "build", image, "--json", "--no-gate", "--no-cache")
+        assert r.code == 0, r.err
+        st = json.loads(r.out)["stages"][0]
+        assert st["status"] == "built" and st["network"] == "none"
+        assert st["named_contexts"]["imagebuild-src"] == [
+            "APP.cargo-vendor.tar.gz", "APP.rust-cargo.tar.gz", "APP.rust-rust-std.tar.gz", "APP.rust-rustc.tar.gz",
+            "APP.tar.gz", "imagebuild-src.json", "imagebuild-src.sh"]
+        cand = f"{image}:candidate"
+        assert cat(cand, "/out/fixture.txt") == "fixture 4242 unix 42\n"
+        assert cat(cand, "/out/rustc.txt").startswith(f"rustc {dist_server['version']} ")
+    finally:
+        remove_images(f"imagebuild/{image}", image)
