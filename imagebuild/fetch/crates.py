@@ -35,9 +35,7 @@ import shutil
 import tarfile
 import time
 import tomllib
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -176,6 +174,9 @@ def registry_for(source: str) -> Registry:
 
 
 def http_get(url: str, what: str) -> bytes:
+    import urllib.error  # only when something is downloaded (http.client, ssl: slow to import)
+    import urllib.request
+
     timeout = float(os.environ.get("CARGO_HTTP_TIMEOUT", "30"))
     attempts = 1 + int(os.environ.get("CARGO_NET_RETRY", "2"))
     last = ""

@@ -449,6 +449,17 @@ def test_the_toolchain_the_tree_names_is_pinned_and_the_stage_builds_with_it_off
         assert hashlib.sha256((root / a["tarball"]).read_bytes()).hexdigest() == a["sha256"]
         assert f"{a['sha256']}  {Path(a['tarball']).name}\n" in (root / f"deps-src/{IMAGE}/src/SHA256SUMS").read_text()
 
+    # bundle carries them to an air-gapped node (and the SHA256SUMS that lists them)
+    out = tmp_path / "b.tar"
+    r = run_cli("--root", str(root), "bundle", IMAGE, "-o", str(out))
+    assert r.code == 0, r.err
+    with tarfile.open(out) as tf:
+        names = set(tf.getnames())
+        assert all(a["tarball"] in names for a in td["archives"])
+        sums = tf.extractfile(f"deps-src/{IMAGE}/src/SHA256SUMS").read()
+    assert sums == (root / f"deps-src/{IMAGE}/src/SHA256SUMS").read_bytes()
+    out.unlink()
+
     # the stage: nothing but the mounted tarballs; no Rust on PATH before the script
     ms = source_mounts.source_mounts(lock, "build", ["APP"])
     assert [m.name for m in ms.mounts] == ["APP", "APP.cargo-vendor", "APP.rust-rustc", "APP.rust-cargo",
