@@ -213,9 +213,10 @@ class _Dl:
                 raise OperationFailed(f"{gitcache.redact(base)}config.json has no \"dl\" ({reg.origin})") from None
             self._dl[reg.where] = dl
         dl = self._dl[reg.where]
-        n = c.name.lower()
-        prefix = {1: "1", 2: "2", 3: f"3/{n[0]}"}.get(len(n), f"{n[:2]}/{n[2:4]}")
-        marks = {"{crate}": c.name, "{version}": c.version, "{prefix}": prefix, "{lowerprefix}": prefix,
+        def pre(n: str) -> str:  # the index's directory prefix of a name (cargo's registry docs)
+            return {1: "1", 2: "2", 3: f"3/{n[:1]}"}.get(len(n), f"{n[:2]}/{n[2:4]}")
+
+        marks = {"{crate}": c.name, "{version}": c.version, "{prefix}": pre(c.name), "{lowerprefix}": pre(c.name.lower()),
                  "{sha256-checksum}": c.checksum or ""}
         if not any(k in dl for k in marks):
             return f"{dl.rstrip('/')}/{c.name}/{c.version}/download"
