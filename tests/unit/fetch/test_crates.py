@@ -80,7 +80,7 @@ def test_download_url_template(monkeypatch):
     assert dl.url(reg, c) == "http://r.invalid/dl/Serde_json/1.0.0/download"
     dl._dl[reg.where] = "http://r.invalid/{prefix}/{crate}-{version}.crate?sha={sha256-checksum}"
     assert dl.url(reg, c) == f"http://r.invalid/Se/rd/Serde_json-1.0.0.crate?sha={SHA}"
-    dl._dl[reg.where] = "http://r.invalid/{lowerprefix}/{crate}"
-    assert dl.url(reg, c) == "http://r.invalid/se/rd/Serde_json"
     short = crates.Crate("ab", "0.1.0", crates.CRATES_IO_SOURCE, SHA, "Cargo.lock")
     assert dl.url(reg, short) == f"http://r.invalid/2/ab-0.1.0.crate?sha={SHA}"
+    dl._dl[reg.where] = "http://r.invalid/{lowerprefix}/{crate}"
+    assert dl.url(reg, c) == "http://r.invalid/se/rd/Serde_json"
