@@ -572,3 +572,34 @@ def test_a_real_stage_builds_the_fixture_with_the_pinned_toolchain_from_deps_src
         assert cat(cand, "/out/rustc.txt").startswith(f"rustc {dist_server['version']} ")
     finally:
         remove_images(f"imagebuild/{image}", image)
+
+
+@pytest.mark.engine
+def test_debian_bookworms_rustc_is_refused_for_the_newer_tree_at_prefetch(env, tmp_path, monkeypatch, engine_info):
+    """R4, end to end: a stage that builds the newer tree with Debian bookworm's apt rustc 1.63 (pinned
+    and fetched by prefetch from the machine's Debian mirror) is refused before the lock is written,
+    naming the toolchain file, the version it asks for, the rustc found and the stage."""
+    from tests.peers import DEBIAN
+
+    if subprocess.run(["docker", "image", "inspect", DEBIAN], capture_output=True).returncode != 0:
+        _unavailable(f"{DEBIAN} missing (scripts/testbed.sh imports it)")
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "state"))
+    w = env
+    image = "rust31apt"
+    root = tmp_path / "project"
+    img = root / "docker-images" / image
+    img.mkdir(parents=True)
+    (img / "versions.env").write_text(
+        f"BASE_IMAGE={DEBIAN}\nAPP_REPO={w['app'].url()}\nAPP_REF={w['with_rust']}\nAPP_REQUIRE_RUST=0\n")
+    (img / "image.yaml").write_text(
+        "platform: linux/amd64\nstages:\n  - name: build\n    from: BASE_IMAGE\n    sources: [APP]\n"
+        "    apt: apt-rust.txt\nsources:\n  APP:\n    scan_fetchcontent: false\n    cargo_switch: APP_REQUIRE_RUST\n")
+    (img / "apt-rust.txt").write_text("rustc=1.63.0+dfsg1-2\n")
+    (img / "Dockerfile.build").write_text("ARG PARENT\nFROM ${PARENT}\nRUN true\n")
+    r = run_cli("--root", str(root), "prefetch", "--cache", str(tmp_path / "cache"))
+    assert r.code == 1, r.err
+    assert (f"docker-images/{image}/apt-rust.txt: rustc=1.63.0+dfsg1-2 is older than the Rust 1.95 that "
+            'rust-toolchain.toml (channel = "1.95") of APP asks for: stage \'build\' needs it to cargo-build '
+            "rust/Cargo.lock") in r.err, r.err
+    assert 'rust/Cargo.toml (edition = "2024")' in r.err and "rust/Cargo.lock (version = 4)" in r.err
+    assert "Traceback" not in r.err and not (img / "lock.json").exists()
