@@ -20,7 +20,8 @@ from imagebuild.definition import envfile
 difflib = lazy.module("difflib")  # error hints only
 
 SOURCE_KEYS = ("scan_fetchcontent", "dependency_of", "declares", "env", "subdir", "submodules", "exclude",
-               "cargo_switch")
+               "cargo_switch", "rust_toolchain")
+RUST_TOOLCHAINS = ("dist",)  # sources.NAME.rust_toolchain: the release archives the tree's toolchain file names
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # an override may also be a CMake cache variable, which may hold '-', '.', '+'
 # (FetchContent's own FETCHCONTENT_SOURCE_DIR_VLLM-FLASH-ATTN); only ENV_NAME_RE names can be env vars
@@ -48,6 +49,9 @@ class SourceOptions:
     # a versions.env key prefetch sets to 1 when the composed tree has Rust crates (a Cargo.lock it
     # vendored), else 0 (VLLM_REQUIRE_RUST_FRONTEND); None: none
     cargo_switch: str | None = None
+    # "dist": prefetch fetches the Rust release archives the tree's toolchain file names (rustc,
+    # cargo, rust-std for the platform) and the stage installs them; None: the stage's own (apt, base)
+    rust_toolchain: str | None = None
 
     def setting(self) -> dict:
         """The settings as the lock records them (compared by prefetch's no-change check)."""
@@ -57,7 +61,8 @@ class SourceOptions:
                 "submodules": SUBMODULES_DECLARED if sub is None else (list(sub) if isinstance(sub, tuple) else sub),
                 "exclude": {n: r for n, r in self.exclude},
                 # only when set: the settings of locks written before it stay the same
-                **({"cargo_switch": self.cargo_switch} if self.cargo_switch else {})}
+                **({"cargo_switch": self.cargo_switch} if self.cargo_switch else {}),
+                **({"rust_toolchain": self.rust_toolchain} if self.rust_toolchain else {})}
 
     def excluded(self, declared_name: str) -> str | None:
         """The reason ``declared_name`` is excluded, or None."""
@@ -116,7 +121,7 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             ex = _exclude(m["exclude"], yfile, f"{where}.exclude", err)
             if ex is not _BAD:
                 vals["exclude"] = ex
-        for key in ("dependency_of", "declares", "env", "subdir", "cargo_switch"):
+        for key in ("dependency_of", "declares", "env", "subdir", "cargo_switch", "rust_toolchain"):
             if key in m:
                 v = m[key].value
                 if not isinstance(v, str) or not v.strip():
@@ -141,6 +146,11 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             err(yfile, f"invalid versions.env key {vals['cargo_switch']!r}", line=kl("cargo_switch"),
                 key=f"{where}.cargo_switch", hint="e.g. VLLM_REQUIRE_RUST_FRONTEND")
             vals.pop("cargo_switch")
+        if "rust_toolchain" in vals and vals["rust_toolchain"] not in RUST_TOOLCHAINS:
+            err(yfile, f"unknown rust_toolchain {vals['rust_toolchain']!r}", line=kl("rust_toolchain"),
+                key=f"{where}.rust_toolchain", hint=f"allowed: {', '.join(RUST_TOOLCHAINS)} (or leave it out: the "
+                "stage's own toolchain, from apt or the base)")
+            vals.pop("rust_toolchain")
         if "subdir" in vals:
             sp = PurePosixPath(vals["subdir"])
             if sp.is_absolute() or ".." in sp.parts or "\\" in vals["subdir"] or str(sp) == ".":
@@ -155,7 +165,8 @@ def source_options(spec: yamlread.Node, yfile: str, env: envfile.EnvFile, source
             scan_fetchcontent=vals.get("scan_fetchcontent", not vals.get("dependency_of")),
             dependency_of=vals.get("dependency_of"), declares=declares, env=vals.get("env"),
             subdir=vals.get("subdir"), submodules=vals.get("submodules"), line=line,
-            exclude=vals.get("exclude", ()), cargo_switch=vals.get("cargo_switch"))
+            exclude=vals.get("exclude", ()), cargo_switch=vals.get("cargo_switch"),
+            rust_toolchain=vals.get("rust_toolchain"))
         lines[name] = {k: m[k].line for k in m}
     # no cycles through dependency_of
     in_cycle: set[str] = set()

@@ -125,6 +125,10 @@ def items(image: str, lock: dict, lock_disp: str) -> list[Item]:
         add(e["tarball"], e.get("sha256"), f"sources.{name}")
         if isinstance(e.get("cargo"), dict):  # its vendored Rust crates (fetch/cargo.py)
             add(str(e["cargo"].get("tarball")), e["cargo"].get("sha256"), f"sources.{name}.cargo")
+            from imagebuild.fetch.rust_dist import lock_files  # only for a tree with Rust crates
+
+            for tb, sha in lock_files(e["cargo"]):  # its pinned Rust toolchain (fetch/rust_dist.py)
+                add(tb, sha, f"sources.{name}.cargo.toolchain_dist")
     if lock.get("sources"):
         out[f"deps-src/{image}/src/{SRC_SUMS}"] = Item(f"deps-src/{image}/src/{SRC_SUMS}", _src_sums_sha(lock))
     for section, extra in (("wheels", "install_requirements"), ("apt", "generated")):
@@ -147,6 +151,11 @@ def _src_sums_sha(lock: dict) -> str:
     """The sha256 of deps-src/<image>/src/SHA256SUMS as prefetch writes it for this lock."""
     packed = {PurePosixPath(x["tarball"]).name: x["sha256"] for e in (lock.get("sources") or {}).values()
               for x in (e, e.get("cargo")) if isinstance(x, dict)}
+    for e in (lock.get("sources") or {}).values():
+        if isinstance(e, dict) and isinstance(e.get("cargo"), dict) and e["cargo"].get("toolchain_dist"):
+            from imagebuild.fetch.rust_dist import lock_files  # only for a pinned Rust toolchain
+
+            packed.update({PurePosixPath(tb).name: sha for tb, sha in lock_files(e["cargo"])})
     text = "".join(f"{sha}  {name}\n" for name, sha in sorted(packed.items()))
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -54,7 +54,8 @@ from imagebuild.core.fsutil import (
 from imagebuild.definition import reader as d
 from imagebuild.fetch import cargo as cargo_mod
 from imagebuild.fetch import compose as compose_mod
-from imagebuild.fetch import depcheck, fetchcontent, gitcache, packages, tarball
+from imagebuild.fetch import depcheck, fetchcontent, gitcache, packages, rust_dist, tarball
+from imagebuild.fetch import rust as rust_mod
 
 log = logging.getLogger("imagebuild")
 
@@ -374,7 +375,8 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
                                   f"the mirror {m.path} is shallow, so its history cannot be counted",
                                   hint="run prefetch without --offline (it fetches the history), or remove "
                                   "that mirror folder")
-        crates = _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep)
+        crates = _rust_dist(defn, p, _cargo(defn, p, m, c.commit, old_sources.get(p.name), srcdir, rep, cache),
+                            old_sources.get(p.name), srcdir, cache)
         decl = info.decl if info else None
         scanned = p.name in scans
         return {
@@ -421,6 +423,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
     packed = {Path(x["tarball"]).name: x["sha256"] for e in sources.values()
               for x in (e, e.get("cargo")) if isinstance(x, dict)}
+    packed.update({Path(tb).name: sha for e in sources.values() for tb, sha in rust_dist.lock_files(e.get("cargo"))})
     sums = "".join(f"{sha}  {name}\n" for name, sha in sorted(packed.items()))
 
     def commit() -> None:  # after the lock (the commit point): SHA256SUMS, then the old tarballs go
@@ -537,9 +540,9 @@ def _reusable(defn: d.Definition, p: Pin, old: dict | None, dest: Path, pid: str
 
 
 def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dict | None, srcdir: Path,
-           rep: ImageReport) -> dict | None:
+           rep: ImageReport, cache: gitcache.Cache) -> dict | None:
     """The lock's ``cargo`` record of a source: its Cargo.lock files vendored into one tarball
-    (fetch/cargo.py); None when the packed tree has none. Kept without running cargo when the
+    (fetch/cargo.py, fetch/crates.py); None when the packed tree has none. Kept as it is when the
     lock already has the same Cargo.lock files and the tarball is intact."""
     listing = _local(lambda: tarball.list_tree(m, commit))
     locks = cargo_mod.find_lockfiles(listing, p.opts.subdir)
@@ -559,31 +562,50 @@ def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dic
         rep.notices.append(msg)
         log.warning("  warning: %s", msg)
     log.info("  %s: vendoring the crates of %s into %s", p.name, ", ".join(x.path for x in locks), defn.rel(dest))
-    v = cargo_mod.vendor(p.name, m, commit, p.opts.subdir, locks, dest)
-    log.info("  %s: %d crates vendored (%s)", p.name, v.crates, v.cargo)
+    v = cargo_mod.vendor(p.name, m, commit, p.opts.subdir, locks, dest, cache=cache)
+    log.info("  %s: %d crates vendored from the Cargo.lock (%d from a registry, %d from git)", p.name, v.crates,
+             v.registry, v.git)
     return _with_rust_version({"format": cargo_mod.FORMAT, "vendor_id": vid, "tarball": shown, "sha256": v.tarball_sha256,
                                "lockfiles": [{"path": x.path, "blob": x.blob} for x in locks], "crates": v.crates,
-                               "config": v.config, "cargo": v.cargo, "crates_rust_version": v.rust_version},
+                               "config": v.config, "registry_crates": v.registry, "git_crates": v.git,
+                               "crates_rust_version": v.rust_version},
                               m, listing, p.opts.subdir, locks)
 
 
+def _rust_dist(defn: d.Definition, p: Pin, rec: dict | None, old: dict | None, srcdir: Path,
+               cache: gitcache.Cache) -> dict | None:
+    """``rec`` with ``toolchain_dist`` (fetch/rust_dist.py) when the source asks for the toolchain its
+    tree names (``rust_toolchain: dist``), without it otherwise."""
+    if rec is None:
+        return None
+    rec = {k: v for k, v in rec.items() if k != "toolchain_dist"}
+    if p.opts.rust_toolchain != "dist":
+        return rec
+    prev = ((old or {}).get("cargo") or {}).get("toolchain_dist") if isinstance((old or {}).get("cargo"), dict) else None
+    return {**rec, "toolchain_dist": rust_dist.fetch(p.name, rec.get("toolchain"), defn.platform, srcdir, defn.root,
+                                                     cache, prev, lambda x: d.display_path(defn.root, x))}
+
+
 def _with_rust_version(rec: dict, m: gitcache.Mirror, listing, subdir: str | None, locks) -> dict:
-    """``rec`` with ``rust_version``: [version, who], the highest ``rust-version`` among the tree's own
-    manifests (read from the commit every time: they are not in the vendor id) and the vendored
-    crates (recorded when they were vendored); None when nothing declares one."""
+    """``rec`` with what Rust the tree asks for (fetch/rust.py, read from the commit every time: the
+    toolchain file, editions, the Cargo.lock version and rust-version are not in the vendor id):
+    ``rust_needs`` ([version, file, what asks]), ``toolchain`` (the channel file, or None) and
+    ``rust_version``: [version, who], the highest of them and of the vendored crates' rust-version."""
     prefix = (subdir.rstrip("/") + "/") if subdir else ""
     blobs = {path[len(prefix):]: sha for _, sha, path in listing if path.startswith(prefix)}
-    own = []
-    for x in locks:
-        manifest = str(Path(x.path).with_name("Cargo.toml"))
-        if manifest in blobs:
-            text = _local(lambda b=blobs[manifest]: m.out("cat-file", "blob", b))
-            own.append((cargo_mod.manifest_rust_version(text), manifest))
+    needs, chains = rust_mod.tree_needs(blobs, [x.path for x in locks],
+                                        lambda b: _local(lambda: m.out("cat-file", "blob", b)))
+    top = rust_mod.highest(needs)
+    pairs = [(top.version, top.who)] if top else []
     crates = rec.get("crates_rust_version")
-    found = cargo_mod.highest(own + ([tuple(crates)] if isinstance(crates, list) and len(crates) == 2 else []))
-    return {**rec, "rust_version": list(found) if found else None}
+    found = cargo_mod.highest(pairs + ([tuple(crates)] if isinstance(crates, list) and len(crates) == 2 else []))
+    protoc = rust_mod.protoc_need(blobs, [x.path for x in locks], lambda b: _local(lambda: m.out("cat-file", "blob", b)))
+    return {**rec, "rust_needs": [n.as_list() for n in needs], "protoc": protoc,
+            "toolchain": {"file": chains[0].file, "channel": chains[0].channel} if chains else None,
+            "rust_version": list(found) if found else None}
 
 
+PROTOC_PACKAGE = "protobuf-compiler"  # Debian's and Ubuntu's protoc
 RUSTC_PACKAGE = re.compile(r"^rustc(?:-\d+\.\d+)?$")  # Debian/Ubuntu: rustc, or a versioned rustc-1.NN
 
 
@@ -603,6 +625,29 @@ def check_rust_toolchain(defn: d.Definition, data: dict | None) -> list[str]:
             if not isinstance(rec, dict):
                 continue
             need = rec.get("rust_version")
+            pc = rec.get("protoc")
+            if isinstance(pc, dict) and pc.get("needed"):  # a build script runs protoc: an apt list must install it
+                has, cur = False, st
+                while cur is not None and not has:
+                    has = any(str(f.get("name")) == PROTOC_PACKAGE for f in (apt.get(cur.name) or {}).get("files") or ())
+                    cur = by_name.get(cur.parent.name) if cur.parent.kind == "stage" else None
+                if not has:
+                    lst = st.apt.display if st.apt else f"an apt list of stage {st.name!r}"
+                    raise OperationFailed(
+                        f"{name}: {'; '.join(pc.get('build_scripts') or ())} runs the protobuf compiler (protoc), and no "
+                        f"apt list of stage {st.name!r} or of the stages below it installs {PROTOC_PACKAGE}: the stage's "
+                        "cargo build would stop there",
+                        hint=f"add {PROTOC_PACKAGE} to {lst} (prefetch pins it and fetches its debs like the others), "
+                        "or a tree whose build uses the pure-Rust protox (vllm#52892)")
+            td = rec.get("toolchain_dist")
+            if isinstance(td, dict):  # the pinned toolchain the tree names: it must reach the rest too
+                if isinstance(need, list) and len(need) == 2 and cargo_mod.version_tuple(need[0]) \
+                        and (cargo_mod.version_tuple(str(td.get("version"))) or (0,)) < cargo_mod.version_tuple(need[0]):
+                    raise OperationFailed(
+                        f"{name}: {td.get('file')}: Rust {td.get('version')} (channel {td.get('channel')}) is older than "
+                        f"the Rust {need[0]} that {need[1]} asks for: stage {st.name!r} could not cargo-build it",
+                        hint="name a newer channel in the toolchain file")
+                continue
             rustc, chain, cur = None, [], st
             while cur is not None:
                 chain.append(cur.name)
@@ -621,11 +666,17 @@ def check_rust_toolchain(defn: d.Definition, data: dict | None) -> list[str]:
             if isinstance(need, list) and len(need) == 2 and cargo_mod.version_tuple(need[0]) \
                     and cargo_mod.version_tuple(rustc[1]) < cargo_mod.version_tuple(need[0]):
                 lst = rustc[2].apt.display if rustc[2].apt else f"stage {rustc[2].name!r}"
+                have = cargo_mod.version_tuple(rustc[1])
+                also = [f"{n[0]}: {n[1]} ({n[2]})" for n in rec.get("rust_needs") or ()
+                        if isinstance(n, list) and len(n) == 3 and (cargo_mod.version_tuple(n[0]) or (0,)) > have
+                        and f"{n[1]} ({n[2]})" != need[1]]
                 raise OperationFailed(
-                    f"{lst}: {rustc[0]}={rustc[1]} is older than the Rust {need[0]} that {need[1]} of {name} "
-                    f"declares (rust-version; {lockfiles}): stage {st.name!r} could not build its crates",
-                    hint="pin a newer Rust toolchain in that apt list (`apt-cache search --names-only ^rustc` in the "
-                    "base lists the archive's versioned toolchains), or the fork's crates at an older rust-version")
+                    f"{lst}: {rustc[0]}={rustc[1]} is older than the Rust {need[0]} that {need[1]} of {name} asks for: "
+                    f"stage {st.name!r} needs it to cargo-build {lockfiles}"
+                    + (f" (also too old for {'; '.join(also)})" if also else ""),
+                    hint="pin a Rust toolchain at least that new in that apt list (`apt-cache search --names-only "
+                    "^rustc` in the base lists the archive's versioned toolchains, rustc-1.NN), or a tree that asks "
+                    "for less")
     return warnings
 
 
@@ -680,6 +731,11 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
         if cg is not None:
             if not isinstance(cg, dict) or cg.get("format") != cargo_mod.FORMAT or not isinstance(cg.get("tarball"), str):
                 return None, f"{p.name}: the lock's cargo record is of another format"
+            bad = rust_dist.intact(defn.root, cg)
+            if bad or (p.opts.rust_toolchain == "dist") != isinstance(cg.get("toolchain_dist"), dict):
+                return None, f"{p.name}: {bad or 'the pinned Rust toolchain does not follow rust_toolchain'}"
+            if "rust_needs" not in cg:
+                return None, f"{p.name}: the lock predates reading the Rust the tree asks for (toolchain file, edition)"
             cpath = defn.root / cg["tarball"]
             if not cpath.is_file() or sha256_file(cpath) != cg.get("sha256"):
                 return None, f"{p.name}: {cg['tarball']} is missing or does not match the lock's sha256"

@@ -304,6 +304,11 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
         if isinstance(cg, dict):  # its vendored Rust crates (source_mounts.CARGO_SUFFIX), checked like it
             out.append(MountedSource(n + source_mounts.CARGO_SUFFIX, cg.get("tarball"), cg.get("sha256"), n, None,
                                      stale))
+            td = cg.get("toolchain_dist")
+            for a in (td.get("archives") or ()) if isinstance(td, dict) else ():  # its pinned Rust toolchain
+                if isinstance(a, dict):
+                    out.append(MountedSource(f"{n}{source_mounts.RUST_SUFFIX}{a.get('component')}", a.get("tarball"),
+                                             a.get("sha256"), n, None, stale))
     return out
 
 

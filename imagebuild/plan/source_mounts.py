@@ -43,6 +43,9 @@ CARGO_VENDOR = f"{WORK}/cargo-vendor"  # every vendored crate of the stage's sou
 CARGO_HOME = f"{WORK}/cargo-home"  # a fresh CARGO_HOME whose config.toml replaces crates-io with it
 CARGO_SUFFIX = ".cargo-vendor"  # the mount of NAME's crates is NAME.cargo-vendor
 CARGO_DIR_PLACEHOLDER = "@IMAGEBUILD_CARGO_VENDOR_DIR@"  # fetch/cargo.py writes it in the lock's config
+RUST_SUFFIX = ".rust-"  # the mount of NAME's pinned Rust toolchain archives: NAME.rust-rustc, ... (fetch/rust_dist.py)
+RUST_DIST = f"{WORK}/rust-dist"  # where they are extracted
+RUST_PREFIX = f"{WORK}/rust"  # where their components are installed (bin/ first on PATH)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Mounts:
     excluded: tuple[Excluded, ...] = ()
     missing: tuple[str, ...] = field(default=())  # sources the lock has no usable entry for
     cargo: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (source, cargo's config, Cargo.lock paths)
+    rust: tuple[tuple[str, str, str, str], ...] = ()  # (source, version, target, toolchain file): pinned toolchains
 
     def cargo_config(self, vendor_dir: str = CARGO_VENDOR) -> str | None:
         """The config.toml of the stage's CARGO_HOME: each source's replacement of crates-io (and of
@@ -119,7 +123,10 @@ class Mounts:
                 "mounts": [m.as_dict() for m in self.mounts], "excluded": [x.as_dict() for x in self.excluded],
                 "missing": list(self.missing),
                 "cargo": {"home": CARGO_HOME, "vendor": CARGO_VENDOR,
-                          "lockfiles": {n: list(locks) for n, _t, locks in self.cargo}} if self.cargo else None}
+                          "lockfiles": {n: list(locks) for n, _t, locks in self.cargo}} if self.cargo else None,
+                # only when there is one: the manifests of stages without stay the same bytes
+                **({"rust": {"prefix": RUST_PREFIX, "toolchains": [
+                    {"source": n, "version": v, "target": t, "file": f} for n, v, t, f in self.rust]}} if self.rust else {})}
 
     def script(self) -> str:
         return _script(self)
@@ -167,6 +174,7 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
     excluded: list[Excluded] = []
     missing: list[str] = []
     cargo: list[tuple[str, str, tuple[str, ...]]] = []
+    rust: list[tuple[str, str, str, str]] = []
     for name in closure(lock, sources):
         e = srcs.get(name)
         if not isinstance(e, dict) or not e.get("tarball") or not e.get("sha256"):
@@ -190,11 +198,24 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
                                     CARGO_VENDOR, name))
                 locks = tuple(str(x.get("path")) for x in cg.get("lockfiles") or [] if isinstance(x, dict))
                 cargo.append((name, cg["config"], locks))
+            td = cg.get("toolchain_dist")
+            if isinstance(td, dict):  # the Rust toolchain its tree names, as release archives
+                arcs = [a for a in td.get("archives") or () if isinstance(a, dict)]
+                if not arcs or any(not (a.get("tarball") and a.get("sha256") and a.get("component")) for a in arcs):
+                    missing.append(name + RUST_SUFFIX + "toolchain")
+                else:
+                    for a in arcs:
+                        comp = str(a["component"])
+                        mounts.append(Mount(name + RUST_SUFFIX + comp, a["tarball"], f"{name}{RUST_SUFFIX}{comp}.tar.gz",
+                                            a["sha256"], f"{RUST_DIST}/{name.lower()}-{comp}", name))
+                    rust.append((name, str(td.get("version")), str(td.get("target")), str(td.get("file"))))
         for x in e.get("excluded") or []:
             if isinstance(x, dict) and x.get("name"):
                 excluded.append(Excluded(x["name"], name, str(x.get("reason", "")),
                                          f"{x.get('file')}:{x.get('line')}"))
-    return Mounts(stage, sources, tuple(mounts), tuple(excluded), tuple(missing), tuple(cargo))
+    if len({(v, t) for _n, v, t, _f in rust}) > 1:
+        missing.append("one Rust toolchain (the sources name " + ", ".join(f"{n}: {v}" for n, v, _t, _f in rust) + ")")
+    return Mounts(stage, sources, tuple(mounts), tuple(excluded), tuple(missing), tuple(cargo), tuple(rust[:1]))
 
 
 def _toml_tables(text: str) -> list[tuple[str, list[str]]]:
@@ -270,6 +291,13 @@ def _script(ms: Mounts) -> str:
         lines.append("IMAGEBUILD_CARGO_CONFIG")
         lines.append(f"export CARGO_HOME={CARGO_HOME} CARGO_NET_OFFLINE=true")
         lines.append(f"echo {_q(f'imagebuild-src: CARGO_HOME={CARGO_HOME}: crates-io replaced by {CARGO_VENDOR}, offline ({locks})')} >&2")
+    for name, version, target, tfile in ms.rust:  # the pinned toolchain: each archive's components, no rustup
+        lines.append(f"mkdir -p {RUST_PREFIX} || return 1 2>/dev/null || exit 1")
+        lines.append(f"for _d in {RUST_DIST}/*/*/; do for _c in $(cat \"$_d/components\"); do "
+                     f"cp -a \"$_d/$_c/.\" {RUST_PREFIX}/ || exit 1; done; done || return 1 2>/dev/null || exit 1")
+        lines.append(f"rm -f {RUST_PREFIX}/manifest.in")
+        lines.append(f'export PATH="{RUST_PREFIX}/bin:$PATH"')
+        lines.append(f"echo {_q(f'imagebuild-src: Rust {version} for {target} ({name}: {tfile}) installed in {RUST_PREFIX}, first on PATH')} >&2")
     for x in ms.excluded:
         text = (f"imagebuild-src: {x.name} is excluded on purpose ({x.reason}; declared by {x.declared_by} at "
                 f"{x.where}): it is not in this build, so a step that needs it fails offline")

@@ -51,7 +51,7 @@ def test_plan_offline_lists_stages_in_order_and_the_unpinned(image, monkeypatch)
     if image == "glm53-jovian-r12":
         assert keys == {"CUDA_BASE", "VLLM_PRS", "B12X_PRS", "CUTLASS_REF", "TRITON_KERNELS_REF", "libibverbs1", "rdma-core",
                         "ibverbs-providers",
-                        "rustc", "cargo"}
+                        "protobuf-compiler"}
         prs = [u["message"] for u in doc["unpinned"] if u["key"] == "VLLM_PRS"]
         assert [re.search(r"pull request (\d+)", m).group(1) for m in prs] == ["550", "552", "553", "554", "555",
                                                                                 "557"]
@@ -212,6 +212,14 @@ def test_glm53_rust_frontend_follows_the_composed_tree():
     assert check.when == (("VLLM_REQUIRE_RUST_FRONTEND", "1"),)
     df = (defn.dir / "Dockerfile.vllm-wheel").read_text()
     assert "ARG VLLM_REQUIRE_RUST_FRONTEND" in df and 'if [ "$VLLM_REQUIRE_RUST_FRONTEND" = 1 ]' in df
+    # the choice, gated both ways: a tree without rust/ (as the served r12 image) has no module, on purpose
+    absent = gatespec.load(defn.gate).check("vllm-rust-tool-parser-absent")
+    assert absent.kind == "expression" and absent.when == (("VLLM_REQUIRE_RUST_FRONTEND", "0"),)
+    assert "find_spec('vllm._rust_tool_parser') is None" in absent.params["expr"]
+    # a tree with rust/: the toolchain its rust-toolchain.toml names, pinned (not noble's apt 1.75), and protoc
+    assert defn.source_options["VLLM"].rust_toolchain == "dist"
+    wheel = defn.stage("vllm-wheel")
+    assert {a.name for a in wheel.apt.items} == {"protobuf-compiler"}
 
 
 def test_glm53_pip_check_allows_exactly_the_runners_exceptions():
@@ -322,3 +330,23 @@ def test_glm53_pins_the_r12_contract_by_tree():
     doc = (ROOT / "docs" / "images" / "glm53-jovian-r12.md").read_text()
     assert "237bc2b7bb297ab69b83704fad0b9f6628bfcde8" in doc and "aace94c2fcc0657c1aa255e9480277c8f30240fc" in doc
     assert "models/glm-5.3-flash.md" in doc
+
+
+def test_glm53_rust_parser_absent_check_tells_a_tree_without_rust_from_one_with(tmp_path, monkeypatch):
+    """The absent-on-purpose check, evaluated as the gate does, against a vllm package without and with
+    the Rust tool parser module."""
+    import importlib
+    import sys
+
+    defn = definition.load(ROOT, "glm53-jovian-r12")
+    expr = gatespec.load(defn.gate).check("vllm-rust-tool-parser-absent").params["expr"]
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert eval(expr, {"importlib": importlib}) is True
+    (pkg / "_rust_tool_parser.py").write_text("")
+    importlib.invalidate_caches()
+    assert eval(expr, {"importlib": importlib}) is False

@@ -80,16 +80,119 @@ def test_no_rustc_in_any_apt_list_is_a_warning_the_base_may_carry_one(tmp_path):
     assert "'build'" in w and "no apt list" in w and "1.80 (itoa-1.0.15)" in w
 
 
-def test_glm53_builds_its_rust_frontend_with_an_apt_rustc_in_the_wheel_stage_only():
-    """glm53's vllm-wheel stage installs rustc and cargo (bare names, pinned by prefetch); the runner
-    starts from the torch stage, so no compiler reaches the served image."""
+def test_glm53_builds_its_rust_frontend_with_the_pinned_toolchain_and_apt_protoc_in_the_wheel_stage_only():
+    """glm53's vllm-wheel stage installs protoc from apt (bare name, pinned by prefetch) and takes the
+    Rust toolchain the tree names from its release archives (rust_toolchain: dist), not noble's 1.75;
+    the runner starts from the torch stage, so neither reaches the served image."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
     defn = d.load(root, "glm53-jovian-r12")
     wheel = defn.stage("vllm-wheel")
-    assert {a.name for a in wheel.apt.items} >= {"rustc", "cargo"}
+    assert {a.name for a in wheel.apt.items} == {"protobuf-compiler"}
+    assert defn.source_options["VLLM"].rust_toolchain == "dist"
     assert defn.stage("runner").parent == Parent("stage", "torch")
-    assert all(a.name not in ("rustc", "cargo") for st in ("apt", "torch") for a in (defn.stage(st).apt.items
-                                                                                    if defn.stage(st).apt else ()))
-    assert "install.sh" in wheel.dockerfile_bytes.decode() and "cargo --version" in wheel.dockerfile_bytes.decode()
+    assert all(a.name not in ("rustc", "cargo", "protobuf-compiler") for st in ("apt", "torch")
+               for a in (defn.stage(st).apt.items if defn.stage(st).apt else ()))
+    df = wheel.dockerfile_bytes.decode()
+    assert "install.sh" in df and "protoc --version" in df and "cargo --version" in df
+
+
+# ------------------------------------------------------------------ what the tree asks for (fetch/rust.py)
+NEWER_TREE = {  # the shape of the fork's newer trees (../shared/FACTS.md): no rust-version anywhere
+    "rust-toolchain.toml": '[toolchain]\nchannel = "1.95"\ncomponents = ["rustfmt"]\n',
+    "rust/Cargo.toml": '[workspace]\nmembers = ["parser"]\nresolver = "3"\n[workspace.package]\nedition = "2024"\n',
+    "rust/parser/Cargo.toml": '[package]\nname = "parser"\nversion = "0.1.0"\nedition.workspace = true\n',
+    "rust/Cargo.lock": "# generated\nversion = 4\n\n[[package]]\nname = \"parser\"\nversion = \"0.1.0\"\n",
+    "third_party/x/Cargo.toml": '[package]\nname = "x"\nedition = "2024"\nrust-version = "1.99"\n',
+}
+
+
+def _needs(tree: dict[str, str], locks=("rust/Cargo.lock",)):
+    from imagebuild.fetch import rust
+
+    files = {p: p for p in tree}  # blob id = path, read from the dict
+    return rust.tree_needs(files, list(locks), lambda b: tree[b])
+
+
+def test_the_newer_tree_asks_for_its_toolchain_edition_and_lockfile_version():
+    from imagebuild.fetch import rust
+
+    needs, chains = _needs(NEWER_TREE)
+    assert [n.as_list() for n in needs] == [
+        ["1.95", "rust-toolchain.toml", 'channel = "1.95"'],
+        ["1.85", "rust/Cargo.toml", 'edition = "2024"'],
+        ["1.78", "rust/Cargo.lock", "version = 4"],
+    ]
+    assert rust.highest(needs).who == 'rust-toolchain.toml (channel = "1.95")'
+    assert chains == [rust.Toolchain("rust-toolchain.toml", "1.95")]
+    # the nearest toolchain file wins (rust/ over the root); a legacy bare rust-toolchain is read too
+    tree = {**NEWER_TREE, "rust/rust-toolchain": "1.90.0\n"}
+    needs, chains = _needs(tree)
+    assert needs[0].as_list() == ["1.90.0", "rust/rust-toolchain", 'channel = "1.90.0"']
+    # a channel that is no version is recorded, never turned into one
+    needs, chains = _needs({**NEWER_TREE, "rust-toolchain.toml": '[toolchain]\nchannel = "nightly-2026-05-01"\n'})
+    assert needs[0].version == "1.85" and chains[0].channel == "nightly-2026-05-01" and chains[0].version is None
+    assert rust.lockfile_version("[[package]]\nname = \"a\"\nversion = \"4.0.0\"\n") is None  # a v1 lock
+
+
+def test_debian_rustc_1_63_is_refused_for_the_newer_tree_naming_the_toolchain_file(tmp_path):
+    """R4: bookworm's rustc 1.63 passed with no word (no crate declares rust-version)."""
+    from imagebuild.fetch import rust
+
+    needs, _ = _needs(NEWER_TREE)
+    top = rust.highest(needs)
+    defn = _definition(tmp_path, build_apt="rustc=1.63.0+dfsg1-2\ncargo=0.66.0+ds1-1\n")
+    lock = _lock([top.version, top.who], build=[("rustc", "1.63.0+dfsg1-2"), ("cargo", "0.66.0+ds1-1")])
+    lock["sources"]["APP"]["cargo"]["rust_needs"] = [n.as_list() for n in needs]
+    with pytest.raises(OperationFailed) as exc:
+        check_rust_toolchain(defn, lock)
+    msg = exc.value.message
+    assert "build-apt.txt: rustc=1.63.0+dfsg1-2 is older than the Rust 1.95" in msg
+    assert 'rust-toolchain.toml (channel = "1.95")' in msg and "stage 'build' needs it to cargo-build rust/Cargo.lock" in msg
+    assert 'rust/Cargo.toml (edition = "2024")' in msg and "rust/Cargo.lock (version = 4)" in msg
+    # noble's 1.75 is refused too; a versioned rustc-1.95 passes
+    lock["apt"]["build"]["files"][0]["version"] = "1.75.0+dfsg0ubuntu1-0ubuntu1"
+    with pytest.raises(OperationFailed):
+        check_rust_toolchain(defn, lock)
+    lock["apt"]["build"]["files"].append({"name": "rustc-1.95", "version": "1.95.0+dfsg-0ubuntu1", "filename": "x.deb"})
+    assert check_rust_toolchain(defn, lock) == []
+
+
+BUILD_RS = 'fn main() -> Result<(), Box<dyn std::error::Error>> {\n    tonic_prost_build::configure()\n' \
+           '        .compile_protos(&["proto/inference.proto"], &["proto"])?;\n    Ok(())\n}\n'
+
+
+def test_a_build_script_that_runs_protoc_is_found_unless_the_tree_has_protox():
+    from imagebuild.fetch import rust
+
+    tree = {**NEWER_TREE, "rust/parser/build.rs": BUILD_RS,
+            "third_party/x/build.rs": "fn main() { prost_build::compile_protos(&[], &[]).unwrap(); }\n"}
+    files = {p: p for p in tree}
+    got = rust.protoc_need(files, ["rust/Cargo.lock"], lambda b: tree[b])
+    assert got == {"needed": True, "build_scripts": ["rust/parser/build.rs: tonic_prost_build"], "compiler": None}
+    # vllm#52892: the descriptor set comes from protox, a crate in the Cargo.lock: no protoc needed
+    tree["rust/Cargo.lock"] += '\n[[package]]\nname = "protox"\nversion = "0.9.0"\n'
+    got = rust.protoc_need(files, ["rust/Cargo.lock"], lambda b: tree[b])
+    assert got["needed"] is False and got["compiler"] == "protox"
+    assert rust.protoc_need({p: p for p in NEWER_TREE}, ["rust/Cargo.lock"], lambda b: NEWER_TREE[b]) is None
+
+
+def test_protoc_needed_and_no_apt_list_installs_it_is_refused_naming_the_build_script(tmp_path):
+    """protoc: the tree's build.rs runs tonic_prost_build; no stage installed protoc and nothing said so."""
+    defn = _definition(tmp_path, build_apt="rustc=1.95.0+dfsg-1\n")
+    lock = _lock(["1.95", 'rust-toolchain.toml (channel = "1.95")'], build=[("rustc", "1.95.0+dfsg-1")])
+    lock["sources"]["APP"]["cargo"]["protoc"] = {"needed": True, "compiler": None,
+                                                 "build_scripts": ["rust/build.rs: tonic_prost_build"]}
+    with pytest.raises(OperationFailed) as exc:
+        check_rust_toolchain(defn, lock)
+    msg = exc.value.message
+    assert "APP: rust/build.rs: tonic_prost_build runs the protobuf compiler (protoc)" in msg
+    assert "stage 'build'" in msg and "protobuf-compiler" in msg and "build-apt.txt" in exc.value.hint
+    # installed below the stage (pinned by prefetch like every deb): fine
+    lock["apt"]["tools"]["files"].append({"name": "protobuf-compiler", "version": "3.21.12-3", "filename": "p.deb"})
+    assert check_rust_toolchain(defn, lock) == []
+    # protox in the tree: nothing needed
+    lock["apt"]["tools"]["files"].pop()
+    lock["sources"]["APP"]["cargo"]["protoc"] = {"needed": False, "compiler": "protox", "build_scripts": ["x"]}
+    assert check_rust_toolchain(defn, lock) == []
