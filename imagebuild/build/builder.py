@@ -229,7 +229,7 @@ def _lock_files_for(lock: dict | None, section: str, stage: str) -> dict[str, st
     if isinstance(files, list):
         out = {}
         for f in files:
-            if isinstance(f, dict) and f.get("sha256"):
+            if isinstance(f, dict) and f.get("sha256") and not f.get("from_stage"):  # else in a stage above's folder
                 name = f.get("file") or f.get("filename") or f.get("name") or f.get("path")
                 if name:
                     out[PurePosixPath(str(name)).name] = f["sha256"]

@@ -137,6 +137,8 @@ def items(image: str, lock: dict, lock_disp: str) -> list[Item]:
                 continue
             base = _safe(e.get("dir") or f"deps-src/{image}/{section}/{stage}", f"{section}.{stage}.dir")
             for f in e.get("files") or []:
+                if isinstance(f, dict) and f.get("from_stage"):  # installed by a stage above: in its folder
+                    continue
                 add(f"{base}/{f['filename']}", f.get("sha256"), f"{section}.{stage}.files")
             if section == "wheels" and isinstance(e.get(extra), dict):
                 add(f"{base}/{PurePosixPath(e[extra]['path']).name}", e[extra].get("sha256"),

@@ -476,10 +476,35 @@ def prefetch_wheels(defn: d.Definition, report: Report | None = None) -> dict:
     for st in defn.stages:  # before anything is downloaded: the trees' own requirements
         if st.requirements is not None and st.requirements.satisfies:
             _check_tree_requirements(defn, st, pins, report)
-    section = {st.name: _stage_wheels(defn, st, locked.get(st.name), report, *plans[st.name])
-               for st in defn.stages if st.requirements is not None}
+    section: dict[str, dict] = {}
+    for st in defn.stages:  # in build order: a parent's entry is known when its children are fetched
+        if st.requirements is not None:
+            section[st.name] = _stage_wheels(defn, st, locked.get(st.name), report, *plans[st.name],
+                                             inherited=_inherited(defn, st, section))
     lock_mod.update_sections(defn.dir, defn.name, {"wheels": section})
     return section
+
+
+def _inherited(defn: d.Definition, st: d.Stage, section: dict[str, dict]) -> dict[tuple[str, str], dict]:
+    """(name, version) -> the file entry of the nearest stage above ``st`` that installs it: what ``st``
+    finds installed in its parent image, and so never gets in its own folder or requirements file."""
+    out: dict[tuple[str, str], dict] = {}
+    cur = st
+    while cur.parent.kind == "stage":
+        cur = defn.stage(cur.parent.name)
+        for w in (section.get(cur.name) or {}).get("files") or ():
+            key = (pkgspec.normalise(w["name"]), w["version"])
+            if key not in out and not w.get("from_stage"):
+                out[key] = {**w, "from_stage": cur.name}
+            elif key not in out:
+                out[key] = dict(w)
+    return out
+
+
+def own_files(entry: dict) -> list[dict]:
+    """The wheels a stage's own folder holds and its requirements file installs: those its parent image
+    does not already have (``from_stage``: installed by that stage above it)."""
+    return [w for w in entry.get("files") or () if not w.get("from_stage")]
 
 
 def _reusable(entry: dict | None, inputs_sha: str, constraints: dict | None) -> bool:
@@ -568,13 +593,17 @@ def _restore_locked(defn: d.Definition, st: d.Stage, dest: Path, missing: list[d
 
 
 def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: Report, constraints: dict | None,
-                  resolved: list[tuple[str, str]] | None) -> dict:
-    """Check or fetch the stage's wheels: the locked ones (``resolved`` None), else the resolved set."""
+                  resolved: list[tuple[str, str]] | None, *, inherited: dict | None = None) -> dict:
+    """Check or fetch the stage's wheels: the locked ones (``resolved`` None), else the resolved set. A
+    wheel a stage above installs (``inherited``) is recorded with ``from_stage`` and neither downloaded
+    again nor put in this stage's folder: each wheel is stored, and sent to a build, once."""
     inputs = wheel_inputs(defn, st)
     inputs_sha = _digest(inputs)
     dest = wheels_dir(defn, st.name)
+    inherited = inherited or {}
     if resolved is None:
-        missing = [w for w in entry["files"] if not _has(dest / w["filename"], w["sha256"])]
+        own = own_files(entry)
+        missing = [w for w in own if not _has(dest / w["filename"], w["sha256"])]
         if missing:
             report.need_network(f"stage {st.name!r}: {len(missing)} locked wheel(s) are missing or damaged")
             log.info("stage %s: fetching %d missing wheel(s) again by exact version", st.name, len(missing))
@@ -583,21 +612,25 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
                 fetch=lambda tmp: _pip_download(defn, st, [f"{w['name']}=={w['version']}" for w in missing], tmp,
                                                 no_deps=True),
                 gone_hint="re-resolve: change or touch the requirements, or delete the stage's entry in lock.json")
-        for w in entry["files"]:
+        for w in own:
             if w not in missing:
                 report.reused.append(w["filename"])
-        req_sha = _write_requirements(defn, st, dest, entry["files"]) if not _has(
+        req_sha = _write_requirements(defn, st, dest, own) if not _has(
             dest / REQUIREMENTS_FILE, entry["install_requirements"]["sha256"]) else entry["install_requirements"][
             "sha256"]
-        _remove_extras(dest, {w["filename"] for w in entry["files"]} | {REQUIREMENTS_FILE})
+        _remove_extras(dest, {w["filename"] for w in own} | {REQUIREMENTS_FILE})
         report.steps.append({"kind": "wheels", "stage": st.name, "downloaded": len(missing),
                              "files": len(entry["files"])})
         return {**entry, "install_requirements": {**entry["install_requirements"], "sha256": req_sha}}
 
-    log.info("stage %s: downloading the %d wheel(s) of the resolved set", st.name, len(resolved))
+    from_parents = [inherited[(pkgspec.normalise(n), v)] for n, v in resolved if (pkgspec.normalise(n), v) in inherited]
+    to_fetch = [(n, v) for n, v in resolved if (pkgspec.normalise(n), v) not in inherited]
+    log.info("stage %s: downloading the %d wheel(s) of the resolved set%s", st.name, len(to_fetch),
+             f" ({len(from_parents)} more are installed by the stages above it)" if from_parents else "")
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{st.name}-", dir=_mkdir(dest.parent)))
     try:
-        _pip_download(defn, st, [f"{n}=={v}" for n, v in resolved], tmp, no_deps=True)
+        if to_fetch:
+            _pip_download(defn, st, [f"{n}=={v}" for n, v in to_fetch], tmp, no_deps=True)
         files = {p.name: p for p in sorted(tmp.iterdir()) if p.is_file()}
         stray = [n for n in files if not n.endswith(".whl")]
         if stray:
@@ -616,14 +649,16 @@ def _stage_wheels(defn: d.Definition, st: d.Stage, entry: dict | None, report: R
                 report.downloaded.append(fn)
             wheels.append({"filename": fn, "name": name, "version": version, "sha256": sha,
                            "size": p.stat().st_size, "requested": name in requested})
-        missing = {n for n, _ in resolved} - {w["name"] for w in wheels}
+        missing = {n for n, _ in to_fetch} - {w["name"] for w in wheels}
         if missing:
             raise OperationFailed(f"stage {st.name!r}: pip returned no wheel for {', '.join(sorted(missing))}")
-        wheels.sort(key=lambda w: (w["name"], w["filename"]))
+        own = sorted(wheels, key=lambda w: (w["name"], w["filename"]))
+        wheels = sorted(own + [{**w, "requested": w["name"] in requested} for w in from_parents],
+                        key=lambda w: (w["name"], w["filename"]))
         _swap_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    req_sha = _write_requirements(defn, st, dest, wheels)
+    req_sha = _write_requirements(defn, st, dest, own)
     py = defn.python
     entry = {"inputs_sha256": inputs_sha, "requirements": st.requirements.display,
              "requirements_sha256": st.requirements.sha256, "python": py.version, "glibc": py.glibc,
@@ -958,7 +993,7 @@ def stage_contexts(defn: d.Definition, stage: str) -> dict[str, Path]:
             raise OperationFailed(f"stage {stage!r}: the lock's {kind} are missing or stale for its inputs",
                                   hint=hint)
         dest = dir_fn(defn, stage)
-        expected = {f["filename"]: f["sha256"] for f in entry["files"]}
+        expected = {f["filename"]: f["sha256"] for f in (own_files(entry) if kind == "wheels" else entry["files"])}
         if kind == "wheels":
             expected[REQUIREMENTS_FILE] = entry["install_requirements"]["sha256"]
         else:

@@ -15,7 +15,8 @@ from imagebuild.core import state
 from imagebuild.core.fsutil import canonical_json, sha256_bytes
 from imagebuild.definition import reader as d
 
-FORMAT = 1  # raise when the layout of wheels/ or apt/ changes (part of every inputs digest)
+FORMAT = 2  # raise when the layout of wheels/ or apt/ changes (part of every inputs digest); 2: a wheel a
+# stage above installs is no longer copied into the folder of the stage below (lock: from_stage)
 
 
 def _digest(doc: dict) -> str:
