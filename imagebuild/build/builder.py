@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from imagebuild.build import guards, layerclamp, owners, registry_cache
+from imagebuild.build import guards, layerclamp, owners, registry_cache, reproducible
 from imagebuild.build import progress as progress_mod
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
@@ -60,7 +60,7 @@ from imagebuild.core.errors import (
     Problem,
     UsageError,
 )
-from imagebuild.core.fsutil import atomic_write_json, sha256_bytes, sha256_file, usable_dir
+from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_bytes, sha256_file, usable_dir
 from imagebuild.definition import patchcheck, patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod
@@ -576,16 +576,30 @@ def _stage_contexts(b: Build, st: plan_mod.PlannedStage, *, dry: bool = False) -
     return out
 
 
+def dockerfile_for_build(b: Build, st: plan_mod.PlannedStage) -> Path:
+    """The stage's Dockerfile as BuildKit gets it (``reproducible.dockerfile_for_build``: ``ARG
+    SOURCE_DATE_EPOCH`` after every FROM), kept beside the stage's log (``logs/<stage>.Dockerfile``):
+    the line numbers in BuildKit's messages are this file's."""
+    path = b.dir / "logs" / f"{st.name}.Dockerfile"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (b.root / st.dockerfile).read_bytes().decode("utf-8", "surrogateescape")
+    atomic_write_bytes(path, reproducible.dockerfile_for_build(text).encode("utf-8", "surrogateescape"))
+    return path
+
+
 def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, meta: Path | None,
-                jobs: guards.Jobs, dry: bool = False) -> list[str]:
+                jobs: guards.Jobs, dry: bool = False, dockerfile: Path | None = None,
+                rerun: str | None = None) -> list[str]:
     contexts = {**named, **_stage_contexts(b, st, dry=dry)}
     args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
             **_parallel_args(st, jobs, b.opts.jobs is not None)}
     labels = {f"{LABEL_PREFIX}.image": b.defn.name, f"{LABEL_PREFIX}.stage": st.name,
               f"{LABEL_PREFIX}.stage-key": st.key}
-    return buildx_argv(context=ctx, dockerfile=b.root / st.dockerfile, build_args=args, contexts=contexts,
-                       labels=labels, network=None if st.network else "none", platform=b.plan.platform,
-                       no_cache=False, rerun=b.run_id.rsplit("-", 1)[-1] if b.opts.no_cache else None,
+    if rerun is None and b.opts.no_cache:
+        rerun = b.run_id.rsplit("-", 1)[-1]
+    return buildx_argv(context=ctx, dockerfile=dockerfile or b.root / st.dockerfile, build_args=args,
+                       contexts=contexts, labels=labels, network=None if st.network else "none",
+                       platform=b.plan.platform, no_cache=False, rerun=rerun,
                        output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
                        tag=None, metadata=meta, name=f"{b.defn.name}/{st.name}")
 
@@ -774,7 +788,7 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
              NAMED_APT: str(inputs["apt"] or empty)}
     meta = tmp / "metadata.json"
-    argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs)
+    argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st))
     r.args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
               **_parallel_args(st, jobs, b.opts.jobs is not None)}
     r.contexts = {NAMED_SRC: sorted(p.name for p in src_dir.iterdir()),
