@@ -60,7 +60,13 @@ from imagebuild.core.errors import (
     Problem,
     UsageError,
 )
-from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_bytes, sha256_file, usable_dir
+from imagebuild.core.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    sha256_bytes,
+    sha256_file,
+    usable_dir,
+)
 from imagebuild.definition import patchcheck, patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod

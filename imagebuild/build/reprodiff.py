@@ -13,6 +13,7 @@ No process is started here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import tarfile
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ def members(store: StageStore, desc: dict) -> dict[str, Member]:
                         h = hashlib.sha256()
                         data = tar.extractfile(ti)
                         if data is not None:
-                            for chunk in iter(lambda: data.read(layerclamp.CHUNK), b""):
+                            for chunk in iter(functools.partial(data.read, layerclamp.CHUNK), b""):
                                 h.update(chunk)
                         digest = h.hexdigest()
                     out[ti.name.lstrip("./") or "."] = Member(
@@ -100,7 +101,8 @@ def diff(store: StageStore, first: str, second: str, parent_layers: int) -> list
     """Every path that differs between two manifests of one stage, in the stage's own layers (those
     after the first ``parent_layers``, which its parent gave: two builds whose parents differ are
     compared on what the stage itself wrote), layer by layer, in path order. Empty when the
-    manifests are equal. A difference in the image config alone is given as ``<image config>``."""
+    manifests are equal, or differ only by their parents' layers. A difference in what the stage
+    set in its image config alone is given as ``<image config>``."""
     if first == second:
         return []
     a_layers = _own_layers(store, first, parent_layers)
@@ -123,6 +125,16 @@ def diff(store: StageStore, first: str, second: str, parent_layers: int) -> list
                     out.append(Difference(a["index"], path, what))
         if not out or out[-1].layer != a["index"]:  # same members, other bytes: their order
             out.append(Difference(a["index"], "<layer>", ("member order or tar headers",)))
-    if not out:
+    if not out and _config_without_parent(store, first, parent_layers) != _config_without_parent(
+            store, second, parent_layers):
         out.append(Difference(-1, "<image config>", ("config",)))
     return out
+
+
+def _config_without_parent(store: StageStore, manifest: str, parent_layers: int) -> dict:
+    """The image config with the parent's diff ids and history taken out: what the stage itself set."""
+    c = dict(store.config(manifest) or {})
+    rootfs = dict(c.get("rootfs") or {})
+    rootfs["diff_ids"] = list(rootfs.get("diff_ids") or [])[parent_layers:]
+    c["rootfs"] = rootfs
+    return c
