@@ -105,7 +105,7 @@ whl = glob.glob("/opt/wheels/greet-*.whl")[0]
 times = sorted({z.date_time for z in zipfile.ZipFile(whl).infolist()})
 print(json.dumps({"pyc": pyc, "zip": times}))
 """
-    out = subprocess.run(["docker", "run", "--rm", "--network", "none", f"{IMG}:candidate", "sh", "-c",
+    out = subprocess.run(["docker", "run", "--rm", "-i", "--network", "none", f"{IMG}:candidate", "sh", "-c",
                           "jq --version && hello-c && hello-cpp && python3 -c \"import yaml, markupsafe, greet;"
                           " print(greet.hello())\" && ! grep -q ' jq' /var/log/dpkg.log && echo no-jq-in-dpkg-log "
                           "&& test ! -e /var/log/apt/history.log && echo no-apt-history && python3 -"],
