@@ -7,7 +7,7 @@ their dependencies, markupsafe and pyyaml wheels):
   apt    prefetched debs (jq, python3-pip)          dpkg/apt logs, ldconfig's aux-cache, Debian's pycs
   pip    two native wheels, --require-hashes          pip's byte-compiled .pyc files
   wheel  `pip wheel` of a source tree, installed      the wheel's zip entry times, its pycs
-  pyc    compileall of a tree copied in the RUN       .pyc files of sources with fresh mtimes
+  compileall  a tree copied in the RUN, compiled    .pyc files of sources with fresh mtimes
   cc     a C and a C++ program                        (deterministic already; proven)
 
 Two clones of the project build it with --no-cache (every RUN step runs again) and must give the
@@ -31,7 +31,7 @@ from tests import reprocheck
 from tests.conftest import BUSYBOX, DEBIAN, FIXTURES, run_cli
 
 IMG = "ib-repro"
-STAGES = ["apt", "pip", "wheel", "pyc", "cc"]
+STAGES = ["apt", "pip", "wheel", "compileall", "cc"]
 
 
 def _remove_images(image: str) -> None:
