@@ -19,7 +19,11 @@ no time in them is later than the epoch, and writes the stage's config and manif
   names the new config and layers; ``index.json`` names the new manifest. Every blob is written
   to a temp file and renamed, then the replaced blobs (the raw layer, config, manifest) are
   removed unless another stage ref names them.
-- A layer without a later time is kept as it is (same blob); a stage with none keeps its manifest.
+- The records of when a tool ran (``reproducible.RECORDS_OF_WHEN``: dpkg's and apt's logs, ldconfig's
+  aux-cache, ...) are left out of the stage's own layers, each regular file with the PAX or GNU
+  long-name headers that describe it: the one place that list is applied (docs/build.md).
+- A layer without a later time or such a record is kept as it is (same blob); a stage with none
+  keeps its manifest.
   A rewritten layer ends with exactly two zero blocks (what BuildKit's Go tar writer writes).
 
 No process is started here; the caller gives the parent's diff ids.
