@@ -1087,6 +1087,11 @@ def _cmd_build(args) -> int:
     if args.cache_registry and args.no_cache_registry:
         raise UsageError("--cache-registry and --no-cache-registry cannot be used together")
     registry = None if args.no_cache_registry else (args.cache_registry or ctx.config.registry)
+    if args.check_repro and args.cache_registry:
+        raise UsageError("--check-repro proves what this host builds: it pulls no stage from a registry",
+                         hint="leave out --cache-registry")
+    if args.check_repro:
+        registry = None
     if registry:
         from imagebuild.core import registry as registry_mod
 
