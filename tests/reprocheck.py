@@ -39,6 +39,10 @@ def differences(first: dict, second: dict, *, root: Path, image: str) -> str:
         st = plan.stage(a["name"])
         n = len(store.diff_ids(manifests[st.parent])) if st.parent_kind == "stage" else base_layers(st.parent_ref)
         diffs = reprodiff.diff(store, a["manifest"], b["manifest"], n)
+        if not diffs:
+            lines.append(f"stage {a['name']}: {a['manifest']} != {b['manifest']}: its own layers are the same, "
+                         "only its parent differs")
+            continue
         lines.append(f"stage {a['name']}: {a['manifest']} != {b['manifest']}, {len(diffs)} path(s) differ:")
         lines += [f"  {d.line()}" for d in diffs[:60]]
     return "\n".join(lines)
