@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from imagebuild.build import guards, layerclamp, owners, registry_cache
+from imagebuild.build import guards, layerclamp, owners, registry_cache, reprodiff, reproducible
 from imagebuild.build import progress as progress_mod
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
@@ -60,7 +60,13 @@ from imagebuild.core.errors import (
     Problem,
     UsageError,
 )
-from imagebuild.core.fsutil import atomic_write_json, sha256_bytes, sha256_file, usable_dir
+from imagebuild.core.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    sha256_bytes,
+    sha256_file,
+    usable_dir,
+)
 from imagebuild.definition import patchcheck, patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod
@@ -113,6 +119,7 @@ class Options:
     gate: bool = True  # run the gate (when installed and the definition has a spec)
     progress: str | None = None  # auto | tty | plain | quiet | rawjson; None: from the environment (progress.py)
     registry: str | None = None  # HOST[:PORT][/PREFIX]: the shared stage cache and release tags (docs/fleet.md)
+    check_repro: bool = False  # build the selected stages once more and compare (no release): docs/build.md
 
 
 @dataclass
@@ -513,7 +520,8 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
 
 def _check_inputs(b: Build) -> dict[str, dict]:
     """Verify every prefetched input of the stages to build; returns the named-context sources."""
-    return {r.name: _inputs_of(b, b.plan.stage(r.name)) for r in b.stages if r.action == "build"}
+    return {r.name: _inputs_of(b, b.plan.stage(r.name)) for r in b.stages
+            if r.action == "build" or (b.opts.check_repro and r.action == "skip")}
 
 
 def _inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
@@ -576,16 +584,30 @@ def _stage_contexts(b: Build, st: plan_mod.PlannedStage, *, dry: bool = False) -
     return out
 
 
+def dockerfile_for_build(b: Build, st: plan_mod.PlannedStage) -> Path:
+    """The stage's Dockerfile as BuildKit gets it (``reproducible.dockerfile_for_build``: ``ARG
+    SOURCE_DATE_EPOCH`` after every FROM), kept beside the stage's log (``logs/<stage>.Dockerfile``):
+    the line numbers in BuildKit's messages are this file's."""
+    path = b.dir / "logs" / f"{st.name}.Dockerfile"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (b.root / st.dockerfile).read_bytes().decode("utf-8", "surrogateescape")
+    atomic_write_bytes(path, reproducible.dockerfile_for_build(text).encode("utf-8", "surrogateescape"))
+    return path
+
+
 def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, meta: Path | None,
-                jobs: guards.Jobs, dry: bool = False) -> list[str]:
+                jobs: guards.Jobs, dry: bool = False, dockerfile: Path | None = None,
+                rerun: str | None = None) -> list[str]:
     contexts = {**named, **_stage_contexts(b, st, dry=dry)}
     args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
             **_parallel_args(st, jobs, b.opts.jobs is not None)}
     labels = {f"{LABEL_PREFIX}.image": b.defn.name, f"{LABEL_PREFIX}.stage": st.name,
               f"{LABEL_PREFIX}.stage-key": st.key}
-    return buildx_argv(context=ctx, dockerfile=b.root / st.dockerfile, build_args=args, contexts=contexts,
-                       labels=labels, network=None if st.network else "none", platform=b.plan.platform,
-                       no_cache=False, rerun=b.run_id.rsplit("-", 1)[-1] if b.opts.no_cache else None,
+    if rerun is None and b.opts.no_cache:
+        rerun = b.run_id.rsplit("-", 1)[-1]
+    return buildx_argv(context=ctx, dockerfile=dockerfile or b.root / st.dockerfile, build_args=args,
+                       contexts=contexts, labels=labels, network=None if st.network else "none",
+                       platform=b.plan.platform, no_cache=False, rerun=rerun,
                        output=STAGE_OUTPUT.format(dest=b.store.dir, name=st.image),
                        tag=None, metadata=meta, name=f"{b.defn.name}/{st.name}")
 
@@ -648,7 +670,7 @@ def _record(b: Build, status: str, started: str, **extra) -> dict:
         "source_date_epoch": b.epoch,
         "options": {"from": b.opts.from_stage, "until": b.opts.until_stage, "no_cache": b.opts.no_cache,
                     "force": b.opts.force, "jobs": b.opts.jobs, "emulate": b.opts.emulate,
-                    "progress": b.opts.progress},
+                    "progress": b.opts.progress, "check_repro": b.opts.check_repro},
         "stage_store": str(b.store.dir),
         "engine": remote_engine.record(b.engine_id),
         "registry": b.cache.as_dict() if b.cache is not None else None,
@@ -739,6 +761,13 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                         progress.finish(r.name, r.status, r.seconds)
                 if b.cache is not None:
                     b.cache.push(r.name, r.key, r.manifest)
+            if b.opts.check_repro:
+                repro = _check_repro(b, named, tmp, empty, jobs, progress)
+                rec = _record(b, "ok" if repro["same"] else NOT_REPRODUCIBLE, started, release=None,
+                              promotion=None, repro=repro)
+                outcome = "done"
+                progress.end(outcome)
+                return rec
             if b.last != total - 1:
                 rec = _record(b, "ok", started, release=None, promotion=None)
                 outcome = "done"
@@ -774,7 +803,7 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
              NAMED_APT: str(inputs["apt"] or empty)}
     meta = tmp / "metadata.json"
-    argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs)
+    argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st))
     r.args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
               **_parallel_args(st, jobs, b.opts.jobs is not None)}
     r.contexts = {NAMED_SRC: sorted(p.name for p in src_dir.iterdir()),
@@ -812,6 +841,88 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     r.seconds = round(time.monotonic() - t0, 3)
     r.status = "built"
     progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
+
+
+NOT_REPRODUCIBLE = "not-reproducible"  # the record's status when --check-repro found a difference
+REPRO_SCHEMA = "imagebuild.repro-check"
+
+
+def _check_repro(b: Build, named: dict, tmp: Path, empty: Path, jobs: guards.Jobs, progress: Progress) -> dict:
+    """``--check-repro``: every selected stage (built or found in the store just now) is built once
+    more, from the same parent, without BuildKit's cache for its RUN steps (a fresh rerun host entry),
+    exported and clamped as any build, and its manifest compared with the stage store's. A
+    difference is named file by file (``reprodiff``). The second build's blobs are removed and the
+    stage store is left as it was: its refs never name the second build."""
+    out = []
+    selected = [(i, r) for i, r in enumerate(b.stages, start=1) if b.first < i <= b.last + 1]
+    for i, r in selected:
+        st = b.plan.stage(r.name)
+        head = f"[check {i}/{len(b.stages)}] {r.name}"
+        first = b.manifest(r.name)
+        progress.stage(r.name)
+        t0 = time.monotonic()
+        second = _second_build(b, st, named[r.name], tmp / f"check-{r.name}", empty, jobs, progress, head)
+        try:
+            diffs = reprodiff.diff(b.store, first, second, len(_parent_diff_ids(b, st)))
+        finally:
+            if second != first:
+                _forget_manifest(b, second, first)
+        same = second == first
+        progress.finish(r.name, "same" if same else "differs", round(time.monotonic() - t0, 3))
+        if same:
+            progress.info("%s: built again: the same manifest %s", head, first)
+        else:
+            progress.info("%s: built again: %s, not %s; %d path(s) differ%s", head, second, first, len(diffs),
+                          "".join(f"\n  {d.line()}" for d in diffs[:REPRO_SHOWN]) +
+                          (f"\n  ... and {len(diffs) - REPRO_SHOWN} more (--json)" if len(diffs) > REPRO_SHOWN else ""))
+        out.append({"name": r.name, "key": r.key, "first": first, "second": second, "same": same,
+                    "seconds": round(time.monotonic() - t0, 3),
+                    "differences": [d.as_dict() for d in diffs]})
+    return {"schema": REPRO_SCHEMA, "version": 1, "same": all(x["same"] for x in out), "stages": out}
+
+
+REPRO_SHOWN = 20  # differing paths said per stage (--json has them all)
+
+
+def _second_build(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path, jobs: guards.Jobs,
+                  progress: Progress, head: str) -> str:
+    """The stage built once more into the stage store, not committed: its (clamped) manifest."""
+    tmp.mkdir(parents=True)
+    ctx = tmp / context_dir_name("context", st.key)
+    make_context(b.root, st, ctx, st.source_date_epoch)
+    src_dir = tmp / context_dir_name(NAMED_SRC, st.key)
+    src_dir.mkdir()
+    for vf in inputs["src"]:
+        _link_or_copy(vf.path, src_dir / vf.name)
+    for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
+        (src_dir / fname).write_bytes(data)
+    named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
+             NAMED_APT: str(inputs["apt"] or empty)}
+    meta = tmp / "metadata.json"
+    argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st),
+                       rerun="check-" + secrets.token_hex(4))
+    log_path = b.dir / "logs" / f"{st.name}.check.log"
+    progress.info("%s: building again to compare (log: %s)", head, b.ctx.show(log_path))
+    try:
+        md = _buildx(argv, log_path=log_path, progress=progress, label=st.name, epoch=st.source_date_epoch)
+    except _StageFailed as exc:
+        raise OperationFailed(f"stage {st.name!r}: its second build failed (docker buildx build exit {exc.code}); "
+                              f"last lines of its log:\n" + "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
+                              hint=f"full log: {log_path}") from None
+    manifest = md.get("containerimage.digest")
+    if not isinstance(manifest, str) or not b.store.complete(manifest):
+        raise OperationFailed(f"stage {st.name!r}: BuildKit reported success but the second build's image is not "
+                              f"complete in {b.store.dir} (manifest {manifest!r})", hint=f"see {log_path}")
+    return _clamp_times(b, st, manifest, log_path, progress, head)
+
+
+def _forget_manifest(b: Build, manifest: str, instead: str) -> None:
+    """The check's second manifest out of the stage store: ``index.json`` names ``instead`` again,
+    and its blobs that no ref names are removed."""
+    blobs = b.store.manifest_blobs(manifest) or []
+    size = b.store.blob(instead).stat().st_size if b.store.blob(instead).is_file() else 0
+    layerclamp._index_names(b.store, manifest, instead, size)
+    layerclamp._remove_unless_named(b.store, [manifest, *blobs], keep=set())
 
 
 def _missing_base(b: Build, ref: defn_mod.ImageRef) -> OperationFailed:

@@ -19,7 +19,11 @@ no time in them is later than the epoch, and writes the stage's config and manif
   names the new config and layers; ``index.json`` names the new manifest. Every blob is written
   to a temp file and renamed, then the replaced blobs (the raw layer, config, manifest) are
   removed unless another stage ref names them.
-- A layer without a later time is kept as it is (same blob); a stage with none keeps its manifest.
+- The records of when a tool ran (``reproducible.RECORDS_OF_WHEN``: dpkg's and apt's logs, ldconfig's
+  aux-cache, ...) are left out of the stage's own layers, each regular file with the PAX or GNU
+  long-name headers that describe it: the one place that list is applied (docs/build.md).
+- A layer without a later time or such a record is kept as it is (same blob); a stage with none
+  keeps its manifest.
   A rewritten layer ends with exactly two zero blocks (what BuildKit's Go tar writer writes).
 
 No process is started here; the caller gives the parent's diff ids.
@@ -35,6 +39,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from imagebuild.build.reproducible import DROPPED, normalized
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_bytes
@@ -61,12 +66,16 @@ class Clamped:
     headers: int  # tar headers changed
     bytes: int  # uncompressed bytes read
     seconds: float
+    dropped: tuple[str, ...] = ()  # records of when a tool ran, left out (reproducible.RECORDS_OF_WHEN)
 
     def summary(self) -> str:
         if not self.layers:
             return f"file times: none later than the epoch ({human_bytes(self.bytes)} read, {self.seconds:.1f} s)"
-        return (f"file times clamped in {self.layers} layer(s), {self.headers} header(s), "
-                f"{human_bytes(self.bytes)}, {self.seconds:.1f} s")
+        out = (f"file times clamped in {self.layers} layer(s), {self.headers} header(s), "
+               f"{human_bytes(self.bytes)}, {self.seconds:.1f} s")
+        if self.dropped:
+            out += f"; left out (records of when a tool ran): {', '.join(self.dropped)}"
+        return out
 
 
 # --------------------------------------------------------------------------------------------- tar
@@ -169,18 +178,60 @@ class _Exact:
         return b"".join(parts)
 
 
-def clamp_tar(src, write, epoch: int) -> int:
+def _pax_path(data: bytes) -> str | None:
+    """The ``path`` record of PAX header data, if any."""
+    pos = 0
+    while pos < len(data):
+        sp = data.find(b" ", pos)
+        try:
+            n = int(data[pos:sp]) if sp > pos else 0
+        except ValueError:
+            return None
+        if n <= 0:
+            return None
+        key, eq, value = data[sp + 1:pos + n - 1].partition(b"=")
+        if eq and key == b"path":
+            return value.decode("utf-8", "surrogateescape")
+        pos += n
+    return None
+
+
+def _ustar_name(h: bytes) -> str:
+    name = h[0:100].split(b"\0", 1)[0]
+    if h[257:263] == b"ustar\0":  # POSIX: a prefix field (GNU headers keep atime/ctime there)
+        prefix = h[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+_REGULAR = frozenset(b"07\0")
+
+
+def clamp_tar(src, write, epoch: int, drop: frozenset[str] = frozenset(),
+              dropped: list[str] | None = None) -> int:
     """Copy the tar stream ``src`` (``read(n)``) to ``write(bytes)`` with every time later than
-    ``epoch`` set to it; returns the number of headers changed. TarError for what is not a tar."""
+    ``epoch`` set to it; returns the number of headers changed. TarError for what is not a tar.
+
+    A regular file whose path is in ``drop`` (``reproducible.RECORDS_OF_WHEN``) is left out, with
+    the PAX or GNU long-name headers that describe it; its path goes to ``dropped`` and it counts
+    as a changed header."""
     r = _Exact(src)
     changed = 0
+    pending: list[bytes] = []  # headers that describe the next member (PAX 'x', GNU 'L'/'K'), not yet written
+    pax_path: str | None = None
+    long_name: str | None = None
     while True:
         h = r.read(BLOCK)
         if not h:
+            for p in pending:
+                write(p)
             return changed  # no end-of-archive blocks: accepted, as Go's reader does
         if len(h) < BLOCK:
             raise TarError("the stream ends inside a header")
         if h == _ZERO:  # end of archive: two zero blocks, as Go writes it; the padding after them is read
+            for p in pending:
+                write(p)
             write(_ZERO + _ZERO)  # (it is part of the diff id) but not written: record padding would
             while r.read(CHUNK):  # otherwise depend on the headers a clamp removed
                 pass
@@ -195,6 +246,8 @@ def clamp_tar(src, write, epoch: int) -> int:
             data = r.read(size + (-size) % BLOCK)
             if len(data) < size + (-size) % BLOCK:
                 raise TarError("the stream ends inside a PAX header")
+            if kind == ord("x") and drop:
+                pax_path = _pax_path(data[:size]) or pax_path
             new = _clamp_pax(data[:size], epoch, drop_mtime=kind == ord("x"))
             if new == b"":  # it held only a later mtime: the file's own header says it now
                 changed += 1
@@ -203,6 +256,12 @@ def clamp_tar(src, write, epoch: int) -> int:
                 size, dirty = len(new), True
                 hdr[124:136] = _octal(size, 12)
                 data = new + bytes((-len(new)) % BLOCK)
+        elif kind in (ord("L"), ord("K")):  # GNU long name / long link: the name is the data
+            data = r.read(size + (-size) % BLOCK)
+            if len(data) < size + (-size) % BLOCK:
+                raise TarError("the stream ends inside a GNU long-name header")
+            if kind == ord("L"):
+                long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
         else:
             data = None
         if _num(h[136:148]) > epoch:
@@ -214,16 +273,32 @@ def clamp_tar(src, write, epoch: int) -> int:
         if dirty:
             _set_checksum(hdr)
             changed += 1
-        write(bytes(hdr))
         if data is not None:
-            write(data)
+            if kind == ord("g"):  # global: describes no one member
+                write(bytes(hdr))
+                write(data)
+            else:
+                pending.append(bytes(hdr) + data)
             continue
+        name = pax_path or long_name or _ustar_name(h)
+        pax_path = long_name = None
+        skip = bool(drop) and kind in _REGULAR and normalized(name) in drop
+        if skip:
+            changed += 1
+            if dropped is not None:
+                dropped.append(normalized(name))
+        else:
+            for p in pending:
+                write(p)
+            write(bytes(hdr))
+        pending = []
+        emit = (lambda b: None) if skip else write
         if kind == ord("S") and h[482]:  # old GNU sparse: extension blocks follow the header
             while True:
                 ext = r.read(BLOCK)
                 if len(ext) < BLOCK:
                     raise TarError("the stream ends inside a sparse header")
-                write(ext)
+                emit(ext)
                 if not ext[504]:
                     break
         left = 0 if kind in _HEADER_ONLY else size + (-size) % BLOCK
@@ -231,7 +306,7 @@ def clamp_tar(src, write, epoch: int) -> int:
             chunk = r.read(min(left, CHUNK))
             if not chunk:
                 raise TarError("the stream ends inside a file's data")
-            write(chunk)
+            emit(chunk)
             left -= len(chunk)
 
 
@@ -301,9 +376,11 @@ def workers() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def clamp_layer(store: StageStore, desc: dict, diff_id: str, epoch: int) -> tuple[dict, str, int, int] | None:
+def clamp_layer(store: StageStore, desc: dict, diff_id: str, epoch: int,
+                dropped: list[str] | None = None) -> tuple[dict, str, int, int] | None:
     """Rewrite one layer blob of the store: (new descriptor, new diff id, headers changed, bytes
-    read), or None when no time in it is later than ``epoch`` (nothing is written then).
+    read), or None when no time in it is later than ``epoch`` and it holds none of
+    ``reproducible.RECORDS_OF_WHEN`` (nothing is written then); the paths left out go to ``dropped``.
     The blob's tar must hash to ``diff_id`` (what the config says it is)."""
     import zstandard
 
@@ -318,7 +395,7 @@ def clamp_layer(store: StageStore, desc: dict, diff_id: str, epoch: int) -> tupl
             with zc.stream_writer(out, closefd=False, write_size=CHUNK) as zw:
                 new = _Tee(zw.write)
                 changed = clamp_tar(_Reading(_decompressed(fin, str(desc.get("mediaType", ""))), orig),
-                                    new.write, epoch)
+                                    new.write, epoch, DROPPED, dropped)
             if "sha256:" + orig.h.hexdigest() != diff_id:
                 raise OperationFailed(f"layer {desc['digest']} in {store.dir}: its content is "
                                       f"sha256:{orig.h.hexdigest()}, but the image config says {diff_id}",
@@ -368,9 +445,10 @@ def clamp_stage(store: StageStore, manifest: str, parent_diff_ids: list[str], ep
     while keep < min(len(diff_ids), len(parent_diff_ids)) and diff_ids[keep] == parent_diff_ids[keep]:
         keep += 1
     replaced: list[str] = []
+    dropped: list[str] = []
     n_layers = n_headers = n_bytes = 0
     for i in range(keep, len(layers)):
-        res = clamp_layer(store, layers[i], diff_ids[i], epoch)
+        res = clamp_layer(store, layers[i], diff_ids[i], epoch, dropped)
         if res is None:
             continue
         desc, new_id, headers, read = res
@@ -380,6 +458,7 @@ def clamp_stage(store: StageStore, manifest: str, parent_diff_ids: list[str], ep
         n_layers, n_headers, n_bytes = n_layers + 1, n_headers + headers, n_bytes + read
     if not n_layers:
         return Clamped(manifest, 0, 0, n_bytes, round(time.monotonic() - t0, 3))
+    dropped = sorted(set(dropped))
     new_config = _put_blob(store, c_bytes)
     m["config"] = {**c_desc, "digest": new_config, "size": len(c_bytes)}
     m["layers"] = layers
@@ -387,7 +466,7 @@ def clamp_stage(store: StageStore, manifest: str, parent_diff_ids: list[str], ep
     new_manifest = _put_blob(store, new_m_bytes)
     _index_names(store, manifest, new_manifest, len(new_m_bytes))
     _remove_unless_named(store, [*replaced, c_desc["digest"], manifest], keep={new_manifest})
-    return Clamped(new_manifest, n_layers, n_headers, n_bytes, round(time.monotonic() - t0, 3))
+    return Clamped(new_manifest, n_layers, n_headers, n_bytes, round(time.monotonic() - t0, 3), tuple(dropped))
 
 
 def _index_names(store: StageStore, old: str, new: str, size: int) -> None:

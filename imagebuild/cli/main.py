@@ -454,6 +454,10 @@ prefetch environment:
                     "terminal, otherwise plain (default: $IMAGEBUILD_PROGRESS, then $BUILDKIT_PROGRESS, then "
                     "auto). Every stage's full log is in its log file whatever is shown")
     sp.add_argument("--no-gate", action="store_true", help="stop at IMAGE:candidate even if a gate spec exists")
+    sp.add_argument("--check-repro", action="store_true", help="prove the selected stages reproducible: build "
+                    "them (as build does), then each once more from the same parent without BuildKit's cache, "
+                    "and compare; names every file that differs; no release, no promotion; exit 1 on a "
+                    "difference (docs/build.md, Reproducibility)")
     sp.add_argument("--cache-registry", metavar="HOST:PORT/PREFIX", help="a registry shared by the build nodes: "
                     "stages found there under their key are pulled (verified) instead of built, stages built here "
                     "are pushed, and the gated release is tagged there (default: registry: in imagebuild.yaml)")
@@ -1132,13 +1136,22 @@ def _cmd_build(args) -> int:
     if args.cache_registry and args.no_cache_registry:
         raise UsageError("--cache-registry and --no-cache-registry cannot be used together")
     registry = None if args.no_cache_registry else (args.cache_registry or ctx.config.registry)
+    if args.check_repro and args.cache_registry:
+        raise UsageError("--check-repro proves what this host builds: it pulls no stage from a registry",
+                         hint="leave out --cache-registry")
+    if args.check_repro:
+        registry = None
     if registry:
         from imagebuild.core import registry as registry_mod
 
         registry_mod.parse(registry, what="--cache-registry" if args.cache_registry else "imagebuild.yaml: registry")
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
-                             gate=not args.no_gate, progress=args.progress, registry=registry)
+                             gate=not args.no_gate, progress=args.progress, registry=registry,
+                             check_repro=args.check_repro)
+    if args.dry_run and args.check_repro:
+        raise UsageError("--check-repro builds every selected stage twice; --dry-run builds nothing",
+                         hint="use one of them")
     if args.dry_run:
         doc = build_mod.dry_run(ctx, args.image, opts)
         if args.json:
@@ -1184,7 +1197,17 @@ def _cmd_build(args) -> int:
             print(f"published        {p['repository']}:{p['release']['tag']} ({p['release']['digest'][:19]}), "
                   f":local {'moved' if p['moved'] else 'unchanged'}" if p["status"] == "published" else
                   f"published        {p['status']}: {p['reason']}")
+        for c in (rec.get("repro") or {}).get("stages", []):
+            print(f"{c['name']:<16} {'same' if c['same'] else 'DIFFERS':<8} built twice: {c['first']}" +
+                  ("" if c["same"] else f" and {c['second']}"))
+            for d in c["differences"]:
+                print(f"                   {d['path']}: {', '.join(d['differs'])} (layer {d['layer']})")
         print(f"run              {rec['run_id']} (imagebuild log {rec['image']} {rec['run_id']})")
+    if rec.get("repro") and not rec["repro"]["same"]:
+        bad = [c["name"] for c in rec["repro"]["stages"] if not c["same"]]
+        log.error("error: not reproducible: stage(s) %s gave another manifest when built again (the files that "
+                  "differ are listed above; docs/build.md, Reproducibility)", ", ".join(bad))
+        return EXIT_FAILED
     return EXIT_OK
 
 

@@ -14,7 +14,9 @@ they are. On this x86-64 machine without CUDA or GitHub:
   - the b12x wheel is the real one (pure Python); the vLLM wheel is built with
     VLLM_TARGET_DEVICE=empty (no kernels, so no CMake and no FetchContent dependency), from the
     prefetched tarball, after the patches of patches-eugr that fit the snapshot;
-  - the runner installs both, and the gate imports them.
+  - the runner installs both, and the gate imports them;
+  - then the whole chain is built again with --no-cache: every stage's manifest and the release's
+    identity must come out the same (a difference fails naming the files that differ).
 
 Every stage runs with --network none. Runs under `make smoke` (IMAGEBUILD_SMOKE=1) and in CI (CI=true),
 skipped otherwise: about 6 minutes on the 2-core machine (measured 5 min 47 s: prefetch 14 s, build
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import realtrees
+from tests import realtrees, reprocheck
 from tests.conftest import run_cli
 from tests.gitfixtures import GitDaemon, UpstreamFactory, free_port
 
@@ -130,6 +132,17 @@ def test_smoke_lane_builds_the_real_trees_offline(engine_ready, tmp_path, monkey
         assert all(s["network"] in (False, "none") for s in rec["stages"])
         assert rec["promotion"]["status"] == "promoted", rec["promotion"]
         stage_s = {s["name"]: round(s.get("seconds") or 0, 1) for s in rec["stages"]}
+        # the same pins give the same image: a second build without any cache (every RUN step runs
+        # again) gives every stage's manifest and the release's identity again (issue 30)
+        t0 = time.monotonic()
+        b2 = run_cli("--root", str(root), "build", IMAGE, "--no-cache", "--no-gate", "--json")
+        timings["second build (5 stages, --no-cache)"] = time.monotonic() - t0
+        assert b2.code == 0, b2.err[-4000:]
+        rec2 = json.loads(b2.out)
+        assert all(s["status"] == "built" for s in rec2["stages"]), rec2["stages"]
+        diff = reprocheck.differences(rec, rec2, root=root, image=IMAGE)
+        assert not diff, "the second --no-cache build differs:\n" + diff
+        assert rec2["release"]["identity"] == rec["release"]["identity"]
     finally:
         _remove_images()
         shutil.rmtree(trees, ignore_errors=True)
