@@ -83,19 +83,22 @@ def cache_dir() -> Path:
     return Path(base) / "imagebuild-tests"
 
 
-def toolchain(version: str) -> Toolchain:
-    """The CUDA ``version`` (major.minor) toolchain wheels, installed once (atomically) per host."""
+def toolchain(version: str, *, cuobjdump: bool = True) -> Toolchain:
+    """The CUDA ``version`` (major.minor) toolchain wheels, installed once (atomically) per host.
+    ``cuobjdump=False`` for a minor that has no cuobjdump wheel (13.0, 13.1: the first is 13.2);
+    a newer minor's cuobjdump reads its files."""
     dest = cache_dir() / f"cuda-{version}"
     major = version.split(".")[0]
     tc = Toolchain(dest / "nvidia" / f"cu{major}", version)
-    if tc.nvcc.is_file() and tc.cuobjdump.is_file():
+    if tc.nvcc.is_file() and (tc.cuobjdump.is_file() or not cuobjdump):
         return tc
+    packages = [p for p in PACKAGES if cuobjdump or p != "nvidia-cuda-cuobjdump"]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".cuda-{version}.", dir=dest.parent))
     try:
         res = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-             "--only-binary", ":all:", "--target", str(tmp), *(f"{p}=={version}.*" for p in PACKAGES)],
+             "--only-binary", ":all:", "--target", str(tmp), *(f"{p}=={version}.*" for p in packages)],
             capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             tail = [ln for ln in res.stderr.splitlines() if "is ignored" not in ln][-3:]
