@@ -383,9 +383,9 @@ def configure(work: Path, venv: Venv, root: Path, tree: Path, name: str, rep: Re
     run(cmake_args(venv, root, tree, build, stand), env=build_env(venv, root, stand),
         log=work / "logs" / f"configure-{name}.log")
     text = (work / "logs" / f"configure-{name}.log").read_text(errors="replace")
-    for pat in (r"Building NVFP4 for archs: \S+", r"CUDA supported target architectures: \S+"):
-        m = re.search(pat, text)
-        if m:
+    # vLLM's own filter and NVFP4 archs, then flash-attention's filter and FA2_ARCHS (its CMake runs second)
+    for pat in (r"Building NVFP4 for archs: \S+", r"CUDA supported target architectures: \S+", r"FA2_ARCHS: \S*"):
+        for m in re.finditer(pat, text):
             rep.lines.append(f"configure {name}: {m.group(0)}")
     rep.phase(f"configure {name}", t)
     return build
