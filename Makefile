@@ -71,9 +71,11 @@ smoke-arm64: install testbed
 
 # Real CUDA device code of the real vLLM tree without a GPU (scripts/kernels.py): PyPI's CUDA torch and
 # CUDA toolchain wheels in a venv under ~/.cache/imagebuild-kernels ($$IMAGEBUILD_KERNELS_DIR), CMake on
-# the real CMakeLists.txt of ../shared/upstream's snapshot for TORCH_CUDA_ARCH_LIST=12.1a, the NVFP4
-# objects built with ninja and gated with glm53's cuda-targets check, patched (PASS) and unpatched
-# (FAIL). About 5 GB and a few minutes (docs/images/glm53-jovian-r12.md); not part of `make test` or CI.
+# the real CMakeLists.txt of ../shared/upstream's snapshot for TORCH_CUDA_ARCH_LIST=12.1a (with the real
+# flash-attention), the NVFP4 objects and one FA2 object built with ninja (FA2 also with nvcc 13.2) and
+# gated with glm53's cuda-targets check: three verdicts, FA2 per its own list PASS, NVFP4 collapsed to
+# 12.0 FAIL, FA2 PTX from 13.2 FAIL. About 5.5 GB; 42 minutes measured on 2 cores shared at load 11-14 (the FA2 compiles are
+# most of it; docs/images/glm53-jovian-r12.md); not part of `make test` or CI.
 kernels: install
 	$(BIN)/python scripts/kernels.py
 

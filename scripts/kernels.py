@@ -9,25 +9,34 @@ Phases (each timed; the report at the end says what was built):
    everything, because the wheels share one root (``site-packages/nvidia/cu13``): CMake's
    FindCUDAToolkit and torch's Caffe2 config read nvcc, the runtime headers and the libraries from
    that root, and a second minor's nvcc there would mix 13.x headers. cuobjdump has no wheel before
-   13.2, so it comes from the oldest 13.x wheel (CUOBJDUMP) into a folder of its own.
+   13.2, so it comes from the oldest 13.x wheel (NEWER) into a folder of its own, with that minor's
+   nvcc, crt, nvvm, cccl and runtime: the "newer toolkit than the nodes' driver takes" of phase 4.
    The machine's pip config is used for its index and certificate only (read at run time with
    ``pip config list``): a find-links folder or a constraints file there (CPU torch, version caps)
    would pick another torch.
 2. trees: the real vLLM snapshot (../shared/upstream, sha256 checked), once as is and once with
-   patches-eugr/patch_vllm_preserve_sm12x_target.py applied by imagebuild's own patcher.
+   patches-eugr/patch_vllm_preserve_sm12x_target.py applied by imagebuild's own patcher; the real
+   flash-attention snapshot at the commit the tree declares (bce29425), with the cutlass headers its
+   csrc/cutlass submodule names (62750a2b).
 3. configure: ``cmake -G Ninja`` on the real CMakeLists.txt of each tree (VLLM_TARGET_DEVICE=cuda,
    TORCH_CUDA_ARCH_LIST=12.1a, FETCHCONTENT_FULLY_DISCONNECTED=ON). The tree fetches CUTLASS,
-   triton_kernels, DeepGEMM, FlashMLA, QuTLASS and vllm-flash-attn at configure time; none of them is
-   compiled into or included by the objects built here, so each gets an empty stand-in folder through
-   the tree's own ``*_SRC_DIR`` override (STANDINS says what each holds and why).
+   triton_kernels, DeepGEMM, FlashMLA, QuTLASS and vllm-flash-attn at configure time; vllm-flash-attn
+   is the real flash-attention tree (VLLM_FLASH_ATTN_SRC_DIR), so its own CMake picks FA2's targets;
+   none of the others is compiled into or included by the objects built here, so each gets an empty
+   stand-in folder through the tree's own ``*_SRC_DIR`` override (STANDINS says what each holds and why).
 4. build: ``ninja`` builds the object files of TARGETS (the NVFP4 KV-cache kernel of ``_C`` and the
    NVFP4 quantizer of ``_C_stable_libtorch``), with the compile lines CMake generated; they are linked
-   into one shared object ``<out>/<tree>/vllm/_C.abi3.so`` by the toolchain's host compiler.
+   into one shared object ``<out>/<tree>/vllm/_C.abi3.so`` by the toolchain's host compiler. In the
+   patched tree also one real FA2 source (FA2_SOURCE) of ``_vllm_fa2_C``, linked into
+   ``vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so``; and the same compile line once more with the NEWER
+   nvcc (``<out>/newer``: the patched NVFP4 objects beside that FA2).
 5. gate: glm53's own ``vllm-cuda-targets`` check (docker-images/glm53-jovian-r12/gate.yaml) runs on
    each folder through imagebuild.gate.checks.check_cuda_targets on the local host, with the wheel's
-   cuobjdump. The patched tree must PASS (sm_121a, both kernels); the unpatched one must FAIL (sm_120f).
+   cuobjdump. The three verdicts (issue 29): the patched tree, FA2 built per its own list, must PASS;
+   the unpatched one (NVFP4 collapsed to sm_120f) must FAIL; FA2's PTX from the NEWER nvcc must FAIL
+   for the nodes' R580 driver (PTX ISA 9.2 > 9.0).
 
-Exit status: 0 when both gate verdicts are as expected, 1 otherwise.
+Exit status: 0 when every gate verdict is as expected, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -51,7 +60,15 @@ sys.path.insert(0, str(ROOT))
 
 IMAGE = "glm53-jovian-r12"
 TORCH = "2.13.0"                    # the operators' pin (docs/images/glm53-jovian-r12.md)
-CUOBJDUMP = "13.2.*"                # the first CUDA minor with a cuobjdump wheel
+NEWER = "13.2.*"                    # the first CUDA minor with a cuobjdump wheel; newer than R580 (13.0) takes
+NEWER_PACKAGES = ("nvidia-cuda-cuobjdump", "nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl",
+                  "nvidia-cuda-runtime")
+FA_TARBALL = "flash-attention-bce29425-subset.tar.gz"
+FA_SHA256 = "31b29160c5c6d5de4bb5b39daa9c88bdede061fce4b444188240ea2861e2d535"        # ../shared/upstream/README.md
+CUTLASS_TARBALL = "cutlass-62750a2b-include.tar.gz"
+CUTLASS_SHA256 = "8c09a2a2e45c50419e08eb175f51165b1a5106570cd196773f31e97e59af8095"
+FA2_TARGET = "_vllm_fa2_C"
+FA2_SOURCE = "csrc/flash_attn/src/flash_fwd_hdim32_fp16_sm80.cu"   # one FA2 forward instantiation, the smallest head dim
 TOOLCHAIN_EXTRAS = "nvcc,crt,cccl,nvvm,cudart"
 PATCH = ROOT / "patches-eugr" / "patch_vllm_preserve_sm12x_target.py"
 UPSTREAM = ROOT.parent / "shared" / "upstream"
@@ -76,8 +93,8 @@ STANDINS = (
     ("FLASH_MLA_SRC_DIR", "flashmla", "no target for 12.1a (9.0a, 10.0f)"),
     ("QUTLASS_SRC_DIR", "qutlass", "its sources go into _C, whose link is not built here; its empty "
      "third_party/cutlass/include/cutlass/cutlass.h meets its configure-time check for CUTLASS headers"),
-    ("VLLM_FLASH_ATTN_SRC_DIR", "vllm-flash-attn", "no CMakeLists.txt, so no target"),
 )
+# vllm-flash-attn is the real tree (trees(): VLLM_FLASH_ATTN_SRC_DIR), not a stand-in
 
 
 @dataclass
@@ -172,7 +189,7 @@ def install(work: Path, rep: Report) -> tuple[Venv, Path, dict]:
     t = time.monotonic()
     venv = Venv(work / "venv")
     stamp = venv.root / ".kernels-installed"
-    cuobj_dir = work / "cuobjdump"
+    cuobj_dir = work / "cuda-newer"
     if not stamp.is_file():
         cfg = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
         index = pip_index_args(cfg)
@@ -187,11 +204,15 @@ def install(work: Path, rep: Report) -> tuple[Venv, Path, dict]:
                                    "print(json.dumps(m.requires('torch')))"], capture=True).stdout)
         pin = toolchain_pin(requires)
         run([*pip, f"cuda-toolkit[{TOOLCHAIN_EXTRAS}]=={pin}"], env=env)
+        stamp.write_text(json.dumps({"torch": TORCH, "cuda-toolkit": pin}) + "\n")
+    if not (cuobj_dir / ".installed").is_file():  # its own stamp: a work folder of an older script has none
+        cfg = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
         if cuobj_dir.exists():
             shutil.rmtree(cuobj_dir)
-        run([*pip, "--no-deps", "--only-binary", ":all:", "--target", cuobj_dir,
-             f"nvidia-cuda-cuobjdump=={CUOBJDUMP}"], env=env)
-        stamp.write_text(json.dumps({"torch": TORCH, "cuda-toolkit": pin}) + "\n")
+        run([venv.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *pip_index_args(cfg),
+             "--no-deps", "--only-binary", ":all:", "--target", cuobj_dir,
+             *(f"{p}=={NEWER}" for p in NEWER_PACKAGES)], env=clean_pip_env())
+        (cuobj_dir / ".installed").write_text(NEWER + "\n")
     info = json.loads(run([venv.python, "-c",
                            "import json, torch, importlib.metadata as m; print(json.dumps({"
                            "'torch': torch.__version__, 'cuda': torch.version.cuda, "
@@ -243,7 +264,22 @@ def trees(work: Path, rep: Report) -> dict[str, Path]:
     [res] = patching.apply_all([PATCH], out["patched"])
     if res.outcome != patching.APPLIED:
         raise SystemExit(f"{PATCH.name}: {res.as_dict()}")
-    rep.lines.append(f"trees: {VLLM_TARBALL} (sha256 ok); {PATCH.name}: {res.outcome} on the patched copy")
+    fa = work / "trees" / "flash-attention"
+    if fa.exists():
+        shutil.rmtree(fa)
+    for name, digest, dest in ((FA_TARBALL, FA_SHA256, fa), (CUTLASS_TARBALL, CUTLASS_SHA256, fa / "csrc" / "cutlass")):
+        tarball = UPSTREAM / name
+        if not tarball.is_file():
+            raise SystemExit(f"{tarball} is absent: `make kernels` needs ../shared/upstream beside the project")
+        got = hashlib.sha256(tarball.read_bytes()).hexdigest()
+        if got != digest:
+            raise SystemExit(f"{tarball}: sha256 {got}, expected {digest}")
+        dest.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tarball) as tf:  # no top folder in these two (README.md)
+            tf.extractall(dest, filter="data")
+    out["flash-attention"] = fa
+    rep.lines.append(f"trees: {VLLM_TARBALL} (sha256 ok); {PATCH.name}: {res.outcome} on the patched copy; "
+                     f"{FA_TARBALL} with {CUTLASS_TARBALL} as its csrc/cutlass (sha256 ok)")
     rep.phase("trees", t)
     return out
 
@@ -260,7 +296,7 @@ def standin_files(tree: Path, name: str) -> list[str]:
 
 def standins(work: Path, tree: Path) -> dict[str, Path]:
     base = work / "standins" / tree.parent.name
-    out = {}
+    out = {"VLLM_FLASH_ATTN_SRC_DIR": work / "trees" / "flash-attention"}  # the real tree (trees())
     for var, name, _why in STANDINS:
         d = base / name
         for f in standin_files(tree, name):
@@ -347,9 +383,9 @@ def configure(work: Path, venv: Venv, root: Path, tree: Path, name: str, rep: Re
     run(cmake_args(venv, root, tree, build, stand), env=build_env(venv, root, stand),
         log=work / "logs" / f"configure-{name}.log")
     text = (work / "logs" / f"configure-{name}.log").read_text(errors="replace")
-    for pat in (r"Building NVFP4 for archs: \S+", r"CUDA supported target architectures: \S+"):
-        m = re.search(pat, text)
-        if m:
+    # vLLM's own filter and NVFP4 archs, then flash-attention's filter and FA2_ARCHS (its CMake runs second)
+    for pat in (r"Building NVFP4 for archs: \S+", r"CUDA supported target architectures: \S+", r"FA2_ARCHS: \S*"):
+        for m in re.finditer(pat, text):
             rep.lines.append(f"configure {name}: {m.group(0)}")
     rep.phase(f"configure {name}", t)
     return build
@@ -412,7 +448,8 @@ def object_of(build: Path, target: str, source: str) -> tuple[str, list[str]]:
 
 
 def build_objects(work: Path, venv: Venv, root: Path, tree: Path, build: Path, name: str,
-                  rep: Report) -> list[Built]:
+                  rep: Report, fa2: Built | None = None) -> list[Built]:
+    """TARGETS' objects, and FA2_SOURCE's (compiled here when ``fa2`` is None, else that one's copied)."""
     t = time.monotonic()
     stand = standins(work, tree)
     env = build_env(venv, root, stand)
@@ -428,8 +465,50 @@ def build_objects(work: Path, venv: Venv, root: Path, tree: Path, build: Path, n
         so = out_dir / f"{target}.abi3.so"
         run(["g++", "-shared", "-o", so, build / obj], env=env)
         built.append(Built(name, target, source, build / obj, so, gencode))
+    fa2_so = out_dir / "vllm_flash_attn" / f"{FA2_TARGET}.abi3.so"
+    fa2_so.parent.mkdir()
+    obj, gencode = object_of(build, FA2_TARGET, FA2_SOURCE)
+    if fa2 is None:  # one real FA2 object, compiled with the lines flash-attention's own CMake generated
+        run([venv.root / "bin" / "ninja", "-C", build, obj], env=env,
+            log=work / "logs" / f"build-{name}-{Path(FA2_SOURCE).stem}.log")
+        run(["g++", "-shared", "-o", fa2_so, build / obj], env=env)
+        built.append(Built(name, FA2_TARGET, FA2_SOURCE, build / obj, fa2_so, gencode))
+    else:  # the same FA2 library: its list does not depend on vLLM's patch (checked here)
+        if gencode != fa2.gencode:
+            raise SystemExit(f"{name}: flash-attention's CMake chose {gencode} for FA2, the patched tree {fa2.gencode}")
+        shutil.copy(fa2.so, fa2_so)
     rep.phase(f"build {name}", t)
     return built
+
+
+def build_newer_fa2(work: Path, venv: Venv, root: Path, tree: Path, build: Path, newer_nvcc: Path,
+                    patched: list[Built], rep: Report) -> list[Built]:
+    """FA2_SOURCE once more, on the compile line flash-attention's CMake generated, with the NEWER
+    nvcc in place of the toolkit's; ``<out>/newer/vllm`` holds it beside the patched NVFP4 objects."""
+    t = time.monotonic()
+    env = build_env(venv, root, standins(work, tree))
+    [cmd] = [c for c in json.loads((build / "compile_commands.json").read_text())
+             if c["file"].endswith("/" + FA2_SOURCE) and f"CMakeFiles/{FA2_TARGET}.dir/" in c.get("output", c["command"])]
+    argv = shlex.split(cmd["command"])
+    obj = work / "newer" / f"{Path(FA2_SOURCE).name}.o"
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    argv[0] = str(newer_nvcc)
+    for flag, value in (("-o", obj), ("-MF", obj.with_suffix(".d"))):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = str(value)
+    run(argv, env=env, cwd=Path(cmd["directory"]), log=work / "logs" / f"build-newer-{Path(FA2_SOURCE).stem}.log")
+    out_dir = work / "out" / "newer" / "vllm"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    (out_dir / "vllm_flash_attn").mkdir(parents=True)
+    for b in patched:
+        if b.target != FA2_TARGET:
+            shutil.copy(b.so, out_dir / b.so.name)
+    so = out_dir / "vllm_flash_attn" / f"{FA2_TARGET}.abi3.so"
+    run(["g++", "-shared", "-o", so, obj], env=env)
+    gencode = [f"-gencode {g}" for g in re.findall(r"-gencode[= ](arch=\S+?,code=\S+)", cmd["command"])]
+    rep.phase("build newer", t)
+    return [Built("newer", FA2_TARGET, FA2_SOURCE, obj, so, gencode)]
 
 
 # --- 5. gate ---------------------------------------------------------------------------------------
@@ -495,21 +574,28 @@ def main(argv: list[str] | None = None) -> int:
     added = link_names(root)
     if added:
         rep.lines.append(f"linker names added in {root / 'lib'}: {' '.join(added)}")
-    names = ["patched"] if args.patched_only else ["patched", "unpatched"]
+    trees_ = ["patched"] if args.patched_only else ["patched", "unpatched"]
     all_trees = trees(work, rep)
     built: dict[str, list[Built]] = {}
-    for name in names:
-        build = configure(work, venv, root, all_trees[name], name, rep)
+    builds: dict[str, Path] = {}
+    for name in trees_:
+        build = builds[name] = configure(work, venv, root, all_trees[name], name, rep)
         params = glm53_check().params
         allowed = set(params["sass"]) | set(params.get("ptx") or []) | set(params.get("tolerate") or [])
         for line in selection_lines(selection(build), allowed):
             rep.lines.append(f"selected {name}: {line}")
-        built[name] = build_objects(work, venv, root, all_trees[name], build, name, rep)
+        fa2 = next((b for b in built.get("patched", []) if b.target == FA2_TARGET), None)
+        built[name] = build_objects(work, venv, root, all_trees[name], build, name, rep, fa2)
+    newer_nvcc = cuobjdump.parent / "nvcc"
+    built["newer"] = build_newer_fa2(work, venv, root, all_trees["patched"], builds["patched"], newer_nvcc,
+                                     built["patched"], rep)
+    rep.lines.append(f"newer toolkit: {newer_nvcc} (nvcc {nvcc_release(newer_nvcc.parent.parent)})")
+    names = [*trees_, "newer"]
     t = time.monotonic()
-    verdicts = {}
+    verdicts, details = {}, {}
     for name in names:
         ok, detail, log = gate(work / "out" / name / "vllm", cuobjdump)
-        verdicts[name] = ok
+        verdicts[name], details[name] = ok, detail
         for line in log:  # the check's one line a file (the rest of its log is the commands it ran)
             if re.match(r"^\[[^\]]+\] /\S+: (SASS|unreadable)", line):
                 say("  " + line.rstrip())
@@ -524,11 +610,26 @@ def main(argv: list[str] | None = None) -> int:
         say("  " + line)
     say("=== times: " + "; ".join(f"{k} {v:.1f} s" for k, v in rep.times.items())
         + f"; total {time.monotonic() - started:.1f} s")
-    expected = {"patched": True, "unpatched": False}
-    good = all(verdicts[n] == expected[n] for n in names)
-    say("kernels: " + ("OK" if good else "UNEXPECTED") + " (the patched tree must pass glm53's "
-        "vllm-cuda-targets check, the unpatched one must fail it)")
+    say("=== gate verdicts (glm53's vllm-cuda-targets, as glm53 runs it)")
+    good = True
+    for name, what, want, because in VERDICTS:
+        if name not in verdicts:
+            continue
+        as_expected = verdicts[name] == want and (because is None or because in details[name])
+        good &= as_expected
+        say(f"  {what}: {'PASS' if verdicts[name] else 'FAIL'} "
+            f"({'as expected' if as_expected else 'UNEXPECTED: expected ' + ('PASS' if want else 'FAIL')})")
+    say("kernels: " + ("OK" if good else "UNEXPECTED"))
     return 0 if good else 1
+
+
+# (folder, what it is, expected verdict, a phrase the detail must hold)
+VERDICTS = (
+    ("patched", "FA2 built per its own list (sm_80 + compute_80, nvcc of the image's CUDA) beside "
+     "NVFP4 sm_121a (patched tree)", True, None),
+    ("unpatched", "NVFP4 collapsed to 12.0 (unpatched tree: sm_120f)", False, "unexpected target sm_120f"),
+    ("newer", "FA2's PTX compiled by a newer toolkit than the R580 driver takes (nvcc 13.2)", False, "cannot JIT"),
+)
 
 
 def nvcc_release(root: Path) -> str:

@@ -27,6 +27,7 @@ class Snapshot:
     tarball: str
     sha256: str        # from ../shared/upstream/README.md
     commit: str        # the upstream commit the snapshot is (README.md)
+    top: bool = True   # the tarball has the top folder ``name``/ (False: its files are at the top)
 
 
 VLLM = Snapshot("vllm", "vllm-28be48fa.tar.gz",
@@ -35,6 +36,10 @@ VLLM = Snapshot("vllm", "vllm-28be48fa.tar.gz",
 B12X = Snapshot("b12x", "b12x-36bce2c1.tar.gz",
                 "ff6cfa7d2ac164bf74a0b48d4bc34f736308bef445aca309f84ce003cb92480b",
                 "36bce2c1552ba2d47dc09f20a6f64fbfc8ec4ff8")
+# the commit vLLM's vllm_flash_attn.cmake declares; a subset (CMakeLists.txt, cmake/, csrc/flash_attn/, ...)
+FLASH_ATTN = Snapshot("flash-attention", "flash-attention-bce29425-subset.tar.gz",
+                      "31b29160c5c6d5de4bb5b39daa9c88bdede061fce4b444188240ea2861e2d535",
+                      "bce29425653ec0fbc579d329883030e832d15ada", top=False)
 
 
 def required() -> bool:
@@ -61,7 +66,7 @@ def extract(snap: Snapshot, dest: Path) -> Path:
     if not tree.is_dir():
         dest.mkdir(parents=True, exist_ok=True)
         with tarfile.open(path) as tf:
-            tf.extractall(dest, filter="data")
+            tf.extractall(dest if snap.top else tree, filter="data")
     assert tree.is_dir(), f"{path} has no top folder {snap.name}/"
     return tree
 

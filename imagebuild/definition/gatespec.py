@@ -41,6 +41,32 @@ MODULE_RE = lazy.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z
 DEFAULT_PYTHON = "python3"
 DEFAULT_TIMEOUT_S = 600
 
+# PTX ISA version -> the first CUDA release whose driver JIT-compiles it: NVIDIA's PTX ISA
+# documentation, "Release History" table (docs.nvidia.com/cuda/parallel-thread-execution, release
+# notes); 9.2 <- 13.2 measured here (nvcc 13.2.78 writes `.version 9.2`, ../shared/FACTS.md). A driver
+# of CUDA X.Y takes every PTX ISA whose first release is X.Y or older (docs/gate.md, "driver").
+PTX_ISA_FIRST_CUDA = {
+    "7.0": "11.0", "7.1": "11.1", "7.2": "11.2", "7.3": "11.3", "7.4": "11.4", "7.5": "11.5",
+    "7.6": "11.6", "7.7": "11.7", "7.8": "11.8", "8.0": "12.0", "8.1": "12.1", "8.2": "12.2",
+    "8.3": "12.3", "8.4": "12.4", "8.5": "12.5", "8.6": "12.7", "8.7": "12.8", "8.8": "12.9",
+    "9.0": "13.0", "9.1": "13.1", "9.2": "13.2",
+}
+VERSION_RE = lazy.compile(r"[0-9]+\.[0-9]+\Z")
+
+
+def _vkey(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def max_ptx_isa(cuda: str) -> str | None:
+    """The newest PTX ISA a CUDA ``cuda`` (X.Y) driver JIT-compiles; None where the table cannot
+    tell (older than 11.0, or newer than its newest release: state ``ptx_isa:`` then)."""
+    newest = max(PTX_ISA_FIRST_CUDA.values(), key=_vkey)
+    if _vkey(cuda) < (11, 0) or _vkey(cuda) > _vkey(newest):
+        return None
+    return max((isa for isa, first in PTX_ISA_FIRST_CUDA.items() if _vkey(first) <= _vkey(cuda)), key=_vkey)
+
+
 # ELF e_machine values (System V ABI) by the names people write; docs/gate.md lists them.
 ELF_MACHINES = {
     "aarch64": 183, "arm64": 183, "x86_64": 62, "x86-64": 62, "amd64": 62, "i386": 3, "386": 3,
@@ -59,7 +85,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "pip-check": ((), ("allow",)),
     # `path` or `module` (the folder of an installed package), checked in _p_cuda_targets
     "cuda-targets": (("sass",), ("path", "module", "ptx", "tolerate", "require", "kernels", "glob", "min_files",
-                                 "cuobjdump")),
+                                 "cuobjdump", "libraries", "driver")),
     # `path` or `module`, checked in _p_git_tree
     "git-tree": (("tree",), ("path", "module", "exclude")),
 }
@@ -583,6 +609,104 @@ def _p_cuda_targets(p, m, label):
         if not isinstance(v, str) or not v.strip():
             p.err(m["cuobjdump"].line, f"{label}.cuobjdump", f"expected a command or a path, got {v!r}")
         out["cuobjdump"] = v
+    if "libraries" in m:
+        out["libraries"] = _libraries(p, m["libraries"], f"{label}.libraries")
+    if "driver" in m:
+        out["driver"] = _driver(p, m["driver"], f"{label}.driver")
+    return out
+
+
+LIBRARY_KEYS = ("files", "targets", "why", "min_files")
+DRIVER_KEYS = ("cuda", "name", "ptx_isa")
+
+
+def _libraries(p, node, label) -> list[dict]:
+    """``libraries:``: files that their own build compiles for other targets, each with its list."""
+    if not isinstance(node.value, list) or not node.value:
+        p.err(node.line, label, "expected a list of libraries, each with `files`, `targets` and `why`",
+              hint="e.g. - {files: vllm_flash_attn/_vllm_fa2_C*.so, targets: [sm_80, compute_80], why: ...}")
+        return []
+    out = []
+    for i, ln in enumerate(node.value):
+        where = f"{label}[{i}]"
+        if not isinstance(ln.value, dict):
+            p.err(ln.line, where, f"expected a mapping with `files`, `targets` and `why`, got {ln.plain()!r}")
+            continue
+        lm, kl = ln.value, ln.key_lines or {}
+        for key in lm:
+            if key not in LIBRARY_KEYS:
+                _unknown(p, kl.get(key, ln.line), where, key, LIBRARY_KEYS)
+        lib: dict = {"min_files": 0}
+        for key in ("files", "targets", "why"):
+            if key not in lm:
+                p.err(ln.line, f"{where}.{key}", f"missing `{key}:`",
+                      hint={"files": "a glob of the file's path under the checked folder, e.g. "
+                                     "vllm_flash_attn/_vllm_fa2_C*.so",
+                            "targets": "every target the library's own build compiles, e.g. [sm_80, compute_80]",
+                            "why": "where its build asks for them, e.g. its CMakeLists.txt line"}[key])
+        f = lm.get("files")
+        if f is not None:
+            if not isinstance(f.value, str) or not f.value.strip() or f.value.startswith("/"):
+                p.err(f.line, f"{where}.files", f"expected a glob relative to the checked folder, got {f.plain()!r}")
+            lib["files"] = f.value
+        t = lm.get("targets")
+        if t is not None:
+            vals = _str_list(p, t, f"{where}.targets") or []
+            for v in vals:
+                if not (SASS_RE.match(v) or PTX_RE.match(v)):
+                    p.err(t.line, f"{where}.targets", f"not a CUDA target: {excerpt(v)}",
+                          hint="e.g. [sm_80, compute_80] (SASS sm_..., PTX compute_...)")
+            if not vals:
+                p.err(t.line, f"{where}.targets", "expected at least one target")
+            lib["targets"] = vals
+        w = lm.get("why")
+        if w is not None:
+            if not isinstance(w.value, str) or not w.value.strip():
+                p.err(w.line, f"{where}.why", f"expected the source of the list (text), got {w.plain()!r}")
+            lib["why"] = w.value
+        if "min_files" in lm:
+            v = lm["min_files"].value
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                p.err(lm["min_files"].line, f"{where}.min_files", f"expected a number >= 0, got {v!r}")
+            lib["min_files"] = v
+        out.append(lib)
+    return out
+
+
+def _driver(p, node, label) -> dict:
+    """``driver:``: the (oldest) driver of the nodes the image runs on; its PTX ISA limit."""
+    if not isinstance(node.value, dict):
+        p.err(node.line, label, f"expected a mapping with `cuda:` (and `name:`, `ptx_isa:`), got {node.plain()!r}",
+              hint='e.g. driver: {name: R580, cuda: "13.0"}')
+        return {}
+    dm, kl = node.value, node.key_lines or {}
+    for key in dm:
+        if key not in DRIVER_KEYS:
+            _unknown(p, kl.get(key, node.line), label, key, DRIVER_KEYS)
+    out: dict = {"name": None}
+    for key in ("cuda", "ptx_isa"):
+        if key in dm:
+            v = dm[key].value
+            if not isinstance(v, str) or not VERSION_RE.match(v):
+                p.err(dm[key].line, f"{label}.{key}", f"expected a quoted version X.Y, got {dm[key].plain()!r}",
+                      hint=f'quote it ({key}: "13.0"): a bare 13.10 would read as 13.1')
+            else:
+                out[key] = v
+    if "cuda" not in dm:
+        p.err(node.line, f"{label}.cuda", "missing `cuda:` (the CUDA version of the driver, as nvidia-smi shows it)",
+              hint='e.g. cuda: "13.0" for R580')
+    if "name" in dm:
+        v = dm["name"].value
+        if not isinstance(v, str) or not v.strip():
+            p.err(dm["name"].line, f"{label}.name", f"expected a name, got {dm['name'].plain()!r}")
+        out["name"] = v
+    if "cuda" in out and "ptx_isa" not in out:
+        isa = max_ptx_isa(out["cuda"])
+        if isa is None:
+            p.err(dm["cuda"].line, f"{label}.cuda", f"the PTX ISA limit of a CUDA {out['cuda']} driver is not "
+                  f"in imagebuild's table (CUDA 11.0 to {max(PTX_ISA_FIRST_CUDA.values(), key=_vkey)})",
+                  hint="state it: ptx_isa: \"X.Y\" (NVIDIA's PTX ISA release notes)")
+        out["ptx_isa"] = isa
     return out
 
 

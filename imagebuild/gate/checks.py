@@ -322,6 +322,16 @@ for f; do
   printf '\\n%s%s\\n' "$R" "$?"
 done"""
 
+# The PTX pass: cuobjdump -ptx ($1) on each file ($3...), keeping only the lines that match the
+# extended regex $2 (headers, arch, .version), framed per file with cuobjdump's own exit code.
+_CUDA_PTX = """c=$1; keep=$2; shift 2
+for f; do
+  printf '\\n%s%s\\n' "$F" "$f"
+  out=$("$c" -ptx "$f" 2>&1); rc=$?
+  printf '%s\\n' "$out" | grep -E "$keep"
+  printf '\\n%s%s\\n' "$R" "$rc"
+done"""
+
 
 _PACKAGE_DIR = """import importlib.util, os, sys
 spec = importlib.util.find_spec(sys.argv[1])
@@ -362,15 +372,29 @@ def check_cuda_targets(ctx: Context, check: Check) -> str:
             raise CheckFailed(f"running {tool} failed (exit {res.rc}): {_last(res.stderr_bytes.decode('utf-8', 'replace'))}")
         listing.append(res.stdout_bytes.decode("utf-8", "replace"))
     scan = cuda_targets.parse_scan("\n".join(listing))
+    if p.get("driver"):  # the PTX ISA version of every PTX, read from the PTX text itself
+        with_ptx = sorted(f for f, fb in scan.cuda.items() if fb.ptx)
+        for i in range(0, len(with_ptx), 200):
+            chunk = with_ptx[i:i + 200]
+            env = f"F={shlex.quote(cuda_targets.FRAME)} R={shlex.quote(cuda_targets.RC)} "
+            res = ctx.host.run(env + "sh -c %s sh %s %s" + " %s" * len(chunk), _CUDA_PTX, tool,
+                               cuda_targets.PTX_KEEP, *chunk)
+            if res.rc != 0:
+                raise CheckFailed(f"running {tool} -ptx failed (exit {res.rc}): "
+                                  f"{_last(res.stderr_bytes.decode('utf-8', 'replace'))}")
+            cuda_targets.add_ptx_versions(scan, res.stdout_bytes.decode("utf-8", "replace"))
     for f in sorted(scan.cuda):  # one line a file; a full listing of a vLLM wheel is megabytes
         fb = scan.cuda[f]
+        isa = " ".join(f"{a}={v}" for a, v in sorted(fb.ptx_isa))
         ctx.log(f"[{check.id}] {f}: SASS {' '.join(sorted(fb.sass)) or '-'}; PTX {' '.join(sorted(fb.ptx)) or '-'}"
+                + (f"; PTX ISA {isa}" if isa else "")
                 + (f"; {len(fb.kernels)} kernels" if option else "") + "\n")
     for f, msg in sorted(scan.unreadable.items()):
         ctx.log(f"[{check.id}] {f}: unreadable: {msg}\n")
     ok, detail = cuda_targets.judge(scan, sass=p["sass"], ptx=p["ptx"], require=p["require"],
                                     kernels=p["kernels"], min_files=p["min_files"],
-                                    tolerate=p.get("tolerate") or [])
+                                    tolerate=p.get("tolerate") or [], libraries=p.get("libraries") or [],
+                                    root=p["path"], driver=p.get("driver"))
     if not ok:
         raise CheckFailed(f"{p['path']}: {detail}")
     return f"{p['path']}: {detail} (by {tool})"

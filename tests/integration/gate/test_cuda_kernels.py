@@ -46,7 +46,7 @@ def cuda_minor(glm53) -> str:
 
 @pytest.fixture(scope="module")
 def tc(cuda_minor):
-    tc = cudakernels.toolchain(cuda_minor)
+    tc = cudakernels.toolchain(cuda_minor, cuobjdump=False)  # 13.0 has no cuobjdump wheel: cudakernels.cuobjdump()
     assert tc.release() == cuda_minor
     return tc
 
@@ -80,7 +80,7 @@ def _without_module(params: dict) -> dict:
 def _check_here(check, folder: Path, tc) -> tuple[bool, str]:
     import testinfra
 
-    params = {**_without_module(check.params), "path": str(folder), "cuobjdump": str(tc.cuobjdump),
+    params = {**_without_module(check.params), "path": str(folder), "cuobjdump": str(cudakernels.cuobjdump()),
               "kernels": ["nvfp4_probe_dequant"]}
     c = gatespec.Check(check.id, check.kind, params)
     log: list[str] = []
@@ -131,7 +131,7 @@ def test_kernels_compiled_out_fail(trees, glm53, cuda_minor, tc, spec_check, tmp
     folder = cudakernels.compile_so(tc, arches.gencode, tmp_path / "lib" / "k.so").parent
     import testinfra
 
-    params = {**_without_module(spec_check.params), "path": str(folder), "cuobjdump": str(tc.cuobjdump),
+    params = {**_without_module(spec_check.params), "path": str(folder), "cuobjdump": str(cudakernels.cuobjdump()),
               "kernels": ["cvt_fp16_to_fp4"]}  # vLLM's NVFP4 quantizer: not in the probe
     ctx = checks.Context(testinfra.get_host("local://"), "python3", {}, lambda s: None)
     with pytest.raises(checks.CheckFailed, match=r"no kernel matches /cvt_fp16_to_fp4/ \(of 1 kernels\)"):
@@ -155,7 +155,7 @@ def test_gate_in_a_container_reads_the_targets(engine_ready, trees, glm53, cuda_
         ctx = tmp_path / name / "ctx"
         cudakernels.compile_so(tc, arches.gencode, ctx / "vllm" / "_C.abi3.so")
         (ctx / "vllm" / "__init__.py").write_text("")
-        shutil.copy(tc.cuobjdump, ctx / "cuobjdump")
+        shutil.copy(cudakernels.cuobjdump(), ctx / "cuobjdump")
         (ctx / "Dockerfile").write_text(f"FROM {DEBIAN}\nCOPY vllm/ /usr/lib/python3/dist-packages/vllm/\n"
                                         "COPY cuobjdump /usr/local/cuda/bin/cuobjdump\n")
         tag = f"imagebuild-test/cuda-targets:{name}"

@@ -102,6 +102,22 @@ def test_unknown_keys_and_bad_specifiers_name_file_and_line():
     ("- {id: a, kind: cuda-targets, module: 'a b', sass: [sm_121a]}", "expected a module name"),
     ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], tolerate: ['8.0']}", "not a CUDA target"),
     ("- {id: a, kind: cuda-targets, path: /x, sass: sm_121a, kernels: '(['}", "invalid regular expression"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], driver: {cuda: 13.0}}", "expected a quoted version X.Y"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], driver: {name: R580}}", "missing `cuda:`"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], driver: {cuda: '14.1'}}",
+     "the PTX ISA limit of a CUDA 14.1 driver is not in imagebuild's table"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], driver: {cuda: '13.0', isa: '9.0'}}",
+     "unknown key 'isa'"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], driver: R580}", "expected a mapping with `cuda:`"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], libraries: []}", "expected a list of libraries"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], libraries: [{files: a.so, targets: [sm_80]}]}",
+     "missing `why:`"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], libraries: [{files: /a.so, targets: [sm_80], why: w}]}",
+     "expected a glob relative to the checked folder"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], libraries: [{files: a.so, targets: ['8.0+PTX'], why: w}]}",
+     "not a CUDA target: '8.0+PTX'"),
+    ("- {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], libraries: [{files: a.so, targets: [sm_80], why: w, "
+     "arch: x}]}", "unknown key 'arch'"),
 ])
 def test_each_problem_is_reported(body, expected):
     text = "\n".join(_problems("checks:\n  " + body + "\n"))
@@ -114,6 +130,26 @@ def test_cuda_targets_defaults():
     assert spec.checks[0].params == {"module": "vllm", "sass": ["sm_121a", "sm_121f"],
                                      "require": ["sm_121a", "sm_121f"], "ptx": [], "tolerate": [], "kernels": [],
                                      "glob": ["*.so", "*.so.*"], "min_files": 1}
+
+
+def test_cuda_targets_driver_and_libraries():
+    spec = gatespec.parse("checks:\n  - {id: a, kind: cuda-targets, module: vllm, sass: [sm_121a],\n"
+                          "     driver: {name: R580, cuda: '13.0'},\n"
+                          "     libraries: [{files: 'fa/_fa2*.so', targets: [sm_80, compute_80], why: its CMake}]}\n",
+                          "gate.yaml")
+    p = spec.checks[0].params
+    assert p["driver"] == {"name": "R580", "cuda": "13.0", "ptx_isa": "9.0"}
+    assert p["libraries"] == [{"files": "fa/_fa2*.so", "targets": ["sm_80", "compute_80"], "why": "its CMake",
+                               "min_files": 0}]
+    stated = gatespec.parse("checks:\n  - {id: a, kind: cuda-targets, path: /x, sass: [sm_121a], "
+                            "driver: {cuda: '14.1', ptx_isa: '9.9'}}\n", "gate.yaml")
+    assert stated.checks[0].params["driver"] == {"name": None, "cuda": "14.1", "ptx_isa": "9.9"}
+
+
+@pytest.mark.parametrize(("cuda", "isa"), [("13.0", "9.0"), ("13.2", "9.2"), ("12.6", "8.5"), ("12.8", "8.7"),
+                                           ("11.0", "7.0"), ("13.3", None), ("10.2", None)])
+def test_the_ptx_isa_a_driver_takes(cuda, isa):
+    assert gatespec.max_ptx_isa(cuda) == isa
 
 
 def test_all_problems_at_once_and_yaml_errors_have_lines():

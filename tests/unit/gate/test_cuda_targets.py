@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,76 @@ def test_tolerated_targets_sit_beside_a_files_own_never_instead_of_them():
                                         ("sm_1210", False), ("compute_121a", False), ("121a", False)])
 def test_sass_target_names(target, ok):
     assert bool(ct.SASS_RE.match(target)) is ok
+
+
+# --- per-library lists and the node's driver (PTX ISA) ----------------------------------------------
+
+FA2_LIST = (FIX / "fa2-sm80-ptx.txt").read_text()
+FA2_PTX_90 = (FIX / "fa2-sm80-ptx-nvcc13.0.ptx.txt").read_text()
+FA2_PTX_92 = (FIX / "fa2-sm80-ptx-nvcc13.2.ptx.txt").read_text()
+FA2_LIB = {"files": "vllm_flash_attn/_vllm_fa2_C*.so", "targets": ["sm_80", "compute_80"], "why": "CMakeLists.txt:140",
+           "min_files": 0}
+R580 = {"name": "R580", "cuda": "13.0", "ptx_isa": "9.0"}
+
+
+def test_ptx_text_gives_each_ptx_its_isa_version():
+    assert ct.parse_ptx_versions(FA2_PTX_90) == {("compute_80", "9.0")}
+    assert ct.parse_ptx_versions(FA2_PTX_92) == {("compute_80", "9.2")}
+    # what the check keeps of it in the image (grep -E PTX_KEEP) parses the same
+    kept = "\n".join(ln for ln in FA2_PTX_92.splitlines() if re.match(ct.PTX_KEEP, ln))
+    assert ct.parse_ptx_versions(kept) == {("compute_80", "9.2")}
+
+
+def _fa2_scan(ptx_text: str | None, *, with_c: bool = True):
+    fa2 = "/v/vllm_flash_attn/_vllm_fa2_C.abi3.so"
+    scan = ct.parse_scan(_framed(*([("/v/_C.so", PTX, 0)] if with_c else []), (fa2, FA2_LIST, 0)))
+    if ptx_text is not None:
+        ct.add_ptx_versions(scan, _framed((fa2, ptx_text, 0), ("/v/_C.so", "", 0)))
+    return scan
+
+
+def test_a_library_is_judged_by_its_own_list_not_the_images():
+    # without `libraries`, FA2's sm_80 + compute_80 is "no SASS for sm_121a" (the issue's finding)
+    ok, detail = _judge(_fa2_scan(None), ptx=["compute_121a"])
+    assert not ok and "1 file(s) carry no SASS for sm_121a, e.g. /v/vllm_flash_attn/_vllm_fa2_C.abi3.so" in detail
+    ok, detail = _judge(_fa2_scan(None), ptx=["compute_121a"], libraries=[FA2_LIB], root="/v")
+    assert ok, detail
+    assert "vllm_flash_attn/_vllm_fa2_C*.so: 1 file(s), sm_80+compute_80 as its build asks" in detail
+
+
+def test_a_library_must_carry_exactly_its_list():
+    short = dict(FA2_LIB, targets=["sm_80", "compute_80", "sm_90"])
+    ok, detail = _judge(_fa2_scan(None), ptx=["compute_121a"], libraries=[short], root="/v")
+    assert not ok and ("/v/vllm_flash_attn/_vllm_fa2_C.abi3.so lacks sm_90 (its build asks for sm_80, "
+                       "compute_80, sm_90)") in detail
+    narrow = dict(FA2_LIB, targets=["sm_80"])
+    ok, detail = _judge(_fa2_scan(None), ptx=["compute_121a"], libraries=[narrow], root="/v")
+    assert not ok and "unexpected target compute_80 in 1 file(s), e.g. /v/vllm_flash_attn/_vllm_fa2_C.abi3.so" in detail
+    needed = dict(FA2_LIB, min_files=1)
+    ok, detail = _judge(_fa2_scan(None, with_c=True), ptx=["compute_121a"], libraries=[dict(needed, files="x/*.so")],
+                        root="/v")
+    assert not ok and "library x/*.so: found 0 CUDA ELF(s), expected at least 1" in detail
+
+
+def test_ptx_newer_than_the_driver_takes_is_refused_naming_file_and_both_versions():
+    kw = {"ptx": ["compute_121a"], "libraries": [FA2_LIB], "root": "/v", "driver": R580}
+    ok, detail = _judge(_fa2_scan(FA2_PTX_90), **kw)
+    assert not ok and "carry PTX whose ISA version could not be read, e.g. /v/_C.so" in detail  # _C's read gave none
+    ok, detail = _judge(_fa2_scan(FA2_PTX_90, with_c=False), **kw | {"require": []})
+    assert ok, detail
+    assert detail.endswith("PTX ISA 9.0, driver R580 (CUDA 13.0) takes up to 9.0")
+    ok, detail = _judge(_fa2_scan(FA2_PTX_92, with_c=False), **kw | {"require": []})
+    assert not ok
+    assert ("1 PTX image(s) that driver R580 (CUDA 13.0) cannot JIT, as it takes PTX ISA up to 9.0: "
+            "/v/vllm_flash_attn/_vllm_fa2_C.abi3.so (compute_80) is PTX ISA 9.2") in detail
+    # PTX whose version was not read is not passed
+    ok, detail = _judge(_fa2_scan(None, with_c=False), **kw | {"require": []})
+    assert not ok and "1 file(s) carry PTX whose ISA version could not be read" in detail
+
+
+def test_a_failed_ptx_extraction_is_unreadable():
+    scan = _fa2_scan(None, with_c=False)
+    fa2 = "/v/vllm_flash_attn/_vllm_fa2_C.abi3.so"
+    ct.add_ptx_versions(scan, _framed((fa2, "cuobjdump fatal   : out of memory", 1)))
+    ok, detail = _judge(scan, ptx=["compute_121a"], libraries=[FA2_LIB], root="/v", driver=R580, require=[])
+    assert not ok and "cuobjdump -ptx: cuobjdump fatal   : out of memory" in detail

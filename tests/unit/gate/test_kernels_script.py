@@ -72,7 +72,8 @@ def test_standins_hold_the_files_the_trees_cmake_names(kernels, tmp_path):
     (tree / "cmake" / "external_projects" / "qutlass.cmake").write_text(
         'if(EXISTS "${qutlass_SOURCE_DIR}/qutlass/third_party/cutlass/include/cutlass/cutlass.h")\n')
     dirs = kernels.standins(tmp_path, tree)
-    assert set(dirs) == {v for v, _n, _w in kernels.STANDINS}
+    assert set(dirs) == {v for v, _n, _w in kernels.STANDINS} | {"VLLM_FLASH_ATTN_SRC_DIR"}
+    assert dirs["VLLM_FLASH_ATTN_SRC_DIR"] == tmp_path / "trees" / "flash-attention"  # the real tree, not a stand-in
     assert dirs["FLASH_MLA_SRC_DIR"] == tmp_path / "standins" / "patched" / "flashmla"
     made = sorted(str(p.relative_to(tmp_path / "standins" / "patched"))
                   for p in (tmp_path / "standins").rglob("*") if p.is_file())
