@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import context as context_mod
+from imagebuild.core import fsutil
 from imagebuild.core.fsutil import atomic_write_bytes
 from imagebuild.ops.imagediff import human
 
 SCHEMA = "imagebuild.nightly-history"
 VERSION = 1
+HISTORY_MAX = 64 << 20  # a nightly adds a few hundred bytes; a bigger file is not read (docs/security.md)
 FILE = "nightly-history.jsonl"
 DEFAULT_NIGHTS = 30
 
@@ -90,7 +92,7 @@ class History:
 def read(file: Path) -> History:
     h = History()
     try:
-        data = Path(file).read_text(encoding="utf-8", errors="replace")
+        data = fsutil.read_text(file, HISTORY_MAX, errors="replace")
     except FileNotFoundError:
         return h
     except OSError:
@@ -117,7 +119,7 @@ def append(file: Path, doc: dict) -> int:
     """Add ``doc``'s lines (once per run id and image); returns how many were added."""
     file = Path(file)
     try:
-        old = file.read_bytes()
+        old = fsutil.read_bytes(file, HISTORY_MAX)
     except FileNotFoundError:
         old = b""
     have = {(r["run_id"], r["image"]) for r in read(file).rows} if old else set()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import context as context_mod
+from imagebuild.core import fsutil
 from imagebuild.core.errors import UsageError
 from imagebuild.core.fsutil import atomic_write_text
 from imagebuild.core.secrets import REDACTED, SECRET_ENV, redact_text, secrets_in_env  # noqa: F401 (names of this module)
@@ -65,7 +66,7 @@ class Stored:
 
     def load(self) -> dict:
         try:
-            doc = json.loads(self.json_path.read_text(encoding="utf-8"))
+            doc = json.loads(fsutil.read_text(self.json_path))
         except (OSError, ValueError) as exc:
             raise UsageError(f"{self.json_path}: not a readable report ({exc})") from None
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
@@ -128,7 +129,7 @@ def find(report_dir: Path, which: str | None = None, image: str | None = None) -
 
 def _images_of(s: Stored) -> list[str]:
     try:
-        doc = json.loads(s.json_path.read_text(encoding="utf-8"))
+        doc = json.loads(fsutil.read_text(s.json_path))
         return [i.get("image") for i in doc.get("images") or []]
     except (OSError, ValueError):
         return []
