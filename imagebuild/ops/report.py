@@ -11,7 +11,7 @@ the reports that cover an image.
 
 Secrets: every string in a report passes through ``redact`` before it is written, so the value of
 ``GITHUB_TOKEN`` (or any variable named in ``SECRET_ENV``) can never appear in a report, even if
-an error message from a child process carried it.
+an error message from a child process carried it; nor can the `user:password@` of a URL.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ def default_dir(ctx: context_mod.Context | Path) -> Path:
 
 
 def redact(obj, secrets: list[str] | None = None):
-    """``obj`` with every secret value replaced (strings anywhere inside dicts and lists)."""
+    """``obj`` with every secret value replaced and every URL's userinfo removed (strings anywhere
+    inside dicts and lists)."""
     secrets = secrets_in_env() if secrets is None else secrets
-    if not secrets:
-        return obj
     if isinstance(obj, str):
         return redact_text(obj, secrets)
     if isinstance(obj, dict):
