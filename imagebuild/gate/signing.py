@@ -30,6 +30,7 @@ from pathlib import Path
 from imagebuild.core import fsutil
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed, UsageError
+from imagebuild.core.printable import one_line
 
 NAMESPACE = "imagebuild-receipt"
 SIG_SUFFIX = ".sig"
@@ -156,8 +157,8 @@ def verify(data: bytes, sig: str | None, allowed: Path) -> str:
         for principal in principals:
             proc = run_mod.run(["ssh-keygen", "-Y", "verify", "-f", str(allowed), "-I", principal, "-n", NAMESPACE,
                                 "-s", str(sig_file)], check=False, input=data, timeout=60)
-            if proc.returncode == 0:
-                return principal
+            if proc.returncode == 0:  # a name from the file, shown and recorded: printable text only
+                return one_line(principal)
     raise NotVerified(f"its signature does not verify against {allowed} (the receipt was changed after it was "
                       f"signed, or signed for another namespace than {NAMESPACE!r})")
 

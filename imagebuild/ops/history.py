@@ -199,6 +199,8 @@ def stage_names(rows: list[dict]) -> list[str]:
 
 def render_table(rows: list[dict]) -> str:
     """One table per image, one line per night, oldest first."""
+    from imagebuild.core.printable import one_line
+
     out = []
     for image in dict.fromkeys(r["image"] for r in rows):
         mine = [r for r in rows if r["image"] == image]
@@ -216,8 +218,9 @@ def render_table(rows: list[dict]) -> str:
                          *[stage_cell(by.get(n)) for n in names], human(r.get("size")) if r.get("size") else "-",
                          "-" if rate is None else f"{round(rate * 100)}%", gate_cell(r.get("gate")),
                          moved_cell(r) or "-"])
+        body = [[one_line(str(x)) for x in line] for line in body]  # a hand-edited line's escapes: not shown
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
-        out.append(f"{image}: {len(mine)} night(s)")
+        out.append(f"{one_line(image)}: {len(mine)} night(s)")
         for line in [head, *body]:
             out.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
         if any((r.get("gate") or {}).get("gpu_checks_skipped") for r in mine):
