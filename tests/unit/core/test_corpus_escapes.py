@@ -180,3 +180,23 @@ def test_an_allowed_signers_principal_name_is_shown_as_printable_text(tmp_path):
     who = signing.verify(data, sig, allowed)  # OpenSSH takes the name as it is written
     assert who == "evil", repr(who)  # the sequences out whole, parameters included
 
+
+
+def test_a_nightly_report_stores_no_url_credential_even_with_no_token_set(tmp_path, monkeypatch):
+    """The nightly's report (.json, .md) and its history page (.html): a stale-lock error that quoted a
+    source URL with its token was stored as it was when no GITHUB_TOKEN was set (nothing to redact)."""
+    from imagebuild.ops import htmlpage
+    from imagebuild.ops import report as report_mod
+    from tests.unit.ops.test_nightly_report import full_doc
+
+    for var in ("GITHUB_TOKEN", "GH_TOKEN", "IMAGEBUILD_GITHUB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    doc = full_doc("20261129T020000.000001Z-abcde0", image="a")
+    doc["images"][0]["reason"] = (f"stage 'build' mounts source APP, but lock.json is stale: the lock has 'x' [] "
+                                  f"from 'https://github.com/o/r', versions.env says 'y' [] from "
+                                  f"'https://ci-bot:{SECRET}@github.com/o/r'")
+    st = report_mod.write(tmp_path / "reports", doc)
+    page = htmlpage.render([], st.load())
+    for text in (st.json_path.read_text(), st.md_path.read_text(), page):
+        assert SECRET not in text and "ci-bot" not in text
+    assert "https://github.com/o/r" in st.md_path.read_text()
