@@ -48,9 +48,9 @@ from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
+from imagebuild.core import fsutil, remote_engine, state
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import registry as registry_mod
-from imagebuild.core import remote_engine, state
 from imagebuild.core import run as run_mod
 from imagebuild.core import runs as runs_mod
 from imagebuild.core.errors import (
@@ -425,7 +425,7 @@ def _inspect(ref: str) -> dict:
 
 def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = fsutil.read_text(path, 256 << 20, errors="replace").splitlines()
     except OSError:
         return ""
     return "\n".join(lines[-n:])
@@ -706,7 +706,7 @@ def _run(b: Build, named: dict) -> dict:
 def _record_unfinished(b: Build, started: str, exc: BaseException) -> None:
     """A run that stopped on an error no step recorded still ends ``failed``, never ``running``."""
     try:
-        rec = json.loads((b.dir / "record.json").read_text(encoding="utf-8"))
+        rec = json.loads(fsutil.read_text(b.dir / "record.json"))
         if isinstance(rec, dict) and rec.get("status") == "running":
             _record(b, "failed", started, release=None, promotion=None,
                     error=getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
