@@ -90,7 +90,10 @@ class History:
 
 
 def read(file: Path) -> History:
+    from imagebuild.ops.report import redact, secrets_in_env
+
     h = History()
+    secrets = secrets_in_env()
     try:
         data = fsutil.read_text(file, HISTORY_MAX, errors="replace")
     except FileNotFoundError:
@@ -108,7 +111,7 @@ def read(file: Path) -> History:
             continue
         if isinstance(row, dict) and row.get("schema") == SCHEMA and isinstance(row.get("image"), str) \
                 and isinstance(row.get("run_id"), str):
-            h.rows.append(row)
+            h.rows.append(redact(row, secrets))  # a line written before a URL's userinfo was removed: not shown
         else:
             h.skipped += 1
     h.rows.sort(key=lambda r: r["run_id"])

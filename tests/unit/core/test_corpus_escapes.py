@@ -200,3 +200,20 @@ def test_a_nightly_report_stores_no_url_credential_even_with_no_token_set(tmp_pa
     for text in (st.json_path.read_text(), st.md_path.read_text(), page):
         assert SECRET not in text and "ci-bot" not in text
     assert "https://github.com/o/r" in st.md_path.read_text()
+
+
+def test_a_history_line_with_a_url_credential_is_shown_without_it(project, tmp_path, monkeypatch):
+    """A line kept from before (or edited by hand) that holds a URL with its token: ``report --history``
+    (text, JSON) and ``--html`` show the URL without it."""
+    state = tmp_path / "state"
+    state.mkdir()
+    row = {"schema": "imagebuild.nightly-history", "version": 1, "run_id": "20261201T020000.000001Z-abcdef",
+           "image": "tiny", "status": "failed", "seconds": 3.0, "stages": [], "gate": None, "cache": None,
+           "size": None, "upstream": {"moved": [{"source": "APP", "repo": f"https://ci:{SECRET}@github.com/o/r",
+                                                 "from": "a" * 40, "to": "b" * 40}]}}
+    (state / "nightly-history.jsonl").write_text(json.dumps(row) + "\n")
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(state))
+    for argv in (["--history"], ["--history", "--json"], ["--html"]):
+        r = run_cli("--root", str(project), "report", *argv)
+        assert r.code == 0, (argv, r.err)
+        assert SECRET not in r.out + r.err, argv
