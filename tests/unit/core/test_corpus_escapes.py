@@ -217,3 +217,28 @@ def test_a_history_line_with_a_url_credential_is_shown_without_it(project, tmp_p
         r = run_cli("--root", str(project), "report", *argv)
         assert r.code == 0, (argv, r.err)
         assert SECRET not in r.out + r.err, argv
+
+
+@pytest.mark.parametrize("json_lines", [False, True], ids=["text", "rawjson"])
+def test_every_log_line_is_printable_and_shows_no_url_credential(json_lines, monkeypatch):
+    """What ``-v`` adds (every command run, ``+ docker ...``), the notes and warnings: one formatter."""
+    import argparse
+    import io
+    import logging
+    import sys
+
+    from imagebuild.cli import main
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    logger = logging.getLogger("imagebuild")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    try:
+        main._configure_logging(argparse.Namespace(debug=False, verbose=True, quiet=False, json_lines=json_lines))
+        for bad in HOSTILE.values():
+            logger.info("+ docker run x%sy https://u:%s@h/", bad, SECRET)
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+    out = err.getvalue()
+    assert out.count("docker run x") == len(HOSTILE)
+    assert _clean(out) and "\\u001b" not in out and SECRET not in out, repr(out)
