@@ -48,9 +48,9 @@ from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
 from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
+from imagebuild.core import fsutil, remote_engine, state
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import registry as registry_mod
-from imagebuild.core import remote_engine, state
 from imagebuild.core import run as run_mod
 from imagebuild.core import runs as runs_mod
 from imagebuild.core.errors import (
@@ -67,6 +67,7 @@ from imagebuild.core.fsutil import (
     sha256_file,
     usable_dir,
 )
+from imagebuild.core.secrets import without_userinfo
 from imagebuild.definition import patchcheck, patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod
@@ -191,6 +192,16 @@ class VerifiedFile:
     path: Path
 
 
+def check_lock_current(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> None:
+    """Raise when a source the stage mounts is pinned otherwise in versions.env than in the lock
+    (``imagebuild prefetch`` brings the lock up to date)."""
+    for m in stage.mounts:
+        if m.stale:
+            lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
+            raise OperationFailed(f"stage {stage.name!r} mounts source {m.name}, but {lock_disp} is stale: {m.stale}",
+                                  hint=f"imagebuild prefetch {defn.name}")
+
+
 def verify_sources(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> list[VerifiedFile]:
     """Check every tarball mounted into a stage (its sources and their FetchContent dependencies)
     against the lock, and the lock against versions.env; raise before docker starts."""
@@ -199,10 +210,8 @@ def verify_sources(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> l
     root = defn.root
     lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
     out = []
+    check_lock_current(defn, stage)
     for m in stage.mounts:
-        if m.stale:
-            raise OperationFailed(f"stage {stage.name!r} mounts source {m.name}, but {lock_disp} is stale: {m.stale}",
-                                  hint=f"imagebuild prefetch {defn.name}")
         if not m.tarball or not m.sha256:
             raise OperationFailed(f"{lock_disp}: sources.{m.name}: no tarball/sha256; stage {stage.name!r} needs it",
                                   hint=f"imagebuild prefetch {defn.name}")
@@ -423,7 +432,7 @@ def _inspect(ref: str) -> dict:
 
 def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = fsutil.read_text(path, 256 << 20, errors="replace").splitlines()
     except OSError:
         return ""
     return "\n".join(lines[-n:])
@@ -483,7 +492,7 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
         eng = remote_engine.active()
         if eng is not None:
             raise OperationFailed(f"the engine {eng.display} (--engine) is not reachable: {info.detail}",
-                                  hint=f"check it from here: DOCKER_HOST={eng.host} docker info (ssh keys, the "
+                                  hint=f"check it from here: DOCKER_HOST={without_userinfo(str(eng.host))} docker info (ssh keys, the "
                                   "docker CLI on that node, IMAGEBUILD_SSH)")
         raise OperationFailed(f"no Docker engine reachable: {info.detail}",
                               hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
@@ -519,7 +528,11 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
 
 
 def _check_inputs(b: Build) -> dict[str, dict]:
-    """Verify every prefetched input of the stages to build; returns the named-context sources."""
+    """Check the lock against versions.env for every stage of the plan (a stage taken from the store
+    was built from the lock's sources: a moved pin must not pass because nothing is rebuilt), then
+    verify every prefetched input of the stages to build; returns the named-context sources."""
+    for st in b.plan.stages:
+        check_lock_current(b.defn, st)
     return {r.name: _inputs_of(b, b.plan.stage(r.name)) for r in b.stages
             if r.action == "build" or (b.opts.check_repro and r.action == "skip")}
 
@@ -715,7 +728,7 @@ def _run(b: Build, named: dict) -> dict:
 def _record_unfinished(b: Build, started: str, exc: BaseException) -> None:
     """A run that stopped on an error no step recorded still ends ``failed``, never ``running``."""
     try:
-        rec = json.loads((b.dir / "record.json").read_text(encoding="utf-8"))
+        rec = json.loads(fsutil.read_text(b.dir / "record.json"))
         if isinstance(rec, dict) and rec.get("status") == "running":
             _record(b, "failed", started, release=None, promotion=None,
                     error=getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")

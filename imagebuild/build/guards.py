@@ -39,6 +39,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imagebuild.core import fsutil
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import (
     DefinitionError,
@@ -464,7 +465,7 @@ class BuildLock:
 
     def holder(self) -> dict | None:
         try:
-            return json.loads(self.path.read_text() or "null")
+            return json.loads(fsutil.read_text(self.path) or "null")
         except (OSError, ValueError):
             return None
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from imagebuild.build.reproducible import DROPPED, normalized
 from imagebuild.build.stagestore import StageStore
+from imagebuild.core import fsutil
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_bytes
 from imagebuild.core.units import human_bytes
@@ -432,10 +433,10 @@ def clamp_stage(store: StageStore, manifest: str, parent_diff_ids: list[str], ep
     """Clamp the layers of ``manifest`` after those it shares with the parent (``parent_diff_ids``,
     base first); returns the stage's manifest after it (see the module doc)."""
     t0 = time.monotonic()
-    m_bytes = store.blob(manifest).read_bytes()
+    m_bytes = fsutil.read_bytes(store.blob(manifest))
     m = json.loads(m_bytes)
     c_desc = m["config"]
-    c_bytes = store.blob(c_desc["digest"]).read_bytes()
+    c_bytes = fsutil.read_bytes(store.blob(c_desc["digest"]))
     diff_ids = list(json.loads(c_bytes)["rootfs"]["diff_ids"])
     layers = list(m["layers"])
     if len(diff_ids) != len(layers):
@@ -473,7 +474,7 @@ def _index_names(store: StageStore, old: str, new: str, size: int) -> None:
     """``index.json`` (BuildKit's) names the new manifest where it named the old one."""
     p = store.dir / "index.json"
     try:
-        idx = json.loads(p.read_text(encoding="utf-8"))
+        idx = json.loads(fsutil.read_text(p))
     except (OSError, ValueError):
         return
     for e in idx.get("manifests") or []:

@@ -21,10 +21,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from imagebuild.core import fsutil
 from imagebuild.core.fsutil import atomic_write_json
 
 SCHEMA = "imagebuild.store-owner"
 VERSION = 1
+OWNERS_MAX = 1 << 20  # an owners file lists a checkout's builds: a few KiB
 DIRNAME = "owners"
 
 
@@ -52,7 +54,7 @@ class Claim:
 
 def read(path: Path) -> Claim | None:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(fsutil.read_text(path, OWNERS_MAX))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("root"), str):

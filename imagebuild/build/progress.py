@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from imagebuild.core import lazy, units
 from imagebuild.core.errors import UsageError
+from imagebuild.core.printable import one_line, printable
 from imagebuild.core.secrets import redact_text, secrets_in_env
 
 log = logging.getLogger("imagebuild")
@@ -46,18 +47,15 @@ HEARTBEAT_ENV = "IMAGEBUILD_HEARTBEAT_S"
 DEFAULT_HEARTBEAT_S = 30.0
 TAIL_LINES = 3  # output lines shown under a running step (tty)
 
-# CSI (colours, cursor moves), OSC (titles, links) and the two-byte escapes
-_ANSI = lazy.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
 
 _INSTRUCTION = lazy.compile(r"\[(?:[^\]]+ )?\d+/\d+\] ")
 
 
 def strip_ansi(text: str) -> str:
-    """``text`` without terminal escape sequences (and without the carriage returns of a meter)."""
-    if "\x1b" in text:
-        text = _ANSI.sub("", text)
-    return text.replace("\r", "") if "\r" in text else text
+    """``text`` as printable text (core/printable.py: escape sequences out, then an allow-list; the
+    carriage returns of a meter go too), newlines and tabs kept."""
+    return printable(text)
 
 
 def resolve_mode(requested: str | None, *, isatty: bool | None = None) -> str:
@@ -237,7 +235,7 @@ class Decoder:
         if not isinstance(digest, str):
             return
         name = v.get("name")
-        st = self._step(digest, redact_text(name, self._secrets) if isinstance(name, str) else None)
+        st = self._step(digest, one_line(redact_text(name, self._secrets)) if isinstance(name, str) else None)
         if digest not in self._headed and (v.get("started") or v.get("completed") or v.get("cached")):
             self._headed.add(digest)  # as buildx's plain: a step's header when it starts
             out.append(f"\n#{st.number} {st.name}\n")

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.build.stagestore import MANIFEST_TYPES, StageStore
+from imagebuild.core import fsutil
 from imagebuild.core import registry as reg_mod
 
 log = logging.getLogger("imagebuild")
@@ -251,7 +252,7 @@ class StageCache:
                 if got != d["digest"]:
                     raise Refused(f"blob {d['digest']} hashes to {got}: its content was changed")
         try:
-            cfg = json.loads((blobs / descs[0]["digest"].split(":", 1)[1]).read_bytes())
+            cfg = json.loads(fsutil.read_bytes(blobs / descs[0]["digest"].split(":", 1)[1]))
         except ValueError:
             raise Refused("the image config is not JSON") from None
         labels = ((cfg.get("config") or {}).get("Labels") or {}) if isinstance(cfg, dict) else {}
@@ -296,7 +297,7 @@ class StageCache:
         if blobs is None or not self.store.complete(manifest):
             self._event(stage=stage, key=key, action="error", detail=f"{manifest} is not complete in the store")
             return
-        raw = raw_path.read_bytes()
+        raw = fsutil.read_bytes(raw_path)
         mt = (json.loads(raw).get("mediaType") or MANIFEST_TYPES[0])
         tmp = self._tmp("outgoing")
         try:

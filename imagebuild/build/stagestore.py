@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.core import state
+from imagebuild.core import fsutil, state
 from imagebuild.core.fsutil import atomic_write_json
 
 REF_SCHEMA = "imagebuild.stage-ref"
@@ -88,7 +88,7 @@ class StageStore:
 
     def read_json_blob(self, digest: str) -> dict | None:
         try:
-            data = json.loads(self.blob(digest).read_bytes())
+            data = json.loads(fsutil.read_bytes(self.blob(digest)))
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
@@ -116,7 +116,7 @@ class StageStore:
     def lookup(self, key: str) -> StageRef | None:
         """The stage built for ``key``, or None (also when any of its blobs went missing)."""
         try:
-            data = json.loads(self.ref_path(key).read_text(encoding="utf-8"))
+            data = json.loads(fsutil.read_text(self.ref_path(key)))
         except (OSError, ValueError):
             return None
         if not isinstance(data, dict) or data.get("schema") != REF_SCHEMA or data.get("key") != key:
@@ -134,7 +134,7 @@ class StageStore:
             return out
         for p in sorted(d.glob("*.json")):
             try:
-                data = json.loads(p.read_text(encoding="utf-8"))
+                data = json.loads(fsutil.read_text(p))
             except (OSError, ValueError):
                 continue
             if isinstance(data, dict) and data.get("schema") == REF_SCHEMA and isinstance(data.get("manifest"), str):

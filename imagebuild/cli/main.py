@@ -25,7 +25,9 @@ from imagebuild.core.errors import (
     GateFailed,
     ImagebuildError,
     UsageError,
+    shown,
 )
+from imagebuild.core.printable import printable
 from imagebuild.core.units import human_bytes, short_digest
 
 defn_mod = lazy.module("imagebuild.definition.reader")
@@ -687,11 +689,15 @@ def _configure_logging(args) -> None:
     if getattr(args, "json_lines", False):
         class JsonLines(logging.Formatter):
             def format(self, record: logging.LogRecord) -> str:
-                return _json_line(record.levelname.lower(), record.getMessage())
+                return _json_line(record.levelname.lower(), shown(record.getMessage()))
 
         handler.setFormatter(JsonLines())
     else:
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        class Shown(logging.Formatter):  # printable text, no URL userinfo (core/errors.shown)
+            def format(self, record: logging.LogRecord) -> str:
+                return shown(super().format(record))
+
+        handler.setFormatter(Shown("%(message)s"))
     logger = logging.getLogger("imagebuild")
     logger.handlers[:] = [handler]
     logger.setLevel(level)
@@ -1249,7 +1255,9 @@ def cmd_log(args) -> int:
             have = ", ".join(p.stem for p in run.logs()) or "none"
             raise UsageError(f"run {run.run_id} of {args.image} has no log for stage {args.stage!r}",
                              hint=f"logs of that run: {have}")
-        sys.stdout.write(path.read_text(encoding="utf-8", errors="replace"))
+        with open(path, "rb") as f:  # printable text only (a log written before imagebuild stripped it all)
+            for raw in f:
+                sys.stdout.write(printable(raw.decode("utf-8", "replace")))
         return EXIT_OK
     if args.json:
         common.print_json({"schema": "imagebuild.log", "version": 1, "run": run.summary(), "record": run.record,
@@ -1552,19 +1560,19 @@ def cmd_config(args) -> int:
                            "environment": env if args.env else [e for e in env if e["set"]]})
         return EXIT_OK
 
-    def shown(v) -> str:
+    def value(v) -> str:
         if v is None:
             return "none"
         if isinstance(v, list):
             return ", ".join(v) or "none"
         if isinstance(v, dict):
             return "; ".join(f"@{k}: {', '.join(h)}" for k, h in v.items()) or "none"
-        return str(v)
+        return printable(str(v), keep="")
 
     w = max(len(r.name) for r in rows)
-    vw = min(60, max(len(shown(r.value)) for r in rows))
+    vw = min(60, max(len(value(r.value)) for r in rows))
     for r in rows:
-        print(f"{r.name:<{w}}  {shown(r.value):<{vw}}  {r.origin}" + (f" ({r.via})" if r.via else ""))
+        print(f"{r.name:<{w}}  {value(r.value):<{vw}}  {r.origin}" + (f" ({r.via})" if r.via else ""))
     listed = env if args.env else [e for e in env if e["set"]]
     print(f"\nenvironment: {sum(e['set'] for e in env)} of the {len(env)} variables imagebuild reads are set"
           + ("" if args.env else " (imagebuild config --env lists them all; docs/cli.md, 'Environment variables')"))

@@ -256,10 +256,17 @@ def cmd_report(args) -> int:
         common.print_json(doc)
     elif args.summary:
         print("\n".join(report_mod.summary_lines(doc)))
-    elif image is None and st.md_path.is_file():
-        sys.stdout.write(st.md_path.read_text(encoding="utf-8"))
     else:
-        sys.stdout.write(report_mod.render_markdown(doc))
+        from imagebuild.core import fsutil
+        from imagebuild.core.printable import printable
+
+        text = None
+        if image is None:
+            try:
+                text = fsutil.read_text(st.md_path, errors="replace")
+            except OSError:  # gone, or no regular file: rendered from the JSON
+                text = None
+        sys.stdout.write(printable(text if text is not None else report_mod.render_markdown(doc)))
     return EXIT_OK
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from imagebuild.core import lazy
 from imagebuild.core.errors import OperationFailed
+from imagebuild.core.secrets import without_userinfo
 
 run_mod = lazy.module("imagebuild.core.run")  # plan on a local socket starts no process (ImageQuery)
 
@@ -75,7 +76,7 @@ def unreachable_reason(output: str, info: dict | None = None) -> str:
                                          else os.environ.get("DOCKER_HOST"))
     if host and host not in reason:
         reason += f" (DOCKER_HOST={host})" if "://" in host else f" ({host})"
-    return reason[:300]
+    return without_userinfo(reason)[:300]
 
 
 def existing_tags(repository: str) -> set[str]:
@@ -183,7 +184,7 @@ class EngineQuery:
             reason = (f"Cannot connect to the Docker daemon at unix://{self.path}. Is the docker daemon "
                       f"running? ({exc.strerror or exc})")
         host = os.environ.get("DOCKER_HOST")
-        return reason + (f" (DOCKER_HOST={host})" if host and host not in reason else "")
+        return without_userinfo(reason + (f" (DOCKER_HOST={host})" if host and host not in reason else ""))
 
 
 def _read_http(sock) -> tuple[int, dict[str, str], bytes]:

@@ -17,6 +17,15 @@ EXIT_GATE_FAILED = 4  # the image's gate ran and failed
 EXIT_INTERRUPTED = 130  # Ctrl-C
 
 
+def shown(text: str) -> str:
+    """What imagebuild prints of a message: printable text (core/printable.py), no URL's
+    ``user:password@`` (core/secrets.py), whatever a child process, a file or a variable put in it."""
+    from imagebuild.core.printable import printable
+    from imagebuild.core.secrets import without_userinfo
+
+    return printable(without_userinfo(text))
+
+
 class ImagebuildError(Exception):
     """Base of every error the CLI reports without a traceback."""
 
@@ -31,7 +40,7 @@ class ImagebuildError(Exception):
         text = f"error: {self.message}"
         if self.hint:
             text += f"\n  hint: {self.hint}"
-        return text
+        return shown(text)
 
 
 class OperationFailed(ImagebuildError):
@@ -115,7 +124,7 @@ class DefinitionError(ImagebuildError):
     def render(self) -> str:
         lines = [f"error: {self.message}:"]
         lines += ["  " + p.render().replace("\n", "\n  ") for p in self.problems]
-        return "\n".join(lines)
+        return shown("\n".join(lines))
 
 
 class GuardRefused(ImagebuildError):

@@ -1,4 +1,4 @@
-"""Small file-system helpers: atomic writes and content digests."""
+"""Small file-system helpers: atomic writes, bounded reads of regular files only, content digests."""
 
 from __future__ import annotations
 
@@ -46,6 +46,67 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
 def atomic_write_json(path: Path, obj: object) -> None:
     """Write ``obj`` as stable, sorted, indented JSON (no timestamps added)."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+# the bound of a state file read whole when its reader names none (a receipt, a lock, a record, a report)
+READ_MAX = 16 << 20
+
+
+class UnfitFile(OSError):
+    """A file imagebuild does not read: not a regular file (a FIFO, whose read waits for a writer; a
+    device such as /dev/zero, whose read never ends; a socket; a folder), or bigger than its bound.
+    An ``OSError``, so that a reader that takes an unreadable file as absent or bad does so here too;
+    ``strerror`` says why, for a message (docs/security.md, "hang or exhaust memory on an input")."""
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file of ``mode`` is when it is not a regular file (``'a FIFO'``...), else None."""
+    import stat
+
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISBLK(mode) or stat.S_ISCHR(mode):
+        return "a device"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a regular file"
+
+
+def read_bytes(path: str | os.PathLike, limit: int = READ_MAX) -> bytes:
+    """The bytes of ``path`` (links followed), only if it is a regular file of at most ``limit`` bytes;
+    else ``UnfitFile``. Opened without blocking (a FIFO's open waits for a writer otherwise) and checked
+    on the open file, so a file swapped in between cannot get past; read no further than the bound
+    (a file that grows while it is read)."""
+    import errno
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        kind = special_kind(st.st_mode)
+        if kind is not None:
+            raise UnfitFile(errno.EINVAL, f"{kind}, not a regular file: not read", str(path))
+        if st.st_size > limit:
+            raise UnfitFile(errno.EFBIG, f"{st.st_size} bytes, over the {limit}-byte bound: not read", str(path))
+        chunks, n = [], 0
+        while n <= limit and (chunk := os.read(fd, min(_CHUNK, limit + 1 - n))):
+            chunks.append(chunk)
+            n += len(chunk)
+        if n > limit:
+            raise UnfitFile(errno.EFBIG, f"over the {limit}-byte bound: not read", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: str | os.PathLike, limit: int = READ_MAX, *, errors: str = "strict") -> str:
+    """``read_bytes`` as UTF-8 text (``errors`` as for ``bytes.decode``)."""
+    return read_bytes(path, limit).decode("utf-8", errors)
 
 
 def sha256_bytes(data: bytes) -> str:

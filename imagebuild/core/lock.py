@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from imagebuild.core import lazy
+from imagebuild.core import fsutil, lazy
 from imagebuild.core.errors import DefinitionError, Problem
 from imagebuild.core.fsutil import atomic_write_text
 
@@ -103,7 +103,7 @@ def read(image_dir: Path, display: str | None = None) -> dict | None:
     if not p.exists():
         return None
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(fsutil.read_text(p))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         line = getattr(exc, "lineno", None)
         raise DefinitionError([Problem(shown, f"unreadable lock file: {exc}", line=line,

@@ -39,6 +39,7 @@ from pathlib import Path
 from imagebuild.core import remote
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed, UsageError
+from imagebuild.core.secrets import without_userinfo
 
 log = logging.getLogger("imagebuild")
 
@@ -69,10 +70,13 @@ class Engine:
 
     @property
     def display(self) -> str:
-        return f"{self.context} ({self.host})" if self.context else str(self.host)
+        """The engine as messages and records name it: never a password written in the URL."""
+        host = without_userinfo(str(self.host))
+        return f"{self.context} ({host})" if self.context else host
 
     def as_dict(self) -> dict:
-        return {"spec": self.spec, "kind": self.kind, "endpoint": self.host, "context": self.context}
+        return {"spec": without_userinfo(self.spec), "kind": self.kind,
+                "endpoint": without_userinfo(self.host) if self.host else None, "context": self.context}
 
 
 def resolve(spec: str) -> Engine:
@@ -259,7 +263,7 @@ def _read_facts(engine: Engine) -> Facts:
                 info = json.loads(line)
     if proc.returncode != 0 or not info.get("ServerVersion"):
         raise OperationFailed(f"the engine {engine.display} does not answer docker info",
-                              hint=f"check it: DOCKER_HOST={engine.host} docker info")
+                              hint=f"check it: DOCKER_HOST={without_userinfo(str(engine.host))} docker info")
     cores = int(info.get("NCPU") or 1)
     total = float(info.get("MemTotal") or 0) / (1 << 30)
     root = info.get("DockerRootDir") or None

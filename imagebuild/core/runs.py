@@ -18,6 +18,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from imagebuild.core import fsutil
 from imagebuild.core.context import Context, of
 from imagebuild.core.errors import UsageError
 from imagebuild.core.fsutil import atomic_write_json
@@ -127,9 +128,8 @@ RECORD_MAX_BYTES = 16 << 20  # a build writes well under 1 MiB; a larger record.
 def _read(d: Path) -> dict:
     path = d / "record.json"
     try:
-        if path.stat().st_size > RECORD_MAX_BYTES:  # never read whole (a 300 MB one took 615 MB in log)
-            return {}
-        data = json.loads(path.read_text(encoding="utf-8"))
+        # never read whole past the bound (a 300 MB one took 615 MB in log), nor a FIFO or device
+        data = json.loads(fsutil.read_text(path, RECORD_MAX_BYTES))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

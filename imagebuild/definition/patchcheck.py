@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from imagebuild.core import fsutil
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
 from imagebuild.definition import patching
@@ -32,7 +33,7 @@ def check(paths: list, src: Path, *, copy: bool = True) -> list:
                          "--record", str(record), *map(str, paths)], check=False, timeout=600,
                         cwd=scratch)  # what a patch does at import, relative to where it runs, stays there
             try:
-                runs.append(json.loads(record.read_text())["patches"])
+                runs.append(json.loads(fsutil.read_text(record))["patches"])
             except (OSError, ValueError, KeyError):
                 raise OperationFailed("the patch check in a scratch copy recorded nothing",
                                       hint="run it with --debug to see the patch run") from None

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import run as run_mod
-from imagebuild.core import state
+from imagebuild.core import secrets, state
 from imagebuild.core.errors import CommandFailed, OperationFailed
 
 log = logging.getLogger("imagebuild")
@@ -69,8 +69,8 @@ def default_cache_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def redact(url: str) -> str:
-    """A URL fit for messages: any ``user:password@`` part removed."""
-    return re.sub(r"(?<=://)[^/@\s]+@", "", url)
+    """A URL fit for messages and the lock: any ``user:password@`` part removed (core/secrets.py)."""
+    return secrets.without_userinfo(url, ssh_user=False)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import context as context_mod
-from imagebuild.core import lock, state
+from imagebuild.core import fsutil, lock, state
 from imagebuild.core.errors import (
     CommandFailed,
     DefinitionError,
@@ -1057,7 +1057,7 @@ def _tag_commit(m: gitcache.Mirror, tag: str, source: str, offline: bool) -> str
     """The commit a tag names upstream, remembered in the mirror (no network the second time)."""
     f = m.path / _TAGS_FILE
     with _tags_lock:
-        known = json.loads(f.read_text()) if f.is_file() else {}
+        known = json.loads(fsutil.read_text(f)) if f.is_file() else {}
     if tag in known:
         return known[tag]
     if offline:
@@ -1070,7 +1070,7 @@ def _tag_commit(m: gitcache.Mirror, tag: str, source: str, offline: bool) -> str
     sha = refs.get(f"refs/tags/{tag}^{{}}") or refs.get(f"refs/tags/{tag}")
     if sha and m.exists:
         with _tags_lock:
-            known = json.loads(f.read_text()) if f.is_file() else {}
+            known = json.loads(fsutil.read_text(f)) if f.is_file() else {}
             known[tag] = sha
             atomic_write_text(f, json.dumps(known, indent=1, sort_keys=True) + "\n")
     return sha

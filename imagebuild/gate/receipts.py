@@ -33,12 +33,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.core import state
+from imagebuild.core import fsutil, state
 from imagebuild.core.fsutil import atomic_write_bytes, canonical_json, sha256_bytes
 from imagebuild.gate import signing
 
 SCHEMA = "imagebuild.receipt"
 VERSION = 2
+RECEIPT_MAX = 4 << 20  # a receipt is a few KiB; a bigger file (or a FIFO, a device) is not read
 OUTCOMES = ("passed", "failed", "skipped", "warned")
 AUTHORITY_DEFINITION = "definition"
 AUTHORITY_AD_HOC = "ad-hoc"
@@ -133,7 +134,7 @@ def read(ctx, identity_digest: str, spec_digest: str) -> dict | None:
     """The latest receipt for that identity and spec, or None (also for an unreadable or foreign file)."""
     try:
         path = receipt_path(ctx, identity_digest, spec_digest)
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(fsutil.read_text(path, RECEIPT_MAX))
     except (ValueError, OSError):
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("version") != VERSION:
@@ -153,7 +154,7 @@ def for_identity(ctx, identity_digest: str) -> list[dict]:
     out = []
     for p in d.glob("*.json") if d.is_dir() else ():
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            data = json.loads(fsutil.read_text(p, RECEIPT_MAX))
         except (OSError, ValueError):
             continue
         if isinstance(data, dict) and data.get("schema") == SCHEMA and data.get("version") == VERSION:
@@ -273,7 +274,7 @@ def judge(path: Path, identity_digest: str, spec_digest: str, *, spec=None, requ
     """The ``Verdict`` on the receipt file ``path`` for that image and spec; with ``allowed`` (an
     allowed-signers file) its signature must verify too."""
     try:
-        raw = Path(path).read_bytes()
+        raw = fsutil.read_bytes(path, RECEIPT_MAX)
         data = json.loads(raw)
     except FileNotFoundError:
         return Verdict(path, reason="there is no receipt")

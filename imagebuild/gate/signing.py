@@ -15,7 +15,9 @@ Where the key and the file come from (the first that is set; docs/gate.md#signed
   When one is set, verification is **required**: an unsigned receipt, or one whose signature does not
   verify, is not trusted.
 
-An explicitly named file that does not exist is an error (exit 2), never a silent "unsigned".
+An explicitly named file that does not exist is an error (exit 2), never a silent "unsigned". So is a
+default allowed-signers file that is there but cannot be read as one (a dangling link, a FIFO, a
+folder, unreadable): signature checking never turns itself off.
 Every ssh-keygen call goes through ``core/run.py``.
 """
 
@@ -25,8 +27,10 @@ import os
 import tempfile
 from pathlib import Path
 
+from imagebuild.core import fsutil
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed, UsageError
+from imagebuild.core.printable import one_line
 
 NAMESPACE = "imagebuild-receipt"
 SIG_SUFFIX = ".sig"
@@ -37,6 +41,7 @@ DEFAULT_KEY = Path("~/.ssh/id_ed25519")
 SIG_BEGIN = "-----BEGIN SSH SIGNATURE-----"
 SIG_END = "-----END SSH SIGNATURE-----"
 SIG_MAX = 64 << 10  # an SSH signature is well under 1 KiB; a bigger file is not one
+SIGNERS_MAX = 4 << 20  # an allowed-signers file: a line per builder key
 
 
 class NotVerified(Exception):
@@ -56,8 +61,13 @@ def _configured(cfg, key: str) -> Path | None:
     return ((getattr(cfg, "receipts", None) or {}).get(key)) if cfg is not None else None
 
 
-def _setting(env: str, cfg, key: str, default: Path) -> tuple[Path | None, str | None]:
-    """(path, where it was set) or (None, None): not set and the default file is absent."""
+DEFAULT = "the default"  # ``where`` of a default file that is there (as a name, a link, anything)
+
+
+def _setting(env: str, cfg, key: str, default: Path, *, strict_default: bool = False) -> tuple[Path | None, str | None]:
+    """(path, where it was set) or (None, None): not set and the default file is absent. With
+    ``strict_default``, a default that is there in any form (a dangling link, a FIFO, a folder) counts
+    as set, so that ``_usable`` refuses it rather than taking it for "not configured"."""
     value = os.environ.get(env)
     if value is not None and value.strip():
         if value.strip() == OFF:
@@ -67,26 +77,50 @@ def _setting(env: str, cfg, key: str, default: Path) -> tuple[Path | None, str |
     if p is not None:
         return p, f"imagebuild.yaml receipts.{key}"
     default = default.expanduser()
+    if strict_default:
+        return (default, DEFAULT) if os.path.lexists(default) else (None, None)
     return (default, None) if default.is_file() else (None, None)
 
 
-def _usable(path: Path, where: str | None, what: str) -> Path:
-    if where is not None and not path.is_file():
+def _usable(path: Path, where: str | None, what: str, env: str = SIGNERS_ENV) -> Path:
+    if where is None:
+        return path
+    why = None
+    if not path.is_file():
+        why = "is not a file" if not os.path.lexists(path) or where != DEFAULT else \
+            f"is {_kind(path)}, not a file"
+    elif what == "the allowed-signers file":  # there, but can it be read? (root passes os.access anyway)
+        try:
+            fsutil.read_bytes(path, SIGNERS_MAX)
+        except OSError as exc:
+            why = f"cannot be read: {exc.strerror or exc}"
+    if why is not None:
+        if where == DEFAULT:
+            raise UsageError(f"{what} {path} {why}: signature checking cannot be left off because of it",
+                             hint=f"make it an allowed-signers file, remove it, or set {env}={OFF} "
+                             "(docs/gate.md#signed-receipts)")
         hint = f"name an existing file, or {where[1:]}={OFF}" if where.startswith("$") else \
             "fix it in imagebuild.yaml (docs/gate.md#signed-receipts)"
-        raise UsageError(f"{where}: {what} {path} is not a file", hint=hint)
+        raise UsageError(f"{where}: {what} {path} {why}", hint=hint)
     return path
+
+
+def _kind(path: Path) -> str:
+    try:
+        return fsutil.special_kind(path.stat().st_mode) or "not a regular file"
+    except OSError:
+        return "a link to nothing" if path.is_symlink() else "unreadable"
 
 
 def signing_key(cfg=None) -> Path | None:
     """The private key the gate signs receipts with, or None (receipts stay unsigned)."""
     path, where = _setting(KEY_ENV, cfg, "signing_key", DEFAULT_KEY)
-    return None if path is None else _usable(path, where, "the signing key")
+    return None if path is None else _usable(path, where, "the signing key", KEY_ENV)
 
 
 def allowed_signers(cfg=None) -> Path | None:
     """The allowed-signers file receipts must verify against, or None (verification not required)."""
-    path, where = _setting(SIGNERS_ENV, cfg, "allowed_signers", default_allowed_signers())
+    path, where = _setting(SIGNERS_ENV, cfg, "allowed_signers", default_allowed_signers(), strict_default=True)
     return None if path is None else _usable(path, where, "the allowed-signers file")
 
 
@@ -123,8 +157,8 @@ def verify(data: bytes, sig: str | None, allowed: Path) -> str:
         for principal in principals:
             proc = run_mod.run(["ssh-keygen", "-Y", "verify", "-f", str(allowed), "-I", principal, "-n", NAMESPACE,
                                 "-s", str(sig_file)], check=False, input=data, timeout=60)
-            if proc.returncode == 0:
-                return principal
+            if proc.returncode == 0:  # a name from the file, shown and recorded: printable text only
+                return one_line(principal)
     raise NotVerified(f"its signature does not verify against {allowed} (the receipt was changed after it was "
                       f"signed, or signed for another namespace than {NAMESPACE!r})")
 
@@ -133,8 +167,8 @@ def read_sig(receipt_file: Path) -> str | None:
     """The signature beside ``receipt_file`` (``.json.sig``), or None."""
     p = Path(str(receipt_file) + SIG_SUFFIX)
     try:
-        if p.stat().st_size > SIG_MAX:
-            return "not a signature"
-        return p.read_text(encoding="ascii", errors="replace")
+        return fsutil.read_bytes(p, SIG_MAX).decode("ascii", "replace")
+    except fsutil.UnfitFile:  # a FIFO, a device, a folder or too big: there, but no signature
+        return "not a signature"
     except OSError:
         return None

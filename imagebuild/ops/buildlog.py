@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from imagebuild.core.printable import printable
 from imagebuild.fetch.gitcache import redact as redact_url
 from imagebuild.ops import report as report_mod
 
@@ -18,7 +19,6 @@ TAIL_LINES = 20
 MAX_LINE = 400  # characters kept of one log line
 READ_BYTES = 4 << 20  # a stage log can be hundreds of MB: only its end is read
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
 # the command is quoted with backslash escapes; in a JSON progress stream the quotes are escaped too
 _STEP_EXIT = re.compile(r'process \\?"((?:[^"\\]|\\.)*?)\\?" did not complete successfully: exit code: (\d+)')
 _TOOL_EXIT = re.compile(r"docker buildx build exit(?:ed)? (\d+)")
@@ -29,8 +29,7 @@ _ERROR_LINE = re.compile(r"^#(\d+) ERROR: ")
 def clean(line: str) -> str:
     """One log line as a report shows it: no colour codes or control characters, no secret (the
     report's redaction and any ``user:password@`` of a URL), at most MAX_LINE characters."""
-    text = _ANSI.sub("", line).replace("\r", "")
-    text = "".join(c if c.isprintable() or c == "\t" else "?" for c in text)
+    text = printable(line, keep="\t")
     text = redact_url(report_mod.redact(text))
     return text if len(text) <= MAX_LINE else text[:MAX_LINE - 3] + "..."
 
@@ -59,10 +58,10 @@ def explain(text: str, n: int = TAIL_LINES) -> dict:
     ``tool_exit_code``: docker buildx's own (imagebuild writes it as the log's last line).
     ``tail``: the failing step's last ``n`` lines (its header, output and error line), or the
     log's last ``n`` lines when no step is named as failing."""
-    lines = [ln for ln in (_ANSI.sub("", x).rstrip() for x in text.splitlines())]
+    lines = [ln for ln in (printable(x, keep="\t").rstrip() for x in text.splitlines())]
     exit_code = command = tool = None
     for m in _STEP_EXIT.finditer(text):
-        command = m.group(1).replace('\\"', '"').replace("\\\\", "\\")
+        command = printable(m.group(1).replace('\\"', '"').replace("\\\\", "\\"), keep="")
         exit_code = int(m.group(2))
     for m in _TOOL_EXIT.finditer(text):
         tool = int(m.group(1))

@@ -52,9 +52,9 @@ from pathlib import Path
 from imagebuild.build import guards, owners
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
+from imagebuild.core import fsutil, runs, state
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import run as run_mod
-from imagebuild.core import runs, state
 from imagebuild.core.context import Context, of
 from imagebuild.core.errors import DefinitionError, OperationFailed, Problem
 from imagebuild.definition import reader as defn_mod
@@ -624,7 +624,7 @@ def _rewrite_index(store: StageStore, keep: set[str]) -> None:
 
     p = store.dir / "index.json"
     try:
-        idx = json.loads(p.read_text(encoding="utf-8"))
+        idx = json.loads(fsutil.read_text(p))
     except (OSError, ValueError):
         return
     idx["manifests"] = [m for m in idx.get("manifests") or [] if m.get("digest") in keep]

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagebuild.core import context as context_mod
+from imagebuild.core import fsutil
 from imagebuild.core.fsutil import atomic_write_bytes
 from imagebuild.ops.imagediff import human
 
 SCHEMA = "imagebuild.nightly-history"
 VERSION = 1
+HISTORY_MAX = 64 << 20  # a nightly adds a few hundred bytes; a bigger file is not read (docs/security.md)
 FILE = "nightly-history.jsonl"
 DEFAULT_NIGHTS = 30
 
@@ -88,9 +90,12 @@ class History:
 
 
 def read(file: Path) -> History:
+    from imagebuild.ops.report import redact, secrets_in_env
+
     h = History()
+    secrets = secrets_in_env()
     try:
-        data = Path(file).read_text(encoding="utf-8", errors="replace")
+        data = fsutil.read_text(file, HISTORY_MAX, errors="replace")
     except FileNotFoundError:
         return h
     except OSError:
@@ -106,7 +111,7 @@ def read(file: Path) -> History:
             continue
         if isinstance(row, dict) and row.get("schema") == SCHEMA and isinstance(row.get("image"), str) \
                 and isinstance(row.get("run_id"), str):
-            h.rows.append(row)
+            h.rows.append(redact(row, secrets))  # a line written before a URL's userinfo was removed: not shown
         else:
             h.skipped += 1
     h.rows.sort(key=lambda r: r["run_id"])
@@ -117,7 +122,7 @@ def append(file: Path, doc: dict) -> int:
     """Add ``doc``'s lines (once per run id and image); returns how many were added."""
     file = Path(file)
     try:
-        old = file.read_bytes()
+        old = fsutil.read_bytes(file, HISTORY_MAX)
     except FileNotFoundError:
         old = b""
     have = {(r["run_id"], r["image"]) for r in read(file).rows} if old else set()
@@ -197,6 +202,8 @@ def stage_names(rows: list[dict]) -> list[str]:
 
 def render_table(rows: list[dict]) -> str:
     """One table per image, one line per night, oldest first."""
+    from imagebuild.core.printable import one_line
+
     out = []
     for image in dict.fromkeys(r["image"] for r in rows):
         mine = [r for r in rows if r["image"] == image]
@@ -214,8 +221,9 @@ def render_table(rows: list[dict]) -> str:
                          *[stage_cell(by.get(n)) for n in names], human(r.get("size")) if r.get("size") else "-",
                          "-" if rate is None else f"{round(rate * 100)}%", gate_cell(r.get("gate")),
                          moved_cell(r) or "-"])
+        body = [[one_line(str(x)) for x in line] for line in body]  # a hand-edited line's escapes: not shown
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
-        out.append(f"{image}: {len(mine)} night(s)")
+        out.append(f"{one_line(image)}: {len(mine)} night(s)")
         for line in [head, *body]:
             out.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
         if any((r.get("gate") or {}).get("gpu_checks_skipped") for r in mine):

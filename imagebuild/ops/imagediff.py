@@ -31,6 +31,7 @@ import tarfile
 from pathlib import Path
 
 from imagebuild.core import context as context_mod
+from imagebuild.core import fsutil
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.fsutil import atomic_write_json
@@ -186,7 +187,7 @@ def inventory(ref: str, ctx: context_mod.Context | Path | None = None, *, use_ca
         cache = ctx.state / "inventory" / f"{ident.digest.split(':', 1)[1]}.json"
         if use_cache:
             try:
-                doc = json.loads(cache.read_text(encoding="utf-8"))
+                doc = json.loads(fsutil.read_text(cache))
                 if doc.get("inventory_version") == INVENTORY_VERSION and doc.get("identity") == ident.digest:
                     return {**doc, "ref": ref, "image_id": data.get("Id")}
             except (OSError, ValueError):

@@ -36,9 +36,9 @@ from imagebuild import __version__
 from imagebuild.build import guards
 from imagebuild.build import promote as promote_mod
 from imagebuild.core import context as context_mod
+from imagebuild.core import fsutil, state
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
-from imagebuild.core import state
 from imagebuild.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -492,7 +492,7 @@ def _pin_files(defn) -> dict[str, bytes | None]:
     out: dict[str, bytes | None] = {}
     for key, p in (("env", defn.dir / "versions.env"), ("lock", lock_mod.lock_path(defn.dir))):
         try:
-            out[key] = p.read_bytes()
+            out[key] = fsutil.read_bytes(p)
         except OSError:
             out[key] = None
     return out

@@ -11,7 +11,7 @@ the reports that cover an image.
 
 Secrets: every string in a report passes through ``redact`` before it is written, so the value of
 ``GITHUB_TOKEN`` (or any variable named in ``SECRET_ENV``) can never appear in a report, even if
-an error message from a child process carried it.
+an error message from a child process carried it; nor can the `user:password@` of a URL.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild.core import context as context_mod
+from imagebuild.core import fsutil
 from imagebuild.core.errors import UsageError
 from imagebuild.core.fsutil import atomic_write_text
 from imagebuild.core.secrets import REDACTED, SECRET_ENV, redact_text, secrets_in_env  # noqa: F401 (names of this module)
@@ -41,10 +42,9 @@ def default_dir(ctx: context_mod.Context | Path) -> Path:
 
 
 def redact(obj, secrets: list[str] | None = None):
-    """``obj`` with every secret value replaced (strings anywhere inside dicts and lists)."""
+    """``obj`` with every secret value replaced and every URL's userinfo removed (strings anywhere
+    inside dicts and lists)."""
     secrets = secrets_in_env() if secrets is None else secrets
-    if not secrets:
-        return obj
     if isinstance(obj, str):
         return redact_text(obj, secrets)
     if isinstance(obj, dict):
@@ -65,7 +65,7 @@ class Stored:
 
     def load(self) -> dict:
         try:
-            doc = json.loads(self.json_path.read_text(encoding="utf-8"))
+            doc = json.loads(fsutil.read_text(self.json_path))
         except (OSError, ValueError) as exc:
             raise UsageError(f"{self.json_path}: not a readable report ({exc})") from None
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
@@ -128,7 +128,7 @@ def find(report_dir: Path, which: str | None = None, image: str | None = None) -
 
 def _images_of(s: Stored) -> list[str]:
     try:
-        doc = json.loads(s.json_path.read_text(encoding="utf-8"))
+        doc = json.loads(fsutil.read_text(s.json_path))
         return [i.get("image") for i in doc.get("images") or []]
     except (OSError, ValueError):
         return []

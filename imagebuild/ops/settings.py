@@ -134,11 +134,20 @@ def effective(root: Path | None, root_origin: str, config=None) -> list[Setting]
     for var, name in (("DOCKER_HOST", "engine"), ("DOCKER_CONTEXT", "docker context")):
         v = os.environ.get(var)
         if v or name == "engine":
-            out.append(Setting(name, v or "the docker CLI's own (local socket or its current context)",
+            out.append(Setting(name, _shown(v) if v else "the docker CLI's own (local socket or its current context)",
                                "environment" if v else "default", var if v else None))
     ssh = os.environ.get("IMAGEBUILD_SSH")
-    out.append(Setting("ssh", ssh or "ssh", "environment" if ssh else "default", "IMAGEBUILD_SSH" if ssh else None))
+    out.append(Setting("ssh", _shown(ssh) if ssh else "ssh", "environment" if ssh else "default",
+                       "IMAGEBUILD_SSH" if ssh else None))
     return out
+
+
+def _shown(value: str) -> str:
+    """A value as ``config`` shows it: one line of printable text, no URL's ``user:password@``."""
+    from imagebuild.core.printable import one_line
+    from imagebuild.core.secrets import without_userinfo
+
+    return one_line(without_userinfo(value))
 
 
 def environment() -> list[dict]:
@@ -146,6 +155,6 @@ def environment() -> list[dict]:
     rows = []
     for name, what in VARIABLES:
         v = os.environ.get(name)
-        shown = None if v is None else ("(set, not shown)" if name in SECRET else v)
+        shown = None if v is None else ("(set, not shown)" if name in SECRET else _shown(v))
         rows.append({"name": name, "set": v is not None, "value": shown, "what": what})
     return rows

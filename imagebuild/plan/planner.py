@@ -22,21 +22,19 @@ The build id names one build's inputs: the lock, every stage key, and the releas
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from imagebuild.core import lock as lock_mod
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
+from imagebuild.core.secrets import without_userinfo
 from imagebuild.definition import reader as d
 from imagebuild.plan import context_stream, package_inputs, provenance, source_mounts
 
-_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-
 
 def _without_userinfo(value: str) -> str:
-    """``value`` with any ``user[:password]@`` after a ``scheme://`` removed."""
-    return _USERINFO.sub("", value) if "://" in value and "@" in value else value
+    """``value`` without any URL userinfo (core/secrets.without_userinfo)."""
+    return without_userinfo(value, ssh_user=False)
 
 
 PLAN_SCHEMA = "imagebuild.plan"
@@ -288,9 +286,12 @@ def mounted_sources(defn: d.Definition, lock: dict | None, stage: d.Stage) -> li
         elif src is not None:
             want = src.pins()
             have = pr_pins(entry.get("prs"))
-            if entry.get("repo") != want["repo"] or entry.get("ref") != want["ref"] or have != want["prs"]:
-                stale = (f"the lock has {entry.get('ref')!r} {have} from {entry.get('repo')!r}, "
-                         f"versions.env says {want['ref']!r} {want['prs']} from {want['repo']!r}")
+            # the lock records a URL without its userinfo (prefetch): versions.env's is compared the same way
+            repo_had = without_userinfo(str(entry.get("repo") or ""), ssh_user=False)
+            repo_want = without_userinfo(str(want["repo"] or ""), ssh_user=False)
+            if repo_had != repo_want or entry.get("ref") != want["ref"] or have != want["prs"]:
+                stale = (f"the lock has {entry.get('ref')!r} {have} from {repo_had!r}, "
+                         f"versions.env says {want['ref']!r} {want['prs']} from {repo_want!r}")
             elif src.tree and entry.get("source_tree") != src.tree:
                 stale = (f"the lock's composed tree is {entry.get('source_tree')!r}, versions.env pins "
                          f"{n}_TREE={src.tree} (imagebuild prefetch composes and checks it)")

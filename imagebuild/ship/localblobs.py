@@ -33,9 +33,9 @@ from pathlib import Path
 
 from imagebuild.build.stagestore import digest_hex as _hex
 from imagebuild.core import engine as engine_mod
+from imagebuild.core import fsutil, state
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
-from imagebuild.core import state
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_json, canonical_json
 
@@ -121,7 +121,7 @@ class Verifier:
     def __init__(self, path: Path | None = None):
         self.path = path or cache_dir() / "verified.json"
         try:
-            self.known = json.loads(self.path.read_text())
+            self.known = json.loads(fsutil.read_text(self.path))
         except (OSError, ValueError):
             self.known = {}
         self.dirty = False
@@ -200,7 +200,7 @@ class _Finder:
         if p is None:
             return None
         try:
-            data = p.read_bytes()
+            data = fsutil.read_bytes(p)
         except OSError:
             return None
         return data if "sha256:" + hashlib.sha256(data).hexdigest() == digest else None
@@ -402,7 +402,7 @@ def load(ref: str, *, verifier: Verifier | None = None) -> LocalImage:
     rec = _spool_record(local_id) if local_id else None
     if rec is not None and rec.is_file():
         try:
-            target = json.loads(rec.read_text())["target"]
+            target = json.loads(fsutil.read_text(rec))["target"]
             img = _resolve(ref, data, target, spool, "docker-save")
             if img is not None:
                 return img

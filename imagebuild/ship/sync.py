@@ -88,6 +88,12 @@ def step_timeout(default: float = STEP_TIMEOUT_S) -> float:
     return _seconds_env("IMAGEBUILD_SYNC_TIMEOUT", default)
 
 
+def stream_stall_s() -> int:
+    """How long the streamed load waits on a layer blob that stopped growing before it gives up (a
+    frozen link): the step bound, at least 5 s and at most 60 s."""
+    return max(5, int(min(60, step_timeout())))
+
+
 def load_timeout(nbytes: int) -> float:
     """The bound of a load or pull that moves ``nbytes``: 600 s plus 1 s per 10 MB."""
     return step_timeout(LOAD_BASE_S + nbytes / LOAD_MIN_RATE)
@@ -1029,7 +1035,7 @@ class _PeerSync:
         s = self.s
         send = sorted((la for la in need if _hexof(la.digest) not in have), key=lambda la: _hexof(la.digest))
         order = [la for la in need if _hexof(la.digest) in have] + send  # rsync sends by name
-        stall = max(5, int(min(60, step_timeout())))
+        stall = stream_stall_s()
         lines = self._load_lines(order, False, call=("ib_load_stream", self.run_id, s.staging, self.lock_name,
                                                      str(stall)))
         headers = [peer_agent.heredoc_bytes(f"stage/{self.run_id}.hdr/{_hexof(la.digest)}",

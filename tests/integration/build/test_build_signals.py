@@ -44,7 +44,14 @@ def slow_project(root: Path, sleep: int = 60, bulk: int = 0) -> Path:
 def _start(root: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "imagebuild", "--root", str(root), "build", IMAGE, "--no-gate",
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+                            env={**os.environ, **(env or {})}, start_new_session=True,
+                            preexec_fn=_sigint_default)
+
+
+def _sigint_default() -> None:
+    """SIGINT back to its default in the child: a suite started with it ignored (``nohup make test &``,
+    a background job) hands SIG_IGN on, and imagebuild, rightly, keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 90) -> list[str]:

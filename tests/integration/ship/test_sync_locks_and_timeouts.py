@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from imagebuild.core import identity
+from imagebuild.ship import sync as sync_mod
 from tests.conftest import run_cli
 from tests.syncfixtures import (  # noqa: F401 - fixtures
     _private_sync_cache,
@@ -313,10 +314,13 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
         wait_for(lambda: _read_so_far(stopped, hexname) > 16 << 20 or b.poll() is not None, timeout=120,
                  every=0.002)
         os.kill(stopped, signal.SIGSTOP)
-        # the first one's load reads the layer: the second one's rsync goes on now
-        wait_for(lambda: ea.has("loading on the peer") or a.poll() is not None, timeout=300, every=0.005)
+        # the first one's load reads the layer: the second one's rsync goes on now. Until then it is held
+        # back, never for as long as its own streamed load's stall bound (a blob that has not grown for
+        # that long fails the load, as designed): on a loaded machine the first one's transfer alone may
+        # take longer than that (issue 34)
         stage = Path(peer.cache) / "stage"
-        wait_for(lambda: any(stage.glob("*.layers")) or a.poll() is not None, timeout=60, every=0.005)
+        _hold_back(stopped, lambda: (ea.has("loading on the peer") and any(stage.glob("*.layers")))
+                   or a.poll() is not None, timeout=360, bound=sync_mod.stream_stall_s())
         os.kill(stopped, signal.SIGCONT)
         stopped = None
         rc_a, doc_a = _finish(a, ea)
@@ -340,6 +344,23 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
                 p.wait()
         imgs.set_local(imgs.v1)
         reset(peer)
+
+
+def _hold_back(pid: int, done, *, timeout: float, bound: float) -> None:
+    """Keep the stopped process ``pid`` stopped until ``done()`` (or ``timeout`` s), but let it run for a
+    moment every quarter of ``bound`` (the stall bound of what it feeds): it moves on a little, so what
+    waits on it never sees it still for ``bound`` s, however long ``done`` takes on a loaded machine."""
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, "the first sync never started its load"
+        last = time.monotonic()
+        while not done() and time.monotonic() - last < bound / 4:
+            time.sleep(0.005)
+        if done():
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(min(1.0, bound / 20))
+        os.kill(pid, signal.SIGSTOP)
 
 
 def _ingested(peer) -> int:

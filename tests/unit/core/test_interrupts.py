@@ -21,6 +21,16 @@ def _deliver(sig: int) -> None:
     time.sleep(0.01)  # the handler runs at the next bytecode boundary; a sleep is one
 
 
+@pytest.fixture(autouse=True)
+def sigint_default():
+    """These tests send SIGINT to this process: it must reach Python's handler whatever the suite was
+    started with (``nohup make test &`` or a background job starts it with SIGINT ignored, and
+    ``interrupts.install`` rightly keeps an ignored SIGINT ignored). Put back as it was after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture
 def installed():
     old = interrupts.install()
