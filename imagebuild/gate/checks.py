@@ -308,6 +308,10 @@ _CUDA_FIND = """root=$1; c=$2; shift 2
 [ -e "$root" ] || { echo "no such path: $root" >&2; exit 2; }
 if [ -z "$c" ]; then c=$(command -v cuobjdump) || c=/usr/local/cuda/bin/cuobjdump; fi
 command -v "$c" >/dev/null 2>&1 || { echo "cuobjdump not found ($c)" >&2; exit 127; }
+if ! err=$("$c" --version 2>&1 >/dev/null); then
+  printf '%s\n%s\n%s\n' "$c" "$(printf '%s\n' "$err" | tail -n 1)" "$(ldd --version 2>/dev/null | head -n 1)" >&2
+  exit 126
+fi
 command -v "$c"
 n=$#; i=0
 for g; do [ $i -gt 0 ] && set -- "$@" -o; set -- "$@" -name "$g"; i=$((i + 1)); done
@@ -349,6 +353,19 @@ def _package_dir(ctx: Context, check: Check, module: str) -> str:
     return _last(out.stdout)
 
 
+def _cuobjdump_cannot_run(stderr: str) -> str:
+    """The reason a cuobjdump that is there does not run: (its path, its error, the image's ``ldd --version``)."""
+    tool, err, libc = ([*stderr.strip().splitlines(), "", "", ""])[:3]
+    need = re.search(r"version .(GLIBC_[0-9.]+). not found", err)
+    have = re.search(r"([0-9]+\.[0-9]+)\s*$", libc)
+    if need:
+        why = f"it needs {need.group(1)}" + (f", the image's glibc is {have.group(1)}" if have else "")
+    else:
+        why = err.strip()[-200:] or "it exits non-zero on --version"
+    return (f"cuobjdump cannot run in the image ({tool}): {why}; use one built for the image's C library (the "
+            "CUDA toolkit's own) with `cuobjdump:` in the gate spec")
+
+
 def check_cuda_targets(ctx: Context, check: Check) -> str:
     p = dict(check.params)
     if p.get("module"):
@@ -358,6 +375,8 @@ def check_cuda_targets(ctx: Context, check: Check) -> str:
     if out.rc == 127:
         raise CheckFailed(f"{_last(out.stderr)} in the image (install nvidia-cuda-cuobjdump, or set "
                           f"`cuobjdump:` in the gate spec)")
+    if out.rc == 126:  # there, but it does not run: a build for a newer C library than the image's, typically
+        raise CheckFailed(_cuobjdump_cannot_run(out.stderr))
     if out.rc != 0:
         raise CheckFailed(f"scanning {p['path']} failed: {_last(out.stderr) or f'exit {out.rc}'}")
     lines = [ln for ln in out.stdout.splitlines() if ln]
