@@ -101,8 +101,9 @@ def nice_ticks(lo: float, hi: float, *, zero: bool = True, n: int = 4) -> list[f
     ``zero``, else from just under ``lo``, so a small change fills the plot instead of a few pixels."""
     if zero:
         lo = min(lo, 0.0)
-    if hi <= lo:
-        hi = lo + (abs(lo) * 0.02 or 1.0)
+    if hi <= lo:  # one value (or none): a little room on each side
+        pad = abs(lo) * 0.01 or 1.0
+        lo, hi = (lo, lo + pad) if zero else (lo - pad, lo + pad)
     raw = (hi - lo) / n
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
