@@ -178,6 +178,22 @@ def _y(v: float, ticks: list[float]) -> float:
     return MT + ph - ph * (v - ticks[0]) / (ticks[-1] - ticks[0])
 
 
+def failed_marks(labels: list, failed: list[str | None] | None) -> tuple[list[str], list[str]]:
+    """A night that was not good (``failed[i]``, its status): a red band behind its slot (drawn
+    under the grid) and a red cross above the plot (drawn on top); with the status in their tooltips."""
+    pw, ph, n = W - ML - MR, H - MT - MB, max(len(labels), 1)
+    under, over = [], []
+    for i, status in enumerate(failed or []):
+        if not status:
+            continue
+        tip = f"<title>{esc(_lab(labels[i]))}: {esc(status)}</title>"
+        under.append(f'<rect class="failed-night" x="{ML + pw * (i + 0.05) / n:.1f}" y="{MT - 20}" '
+                     f'width="{pw * 0.9 / n:.1f}" height="{ph + 20}" fill="{FAILED_BAND}">{tip}</rect>')
+        over.append(f'<text class="failed-mark" x="{_x(i, n):.1f}" y="{MT - 8}" text-anchor="middle" '
+                    f'fill="{FAILED_MARK}" font-weight="bold">\u2715{tip}</text>')
+    return under, over
+
+
 def stacked_bars(kind: str, title: str, labels: list, series: list[str], values: list[dict[str, float]],
                  yfmt, tips: list[str] | None = None, *, ytitle: str = "",
                  failed: list[str | None] | None = None) -> str:
@@ -190,16 +206,9 @@ def stacked_bars(kind: str, title: str, labels: list, series: list[str], values:
     ticks = [t * unit for t in nice_ticks(0.0, top / unit)]
     n = max(len(labels), 1)
     bw = pw / n * 0.7
-    body, under = [], []
+    under, body = failed_marks(labels, failed)
     for i, v in enumerate(values):
         x = ML + pw * i / n + (pw / n - bw) / 2
-        if failed and failed[i]:
-            under.append(f'<rect class="failed-night" x="{ML + pw * i / n:.1f}" y="{MT - 20}" width="{pw / n:.1f}" '
-                         f'height="{ph + 20}" fill="{FAILED_BAND}"><title>{esc(_lab(labels[i]))}: {esc(failed[i])}'
-                         "</title></rect>")
-            body.append(f'<text class="failed-mark" x="{_x(i, n):.1f}" y="{MT - 8}" text-anchor="middle" '
-                        f'fill="{FAILED_MARK}" font-weight="bold">\u2715<title>{esc(_lab(labels[i]))}: '
-                        f"{esc(failed[i])}</title></text>")
         y = MT + ph
         for j, name in enumerate(series):
             val = v.get(name) or 0.0
@@ -240,21 +249,21 @@ def rate_bars(kind: str, title: str, labels: list, rates: list[float | None], *,
 
 
 def line(kind: str, title: str, labels: list, values: list[float | None], yfmt, *, zero: bool = True,
-         ytitle: str = "", tipfmt=None) -> str:
+         ytitle: str = "", tipfmt=None, failed: list[str | None] | None = None) -> str:
     """A line through the nights' values; ``zero=False``: the axis spans the values, not from 0."""
     tipfmt = tipfmt or yfmt
     have = [v for v in values if v is not None]
     ticks = nice_ticks(min(have, default=0.0), max(have, default=0.0), zero=zero)
     n = max(len(labels), 1)
     pts = [(_x(i, n), _y(v, ticks), v, labels[i]) for i, v in enumerate(values) if v is not None]
-    body = []
+    under, body = failed_marks(labels, failed)
     if len(pts) > 1:
         body.append('<polyline fill="none" stroke="#4e79a7" stroke-width="2" points="'
                     + " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in pts) + '"/>')
     for x, y, v, lab in pts:
         body.append(f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="#4e79a7">'
                     f"<title>{esc(_lab(lab))}: {esc(tipfmt(v))}</title></circle>")
-    return _frame(kind, title, labels, ticks, yfmt, body, ytitle=ytitle)
+    return _frame(kind, title, labels, ticks, yfmt, body, ytitle=ytitle, under=under)
 
 
 def size_axis(values: list[float | None]) -> tuple[str, float, object]:
@@ -405,7 +414,7 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None, links: di
     L += figure(f"Image size ({unit}; the axis spans the sizes, it does not start at 0)",
                 line("size", f"{image}: image size per night", labels,
                      [None if v is None else v / div for v in sizes], sfmt, zero=False,
-                     ytitle=f"image size ({unit})", tipfmt=lambda v: human(int(v * div))))
+                     ytitle=f"image size ({unit})", tipfmt=lambda v: human(int(v * div)), failed=bad))
     L += figure("Cache hit rate (stages from the stage store; n/a: nothing looked up)",
                 rate_bars("hit-rate", f"{image}: cache hit rate per night", labels, rates))
     L += figure(f"Gate results: {esc(streak(gates))}", gate_strip(labels, gates))
@@ -426,7 +435,7 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None, links: di
         steps = r.get("steps") or {}
         cls = "ok" if r.get("status") == "ok" else "bad"
         L.append(f'<tr><td title="{esc(r["run_id"])}">{esc(_lab(lab))}<br><span class="muted">build '
-                 f'{esc(str(r.get("build_id") or "-")[:12])}</span></td><td class="{cls}">{status}</td>'
+                 f'{esc(r.get("build_id") or "-")}</span></td><td class="{cls}">{status}</td>'
                  f'<td>{_links_cell((links or {}).get(r["run_id"]), r["image"])}</td>'
                  f'<td class="num">{esc(hist.secs(r.get("seconds")))}</td>'
                  f'<td class="num">{esc(hist.secs(steps.get("build")))}</td>'

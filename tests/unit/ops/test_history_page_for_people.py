@@ -86,8 +86,8 @@ def test_every_x_label_tells_two_runs_of_one_day_apart():
         assert labels[0] == "11-2002:17" and labels[1].startswith("11-2014:15:00"), labels  # date, then time
     # the nights table says the same
     nights = [c for c in page.cells if c.startswith("11-20 ")]
-    assert nights == ["11-20 14:15:00 cccccc" + "build 0123456789ab", "11-20 14:15:00 bbbbbb" + "build 0123456789ab",
-                      "11-20 02:17" + "build 0123456789ab"], nights  # newest first
+    assert nights == ["11-20 14:15:00 cccccc" + "build 0123456789abcdef", "11-20 14:15:00 bbbbbb" + "build 0123456789abcdef",
+                      "11-20 02:17" + "build 0123456789abcdef"], nights  # newest first
 
 
 def test_a_failed_night_is_marked_in_the_stage_time_chart():
@@ -102,7 +102,7 @@ def test_a_failed_night_is_marked_in_the_stage_time_chart():
     # the band covers night 2's slot (x) and the plot's height
     x = float(bands[0][1]["x"])
     pw = htmlpage.W - htmlpage.ML - htmlpage.MR
-    assert abs(x - (htmlpage.ML + pw / 3)) < 1 and float(bands[0][1]["height"]) >= htmlpage.H - htmlpage.MT - htmlpage.MB
+    assert abs(x - (htmlpage.ML + pw * 1.05 / 3)) < 1 and float(bands[0][1]["height"]) >= htmlpage.H - htmlpage.MT - htmlpage.MB
 
 
 def test_the_size_axis_spans_the_sizes_so_two_percent_shows():
