@@ -151,7 +151,7 @@ def test_links_to_each_nights_report_and_failed_log_are_relative_and_work(tmp_pa
         "project/.imagebuild/builds/img/r/logs/app.log"
 
 
-def test_build_and_sync_times_what_changed_and_a_failed_checks_found_and_expected():
+def gate_failed_night() -> dict:
     doc = night("20261121T020000.000001Z-bbbbbb", status="gate-failed")
     im = doc["images"][0]
     im["steps"]["build"]["seconds"] = 300.0
@@ -162,19 +162,39 @@ def test_build_and_sync_times_what_changed_and_a_failed_checks_found_and_expecte
          "detail": "vllm 0.10.0 does not satisfy >=0.11"},
         {"id": "arch", "kind": "image_config", "outcome": "failed", "severity": "error", "requires_gpu": False,
          "detail": "architecture is 'amd64', expected 'arm64'"}]
-    row = history.rows_of(doc)[0]
-    assert [c["id"] for c in row["gate"]["failed_checks"]] == ["vllm-version", "arch"]
-    assert row["changed"]["pip"] == {"n": 3, "items": ["greet 1.0->1.1", "+new 3", "-old 2"]}
-    page = Page(htmlpage.render([row], doc))
-    head = page.cells[:12]
+    return doc
+
+
+def first_night_cells(doc: dict) -> tuple[Page, list[str], list[str]]:
+    page = Page(htmlpage.render(history.rows_of(doc), doc))
+    return page, page.cells[:12], page.cells[12:24]
+
+
+def test_the_nights_table_shows_build_and_sync_times_apart():
+    page, head, first = first_night_cells(gate_failed_night())
     assert head[3:6] == ["time", "build", "sync"], head
-    first = page.cells[12:24]
-    assert first[4:6] == ["5m00s", "42.0s"], first
+    assert first[3:6] == ["12.5s", "5m00s", "42.0s"], first
+
+
+def test_the_nights_table_shows_what_changed_in_the_image():
+    doc = gate_failed_night()
+    row = history.rows_of(doc)[0]
+    assert row["changed"]["pip"] == {"n": 3, "items": ["greet 1.0->1.1", "+new 3", "-old 2"]}
+    assert row["changed"]["pins"]["n"] == 2 and row["changed"]["dpkg"] == {"n": 0, "items": []}
+    page, head, first = first_night_cells(doc)
+    assert head[10] == "changed in the image" and head[9] == "moved upstream", head
+    assert "pip (3): greet 1.0->1.1, +new 3, -old 2" in first[10] and "pins (2)" in first[10], first[10]
+    assert "dpkg" not in first[10]  # nothing changed there: not listed
+
+
+def test_a_failed_gate_checks_found_value_stands_beside_its_expected_one():
+    doc = gate_failed_night()
+    row = history.rows_of(doc)[0]
+    assert [c["id"] for c in row["gate"]["failed_checks"]] == ["vllm-version", "arch"]  # kept in the history
+    page, head, first = first_night_cells(doc)
     gate = first[8]
     assert "vllm-version: found vllm 0.10.0, expected >=0.11" in gate, gate
     assert "arch: found architecture is 'amd64', expected 'arm64'" in gate, gate
-    changed = first[10]
-    assert "pip (3): greet 1.0->1.1, +new 3, -old 2" in changed and "pins (2)" in changed, changed
     # tonight's gate table: found and expected side by side
     i = page.cells.index("vllm-version")
     assert page.cells[i:i + 4] == ["vllm-version", "FAILED", "vllm 0.10.0", ">=0.11"], page.cells[i:i + 4]
