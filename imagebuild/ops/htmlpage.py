@@ -342,18 +342,19 @@ def night_links(rows: list[dict], reports: list[tuple[Path, dict]], root: Path, 
     return out
 
 
-def found_expected(detail: str | None) -> tuple[str, str]:
-    """A gate check's detail split into what was found and what was expected, where its wording
-    says (``X is 'a', expected 'b'``, ``... , expected at least 3``, ``vllm 0.1 does not satisfy
-    >=0.2``); otherwise the whole detail is what was found."""
-    text = str(detail or "")
-    m = re.match(r"(?s)^(.*?),? expected (.+)$", text)
-    if m and m.group(1):
-        return m.group(1), m.group(2)
-    m = re.match(r"(?s)^(.*) does not satisfy (.+)$", text)
-    if m:
-        return m.group(1), m.group(2)
-    return text, ""
+def found_expected(detail: str | None) -> list[tuple[str, str]]:
+    """A gate check's detail split into what was found and what was expected, per problem (a check
+    joins several with ``; ``), where its wording says (``X is 'a', expected 'b'``, ``..., expected
+    at least 3``, ``vllm 0.1 does not satisfy >=0.2``); otherwise the problem is what was found."""
+    out = []
+    for part in str(detail or "").split("; "):
+        m = re.match(r"(?s)^(.*?),? expected (.+)$", part)
+        if m and m.group(1):
+            out.append((m.group(1), m.group(2)))
+            continue
+        m = re.match(r"(?s)^(.*) does not satisfy (.+)$", part)
+        out.append((m.group(1), m.group(2)) if m else (part, ""))
+    return out
 
 
 # --------------------------------------------------------------------------------------------- the page
@@ -377,9 +378,9 @@ def _changed_cell(ch: dict | None) -> str:
 def _gate_cell(g: dict | None) -> str:
     text = esc(hist.gate_cell(g))
     for c in (g or {}).get("failed_checks") or []:
-        found, want = found_expected(c.get("detail"))
-        text += (f'<br><span class="bad">{esc(c.get("id"))}</span>: found <code>{esc(found)}</code>'
-                 + (f", expected <code>{esc(want)}</code>" if want else ""))
+        text += f'<br><span class="bad">{esc(c.get("id"))}</span>: ' + "; ".join(
+            f"found <code>{esc(found)}</code>" + (f", expected <code>{esc(want)}</code>" if want else "")
+            for found, want in found_expected(c.get("detail")))
     return text
 
 
@@ -489,9 +490,10 @@ def _tonight(im: dict, log_link: str | None = None) -> list[str]:
         rows = []
         for c in g["checks"]:
             res = str(c.get("outcome")).upper() + (" (GPU)" if c.get("requires_gpu") else "")
-            found, want = found_expected(c.get("detail")) if c.get("outcome") == "failed" else (c.get("detail"), "")
+            pairs = found_expected(c.get("detail")) if c.get("outcome") == "failed" else [(c.get("detail"), "")]
             rows.append(f"<tr><td>{esc(c.get('id'))}</td><td class=\"{'bad' if c.get('outcome') == 'failed' else ''}\">"
-                        f"{esc(res)}</td><td>{esc(found)}</td><td>{esc(want)}</td></tr>")
+                        f"{esc(res)}</td><td>{'<br>'.join(esc(f) for f, _ in pairs)}</td>"
+                        f"<td>{'<br>'.join(esc(w) for _, w in pairs)}</td></tr>")
         L += _table(["check", "result", "found", "expected"], rows)
     return L
 

@@ -198,9 +198,12 @@ def test_a_failed_gate_checks_found_value_stands_beside_its_expected_one():
     # tonight's gate table: found and expected side by side
     i = page.cells.index("vllm-version")
     assert page.cells[i:i + 4] == ["vllm-version", "FAILED", "vllm 0.10.0", ">=0.11"], page.cells[i:i + 4]
-    assert htmlpage.found_expected("found 0 file(s) under /x, expected at least 1") == (
-        "found 0 file(s) under /x", "at least 1")
-    assert htmlpage.found_expected("not a version") == ("not a version", "")
+    assert htmlpage.found_expected("found 0 file(s) under /x, expected at least 1") == [
+        ("found 0 file(s) under /x", "at least 1")]
+    assert htmlpage.found_expected("not a version") == [("not a version", "")]
+    # a check with several problems (image_config joins them with '; '): each found beside its expected
+    assert htmlpage.found_expected("architecture is 'amd64', expected 'arm64'; user is 'root', expected 'app'") == [
+        ("architecture is 'amd64'", "'arm64'"), ("user is 'root'", "'app'")]
 
 
 def test_a_zero_hit_rate_is_drawn_and_no_data_is_said():
