@@ -19,6 +19,7 @@ import html
 import math
 import os
 import re
+import urllib.parse
 from pathlib import Path
 
 from imagebuild.ops import history as hist
@@ -321,7 +322,9 @@ def night_links(rows: list[dict], reports: list[tuple[Path, dict]], root: Path, 
     failed stages' logs (paths in the report are relative to the project ``root``) while they exist.
     ``reports``: (the report's JSON path, its document)."""
     def rel(p: Path) -> str:
-        return Path(os.path.relpath(Path(p).resolve(), Path(page_dir).resolve())).as_posix()
+        r = Path(os.path.relpath(Path(p).resolve(), Path(page_dir).resolve())).as_posix()
+        # a URL path: '#', '?', '%' and spaces encoded; a first segment with ':' never read as a scheme
+        return ("./" if ":" in r.split("/")[0] else "") + urllib.parse.quote(r, safe="/:@-._~!$&'()*+,;=")
 
     out: dict[str, dict] = {}
     docs = {doc.get("run_id"): (Path(jp), doc) for jp, doc in reports}

@@ -244,3 +244,17 @@ def test_the_hit_rate_chart_is_one_figure_helper_call_away():
     out = htmlpage.figure("Compiler cache", svg)
     assert out[1].startswith('<div class="scroll"><svg class="chart" data-chart="ccache"')
     assert Path(htmlpage.__file__).name == "htmlpage.py"
+
+
+def test_a_links_odd_file_name_stays_a_relative_path(tmp_path):
+    """A report file named like a URL scheme, or holding '#' or a space, still links to itself."""
+    rows, reports = [], []
+    for run in ("javascript:alert(1)", "a #b?c"):
+        jp = tmp_path / f"{run}.json"
+        jp.write_text("{}")
+        jp.with_suffix(".md").write_text("")
+        rows.append({"run_id": run, "image": "img"})
+        reports.append((jp, {"run_id": run, "images": []}))
+    links = htmlpage.night_links(rows, reports, tmp_path, tmp_path)
+    assert links["javascript:alert(1)"]["report"]["md"] == "./javascript:alert(1).md"
+    assert links["a #b?c"]["report"]["json"] == "a%20%23b%3Fc.json"
