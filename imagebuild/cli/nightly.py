@@ -174,18 +174,20 @@ def _history_nights(value: str | None, args) -> int | None:
 
 def cmd_history(args, ctx, rdir, image) -> int:
     import sys
+    from pathlib import Path
 
     from imagebuild.core.errors import EXIT_OK, ImagebuildError
     from imagebuild.ops import history as history_mod
     from imagebuild.ops import htmlpage
     from imagebuild.ops import report as report_mod
 
-    kept = []
+    kept, pairs = [], []
     for s in report_mod.stored(rdir):
         try:
             kept.append(s.load())
         except ImagebuildError:  # a foreign file in the report folder: the history file still counts
             continue
+        pairs.append((s.json_path, kept[-1]))
     h = history_mod.load(history_mod.path(ctx), kept)
     rows = history_mod.last_nights(h, args.nights, image)
     if h.skipped:
@@ -194,7 +196,9 @@ def cmd_history(args, ctx, rdir, image) -> int:
         tonight = kept[0] if kept else None
         if tonight is not None and image is not None:
             tonight = {**tonight, "images": [i for i in tonight.get("images") or [] if i.get("image") == image]}
-        sys.stdout.write(htmlpage.render(rows, tonight))
+        # the page goes to stdout: its links to reports and logs are relative to the current folder
+        links = htmlpage.night_links(rows, pairs, ctx.root, Path.cwd())
+        sys.stdout.write(htmlpage.render(rows, tonight, links=links))
     elif args.json:
         common.print_json({"schema": history_mod.SCHEMA, "version": history_mod.VERSION,
                            "file": str(history_mod.path(ctx)), "nights": len({r["run_id"] for r in rows}),

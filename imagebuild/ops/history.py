@@ -39,6 +39,33 @@ def hit_rate(hits: int, misses: int) -> float | None:
     return round(hits / (hits + misses), 4) if hits + misses else None
 
 
+MAX_ITEMS = 8  # names kept per list in a line (the counts say how many there were)
+
+
+def _short(v) -> str:
+    v = "-" if v is None else str(v)
+    return v[:12] if len(v) == 40 or v.startswith("sha256:") and len(v) > 19 else v[:60]
+
+
+def changed_of(ch: dict | None) -> dict | None:
+    """What changed in the image against the previous ``:local`` (the report's ``changes``), kept
+    short: per list (pins, patches, pip, dpkg) how many entries changed and the first few, as
+    ``NAME FROM->TO`` (``+NAME TO`` added, ``-NAME FROM`` removed); None when nothing was compared."""
+    if not ch:
+        return None
+    out: dict = {"same_image": bool(ch.get("same_image"))}
+    for part in ("pins", "patches", "pip", "dpkg"):
+        c = ch.get(part)
+        if not c:
+            out[part] = None
+            continue
+        items = ([f"{x['name']} {_short(x.get('from'))}->{_short(x.get('to'))}" for x in c.get("changed") or []]
+                 + [f"+{x['name']} {_short(x.get('to'))}" for x in c.get("added") or []]
+                 + [f"-{x['name']} {_short(x.get('from'))}" for x in c.get("removed") or []])
+        out[part] = {"n": len(items), "items": items[:MAX_ITEMS]}
+    return out
+
+
 def rows_of(doc: dict) -> list[dict]:
     """The history lines of one nightly report: one per image."""
     out = []
@@ -61,14 +88,19 @@ def rows_of(doc: dict) -> list[dict]:
             "gate": None if not g else {"result": g.get("result"), "ran": bool(g.get("ran")),
                                         "passed": s.get("passed", 0), "failed": s.get("failed", 0),
                                         "skipped": s.get("skipped", 0),
-                                        "gpu_checks_skipped": bool(g.get("gpu_checks_skipped"))},
+                                        "gpu_checks_skipped": bool(g.get("gpu_checks_skipped")),
+                                        "failed_checks": [{"id": c.get("id"), "detail": str(c.get("detail") or "")[:300]}
+                                                          for c in g.get("checks") or []
+                                                          if c.get("outcome") == "failed"][:MAX_ITEMS]},
             "promotion": (im.get("promotion") or {}).get("status"),
             "sync": (im.get("sync") or {}).get("status"),
             "moved": [{k: m.get(k) for k in ("source", "what", "from", "to", "repo")} for m in up.get("moved") or []],
             "pull_requests": [{k: p.get(k) for k in ("source", "number", "head", "state", "merged", "repo")}
                               for p in up.get("pull_requests") or []],
             "failure": None if not f else {"step": f.get("step"), "stage": f.get("stage"),
-                                           "exit_code": f.get("exit_code"), "command": f.get("command")},
+                                           "exit_code": f.get("exit_code"), "command": f.get("command"),
+                                           "log": f.get("log")},
+            "changed": changed_of(im.get("changes")),
         })
     return out
 

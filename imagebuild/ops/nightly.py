@@ -227,17 +227,22 @@ def _history(ctx: context_mod.Context, report_dir: Path, stored: report_mod.Stor
     try:
         doc = stored.load()
         history_mod.append(history_mod.path(ctx), doc)
-        kept = []
+        kept, pairs = [], []
         for s in report_mod.stored(report_dir):
             try:
                 kept.append(s.load())
             except ImagebuildError:
                 continue
+            pairs.append((s.json_path, kept[-1]))
         h = history_mod.load(history_mod.path(ctx), kept)
-        page = htmlpage.render(h.rows, doc)
+        page_path = stored.json_path.with_suffix(".html")
+        # links relative to the page's folder (the report dir): the reports beside it, the logs
+        links = htmlpage.night_links(h.rows, pairs + [(page_path.with_suffix(".json"), doc)],
+                                     context_mod.of(ctx).root, page_path.parent)
+        page = htmlpage.render(h.rows, doc, links=links)
         from imagebuild.core.fsutil import atomic_write_text
 
-        atomic_write_text(stored.json_path.with_suffix(".html"), page)
+        atomic_write_text(page_path, page)
     except (OSError, ImagebuildError) as exc:
         log.warning("warning: the nightly history was not updated: %s", getattr(exc, "message", exc))
 

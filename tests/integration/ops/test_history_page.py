@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -53,15 +54,19 @@ def console_messages(stderr: str) -> list[str]:
 
 
 def night(i: int) -> dict:
-    """Night ``i`` of five: stage times grow, the image grows, night 3's gate fails, night 4 fails at a RUN."""
-    run_id = f"202611{20 + i:02d}T021700.000000Z-{i:06x}"
+    """Night ``i`` of five: stage times grow, the image grows, night 3's gate fails, night 4 fails at a RUN
+    (a rerun the same day as night 3, at 14:30)."""
+    day, at = (20 + i, "021700") if i < 4 else (23, "143000")
+    run_id = f"202611{day:02d}T{at}.000000Z-{i:06x}"
     res = nightly._blank(IMAGE)
     stages = [("base", "hit" if i else "miss", 30.0), ("vllm-wheel", "miss", 600.0 + 60 * i),
               ("runner", "miss", 20.0 + i)]
     failed = i == 4
     res.update(
         status="failed" if failed else ("gate-failed" if i == 3 else "ok"), exit_code=1 if failed else (4 if i == 3 else 0),
-        seconds=700.0 + 60 * i, build_id=f"{i:016x}", identity="sha256:" + f"{i:02x}" * 32, run_id=run_id,
+        seconds=700.0 + 60 * i, build_id=f"{i:016x}",
+        steps={"build": {"status": "failed" if failed else "built", "seconds": 650.0 + 60 * i, "detail": None},
+               "sync": {"status": "ok", "seconds": 30.0 + i, "detail": None}}, identity="sha256:" + f"{i:02x}" * 32, run_id=run_id,
         size=None if failed else 2_000_000_000 + i * 50_000_000,
         stages=[{"name": n, "action": "skip" if c == "hit" else "build", "cache": c,
                  "status": ("failed" if failed and n == "vllm-wheel" else "skipped" if c == "hit" else "built"),
@@ -84,10 +89,13 @@ def night(i: int) -> dict:
     else:
         res["gate"] = {"result": "failed" if i == 3 else "passed", "ran": True, "seconds": 3.0, "reason": None,
                        "spec": "gate.yaml", "identity": res["identity"], "gpu_checks_skipped": True,
-                       "summary": {"passed": 4, "failed": int(i == 3), "skipped": 1, "total": 5}, "checks": [],
+                       "summary": {"passed": 4, "failed": int(i == 3), "skipped": 1, "total": 5},
+                       "checks": [{"id": "vllm-version", "kind": "python_dist", "outcome": "failed", "severity": "error",
+                                   "requires_gpu": False, "detail": "vllm 0.10.0 does not satisfy >=0.11"}]
+                       if i == 3 else [],
                        "receipt": None}
     return {"schema": report.SCHEMA, "version": report.VERSION, "run_id": run_id,
-            "started": f"2026-11-{20 + i:02d}T02:17:00Z", "finished": f"2026-11-{20 + i:02d}T03:17:00Z",
+            "started": f"2026-11-{day:02d}T{at[:2]}:{at[2:4]}:00Z", "finished": f"2026-11-{day:02d}T23:00:00Z",
             "seconds": res["seconds"], "host": "dgx3", "imagebuild_version": "test", "status": res["status"],
             "exit_code": res["exit_code"], "refused": None, "disk": None, "images": [res],
             "command": {"images": [IMAGE], "peers": [], "refresh": True, "keep_builds": 3, "keep_reports": 2,
@@ -159,6 +167,23 @@ def colour_count(path: Path, rgb: tuple[int, int, int]) -> int:
     return sum(1 for row in rows for x in range(0, w * bpp, bpp) if row[x:x + 3] == want)
 
 
+def column_runs(path: Path, rgb: tuple[int, int, int], min_px: int) -> list[tuple[int, int]]:
+    """The separate vertical bands of ``rgb`` (columns with at least ``min_px`` such pixels) a
+    screenshot shows, as (first, last) columns: one per bar of a chart in view."""
+    w, bpp, rows = png_pixels(path)
+    want = bytes(rgb)
+    counts = [0] * w
+    for row in rows:
+        for x in range(w):
+            if row[x * bpp:x * bpp + 3] == want:
+                counts[x] += 1
+    runs: list[tuple[int, int]] = []
+    for x, c in enumerate(counts):
+        if c >= min_px:
+            runs[-1:] = [(runs[-1][0], x)] if runs and runs[-1][1] == x - 1 else [*runs[-1:], (x, x)]
+    return runs
+
+
 def test_the_history_page_in_headless_chromium(project, tmp_path, monkeypatch):
     exe = chromium()
     # the check is known to see errors: a page with a console error and an uncaught exception
@@ -176,10 +201,19 @@ def test_the_history_page_in_headless_chromium(project, tmp_path, monkeypatch):
         report.write(rdir, doc, keep=2)
         history.append(state / history.FILE, doc)
     assert len(list(rdir.glob("*.json"))) == 2
+    log = project / ".imagebuild" / "builds" / "x" / "logs" / "vllm-wheel.log"  # night 4's failed stage
+    log.parent.mkdir(parents=True)
+    log.write_text("#9 ERROR: exit code: 7\n")
+    monkeypatch.chdir(tmp_path)  # the page is printed: its links are relative to the current folder
     r = run_cli("--root", str(project), "report", "--report-dir", str(rdir), "--html")
     assert r.code == 0, r.err
     page = tmp_path / "page.html"
     page.write_text(r.out)
+    # the links to the kept nights' reports and the failed log work from where the page is
+    hrefs = [h for h in re.findall(r'href="([^"#][^"]*)"', r.out) if not h.startswith("https://")]
+    assert sorted(hrefs) == sorted([f"reports/{night(i)['run_id']}.{ext}" for i in (3, 4) for ext in ("md", "json")]
+                                   + ["project/.imagebuild/builds/x/logs/vllm-wheel.log"] * 2), hrefs
+    assert all((tmp_path / h).is_file() for h in hrefs)
     assert "<script" not in r.out and "<link" not in r.out and ' src="' not in r.out  # nothing to fetch
 
     got = browse(page, tmp_path, "--dump-dom")
@@ -195,25 +229,40 @@ def test_the_history_page_in_headless_chromium(project, tmp_path, monkeypatch):
     # stage times: the built stages of each night stacked (night 0 three, the others two)
     assert charts["stage-times"]["bar"] == 3 + 2 * (NIGHTS - 1)
     assert charts["size"]["point"] == NIGHTS - 1 and charts["size"]["polyline"] == 1  # night 4 has no image
-    assert charts["hit-rate"]["bar"] == NIGHTS - 1  # night 0 built everything: 0 %, no bar
+    assert charts["hit-rate"]["bar"] == NIGHTS - 1  # night 0 built everything: 0 %, a red line, not a bar
     assert charts["gate"]["rect"] == NIGHTS
     text = got.stdout
     assert "exit code 7" in text and "&lt;of&gt; &amp; 'quoted'" in text  # tonight's log tail, escaped
     assert "https://github.com/example/vllm/compare/" + "3" * 40 + "..." + "4" * 40 in text
     assert "https://github.com/example/vllm/pull/552" in text
     assert "1 failed in a row" in text
+    assert "11-23 02:17" in text and "11-23 14:30" in text  # two runs of one day, told apart
+    assert "found <code>vllm 0.10.0</code>, expected <code>&gt;=0.11</code>" in text
 
-    shot = tmp_path / "shot.png"
-    got = browse(page, tmp_path, f"--screenshot={shot}", "--window-size=900,1600")
-    assert shot.is_file(), got.stderr[-2000:]
-    assert console_messages(got.stderr) == []
-    # the charts are drawn: the first stage colour (bars, the size line) and the gate's green and red
-    first, green, red = (tuple(int(c[k:k + 2], 16) for k in (1, 3, 5)) for c in
-                         (htmlpage.PALETTE[0], htmlpage.GATE_COLOUR["passed"], htmlpage.GATE_COLOUR["failed"]))
-    assert colour_count(shot, first) > 500
-    assert colour_count(shot, green) > 250 * 3 and colour_count(shot, red) > 250  # 18 px squares, round corners
+    first, green, red, band = (tuple(int(c[k:k + 2], 16) for k in (1, 3, 5)) for c in
+                               (htmlpage.PALETTE[0], htmlpage.GATE_COLOUR["passed"], htmlpage.GATE_COLOUR["failed"],
+                                htmlpage.FAILED_BAND))
+    wheel = tuple(int(htmlpage.PALETTE[1][k:k + 2], 16) for k in (1, 3, 5))  # vllm-wheel: every night's bar
+    seen = {}
+    for width in (1400, 400):
+        shot = tmp_path / f"shot-{width}.png"
+        got = browse(page, tmp_path, f"--screenshot={shot}", f"--window-size={width},1400")
+        assert shot.is_file(), got.stderr[-2000:]
+        assert console_messages(got.stderr) == []
+        seen[width] = {"bars": column_runs(shot, wheel, 40), "failed bands": column_runs(shot, band, 12),
+                       "green": colour_count(shot, green), "red": colour_count(shot, red),
+                       "first": colour_count(shot, first)}
+    # desktop: every night's bar, both not-good nights (3: gate failed, 4: failed) marked, the gate strip
+    assert len(seen[1400]["bars"]) == NIGHTS and len(seen[1400]["failed bands"]) == 2, seen
+    assert seen[1400]["first"] > 500 and seen[1400]["green"] > 250 * 3 and seen[1400]["red"] > 250, seen
+    # phone: the chart's box opens at its right end: the newest nights' bars and marks are in sight
+    # (before issue 35 the chart was cut at the right: nights 0 and 1 only, the newest out of reach)
+    assert len(seen[400]["failed bands"]) == 2, seen
+    for a, b in seen[400]["failed bands"]:  # each newest night's band holds its bar, whole, in sight
+        assert b < 400 and any(a < x0 and x1 < b for x0, x1 in seen[400]["bars"]), seen
+    assert seen[400]["green"] > 250 * 3 and seen[400]["red"] > 250, seen
     print(f"\nchromium {subprocess.run([exe, '--version'], capture_output=True, text=True).stdout.strip()}: "
-          f"{len(dom.charts)} charts, page {len(r.out)} bytes")
+          f"{len(dom.charts)} charts, page {len(r.out)} bytes; screenshots {seen}")
 
 
 def test_history_json_reaches_past_the_kept_reports(project, tmp_path, monkeypatch):

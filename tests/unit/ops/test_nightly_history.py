@@ -95,7 +95,8 @@ def test_history_adds_each_night_once_and_survives_a_bad_line(tmp_path):
     r0, r1 = h.rows
     assert r0["cache"] == {"hits": 1, "misses": 1, "rate": 0.5} and r0["gate"]["result"] == "passed"
     assert r0["moved"] == [{"source": "GREET", "what": "PR 2", "from": "c" * 40, "to": "e" * 40, "repo": None}]
-    assert r1["failure"] == {"step": "build", "stage": "app", "exit_code": 7, "command": "/bin/sh -c make"}
+    assert r1["failure"] == {"step": "build", "stage": "app", "exit_code": 7, "command": "/bin/sh -c make",
+                             "log": ".imagebuild/builds/img/r/logs/app.log"}
     assert not list(f.parent.glob(".*"))  # no temporary file left
     # the reports' retention does not touch it; a kept report the file lacks is read too
     rows = history.load(f, [a, {**a, "run_id": "20261201T020000.000001Z-cccccc"}]).rows
