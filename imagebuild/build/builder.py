@@ -544,9 +544,8 @@ def _inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
 
 def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     info = (b.plan.engine or {})
-    warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
-    if warn:
-        b.warnings.append(warn)
+    if not b.opts.emulate:  # a foreign platform without --emulate: refused first
+        guards.check_platform(b.plan.platform, emulate=False, engine_arch=info.get("architecture"))
     prov = b.plan.provenance
     if prov is not None and prov.dirty_paths:  # provenance.py: why a committed definition is still dirty
         b.warnings.append(f"revision {prov.revision}: a stage's context holds what no commit holds (gitignored "
@@ -559,6 +558,10 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
         if eng is not None and notes and any(r.action == "build" for r in b.stages):
             remote_engine.refuse_missing_bases(eng, notes)
         _check_pinned_bases(b)
+    if b.opts.emulate:  # after the bases (a wrong base is the definition's error, whatever the host runs)
+        warn = guards.check_platform(b.plan.platform, emulate=True, engine_arch=info.get("architecture"))
+        if warn:
+            b.warnings.append(warn)
     if lock is not None:
         lock.acquire(command="imagebuild build " + b.defn.name)
     if not info.get("reachable"):
