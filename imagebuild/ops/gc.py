@@ -679,5 +679,9 @@ def disk_usage(ctx: Context | Path, image: str | None = None) -> dict:
     from imagebuild.fetch.gitcache import default_cache_dir
 
     mirrors = default_cache_dir()
+    from imagebuild.build import compilecache
+
     return {"schema": "imagebuild.df", "version": 1, "images": rows, "buildkit_cache": cache,
-            "git_mirrors": {"path": str(mirrors), "bytes": tree_bytes(mirrors) if mirrors.is_dir() else 0}}
+            "git_mirrors": {"path": str(mirrors), "bytes": tree_bytes(mirrors) if mirrors.is_dir() else 0},
+            # imagebuild's own compiler caches (build/compilecache.py), shared by the clones on this host
+            "compiler_caches": compilecache.usage()}
