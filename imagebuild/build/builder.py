@@ -773,7 +773,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                     _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
                 finally:
                     if r.status in ("built", "failed"):
-                        progress.finish(r.name, r.status, r.seconds)
+                        progress.finish(r.name, r.status, r.seconds, note=compilecache.line(r.compiler_cache))
                 if b.cache is not None:
                     b.cache.push(r.name, r.key, r.manifest)
             if b.opts.check_repro:
