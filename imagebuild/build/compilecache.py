@@ -203,7 +203,22 @@ def _tree_bytes(top: Path) -> int:
 def leftovers() -> list[Path]:
     """Temporary folders of a take-back that was killed (for ``imagebuild gc``)."""
     root = cache_root()
-    return sorted(p for p in root.glob(".*") if p.is_dir()) if root.is_dir() else []
+    out = []
+    for p in sorted(root.glob(".*")) if root.is_dir() else ():
+        m = re.search(r"\.(?:tmp|old)-(\d+)$", p.name)
+        if p.is_dir() and m and not _alive(int(m.group(1))):
+            out.append(p)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def give(dockerfile: Path, src_dir: Path, named: dict, empty: Path) -> str | None:

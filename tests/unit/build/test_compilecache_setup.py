@@ -68,3 +68,20 @@ def test_parse_stats_counts_hits_misses_and_uncacheable():
     assert (s["hits"], s["misses"], s["uncacheable"], s["hit_rate"]) == (4, 1, 3, 0.8)
     assert s["cache_bytes"] == 2048 * 1024 and s["tool"] == "ccache version 4.14.2"
     assert "80.0% hit" in compilecache.line(s)
+
+
+def test_gc_takes_only_a_dead_builds_leftovers(tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    from imagebuild.ops import gc
+
+    monkeypatch.setenv(compilecache.ENV_DIR, str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "some-ccache").mkdir()
+    (tmp_path / f".some-ccache.tmp-{dead.pid}").mkdir()
+    (tmp_path / f".some-ccache.tmp-{os.getpid()}").mkdir()  # a take-back running now
+    items = gc.plan_compiler_cache()
+    assert [Path(i.path).name for i in items] == [f".some-ccache.tmp-{dead.pid}"]
+    assert [u["id"] for u in compilecache.usage()] == ["some-ccache"]
