@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from imagebuild.core import run as run_mod
@@ -165,6 +166,7 @@ def take_back(cache_id: str, *, stage_context: str, platform: str, tmp: Path, ru
             "--platform", platform, "--network", "none", "--file", str(work / "Dockerfile"),
             "--build-context", f"stage={stage_context}", "--build-arg", f"IMAGEBUILD_EXPORT={run_id}",
             "--output", f"type=local,dest={out}", str(work)]
+    t0 = time.monotonic()
     proc = run_mod.run(argv, check=False, timeout=3600)
     with open(log_path, "ab") as f:
         f.write(b"\n# imagebuild: compiler cache taken back to the host\n" + (proc.stdout or b""))
@@ -177,7 +179,9 @@ def take_back(cache_id: str, *, stage_context: str, platform: str, tmp: Path, ru
     out.rename(dest)
     shutil.rmtree(old, ignore_errors=True)
     stats_file = dest / STATS_FILE
-    return parse_stats(stats_file.read_text(errors="replace")) if stats_file.is_file() else None
+    if not stats_file.is_file():
+        return None
+    return {**parse_stats(stats_file.read_text(errors="replace")), "take_back_s": round(time.monotonic() - t0, 2)}
 
 
 def usage() -> list[dict]:
