@@ -100,6 +100,17 @@ def _stats_from_log(root: Path) -> dict:
     return compilecache.parse_stats("\n".join(lines))
 
 
+def compile_step_s(log_text: str) -> float | None:
+    """The compile RUN step's own seconds, from BuildKit's plain log (``#7 DONE 4.5s``)."""
+    m = re.search(r"^#(\d+) \[[^\]]*\] RUN .*imagebuild-ccache\.sh|^#(\d+) \[[^\]]*\] RUN .*ccache --zero-stats",
+                  log_text, re.M)
+    if not m:
+        return None
+    n = m.group(1) or m.group(2)
+    done = re.search(rf"^#{n} DONE (\d+(?:\.\d+)?)s", log_text[m.end():], re.M)  # the stage's, not the take-back's
+    return float(done.group(1)) if done else None
+
+
 def _drop_mount(cache_id: str) -> None:
     out = subprocess.run(["docker", "buildx", "du", "--verbose", "--filter", "type=exec.cachemount"],
                          capture_output=True, text=True, check=True).stdout
@@ -122,7 +133,9 @@ def _step(name: str, root: Path, env: dict, *args: str) -> dict:
     rec = json.loads(res.stdout)
     st = next(s for s in rec["stages"] if s["name"] == "compile")
     stats = _stats_from_log(root)
-    return {"step": name, "wall_s": round(wall, 1), "stage_s": st.get("seconds"),
+    logs = sorted((root / ".imagebuild" / "builds" / IMAGE).glob("*/logs/compile.log"), key=lambda p: p.stat().st_mtime)
+    compile_s = compile_step_s(logs[-1].read_text(errors="replace"))
+    return {"step": name, "wall_s": round(wall, 1), "stage_s": st.get("seconds"), "compile_s": compile_s,
             "load_before": [round(x, 2) for x in load0], "load_after": [round(x, 2) for x in os.getloadavg()],
             "ccache": stats, "record": st.get("compiler_cache")}
 
@@ -158,7 +171,8 @@ def sequence(variant: str) -> list[dict]:
 def _fmt(s: dict) -> str:
     c = s["ccache"]
     rate = "-" if c["hit_rate"] is None else f"{c['hit_rate'] * 100:5.1f}%"
-    return (f"  {s['step']:<40} {s['wall_s']:7.1f} s  stage {s['stage_s'] or 0:7.1f} s  hit {rate}  "
+    return (f"  {s['step']:<40} {s['wall_s']:7.1f} s  stage {s['stage_s'] or 0:7.1f} s  "
+            f"compile step {s.get('compile_s') or 0:6.1f} s  hit {rate}  "
             f"(direct {c['direct_hits']}, preprocessed {c['preprocessed_hits']}, miss {c['misses']}, "
             f"uncacheable {c['uncacheable']})  load {s['load_before'][0]:.1f} -> {s['load_after'][0]:.1f}")
 

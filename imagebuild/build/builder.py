@@ -1282,6 +1282,9 @@ def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
         if r.action == "build":
             named = {NAMED_SRC: str(tmp / r.name / context_dir_name(NAMED_SRC, st.key)), NAMED_WHEELS: str(tmp / "empty"),
                      NAMED_APT: str(tmp / "empty")}
+            cache_id = compilecache.cache_id_of((b.root / st.dockerfile).read_text(errors="replace"))
+            if cache_id:
+                named[compilecache.NAMED_CCACHE] = str(compilecache.host_dir(cache_id))
             d["command"] = _stage_argv(b, st, ctx=tmp / r.name / context_dir_name("context", st.key), named=named,
                                        meta=tmp / r.name / "metadata.json", jobs=jobs, dry=True)
         else:

@@ -66,6 +66,11 @@ def test_compiler_cache_outlives_cache_mounts(engine_info, tmp_path, monkeypatch
         return st
 
     try:
+        # --dry-run shows the context the build will pass
+        res = run_cli("--root", str(root), "build", "ccown", "--json", "--dry-run")
+        assert res.code == 0, res.err
+        cmd = json.loads(res.out)["stages"][0]["command"]
+        assert f"{compilecache.NAMED_CCACHE}={compilecache.host_dir(cache_id)}" in cmd, cmd
         st = build("--no-cache")
         cc = st["compiler_cache"]
         assert (cc["hits"], cc["misses"]) == (0, 4), cc
