@@ -55,6 +55,14 @@ def _make_project(root: Path, variant: str, cache_id: str) -> None:
     # both variants print ccache's counters into the stage log (the plain tool has no other way out)
     df = df.replace("    cd / && rm -rf /imagebuild/work",
                     f"    echo {STATS_BEGIN}; ccache --print-stats; echo {STATS_END}; \\\n    cd / && rm -rf /imagebuild/work")
+    # every nvcc sub-step that really runs (cudafe++, cicc, ptxas, fatbinary) is counted, whatever ccache says
+    wrap = ("; \\\n    for t in /opt/cuda-wheels/nvidia/cu13/bin/cudafe++ /opt/cuda-wheels/nvidia/cu13/bin/ptxas "
+            "/opt/cuda-wheels/nvidia/cu13/bin/fatbinary /opt/cuda-wheels/nvidia/cu13/nvvm/bin/cicc; do "
+            "mv \"$t\" \"$t.real\"; printf '#!/bin/sh\\necho \"$(basename \"$0\")\" >> /tmp/nvcc-substeps\\n"
+            "exec \"$0.real\" \"$@\"\\n' > \"$t\"; chmod 755 \"$t\"; done")
+    df = df.replace("/opt/cuda-wheels/nvidia/cu13/nvvm/bin/*", "/opt/cuda-wheels/nvidia/cu13/nvvm/bin/*" + wrap, 1)
+    df = df.replace(f"echo {STATS_END};", f"echo {STATS_END}; echo substeps-begin; "
+                    "sort /tmp/nvcc-substeps 2>/dev/null | uniq -c; echo substeps-end; rm -f /tmp/nvcc-substeps;")
     if variant == "plain":  # BuildKit's cache mount alone: the same set-up, written inline; no host copy
         from imagebuild.build import compilecache
 
@@ -101,7 +109,11 @@ def _stats_from_log(root: Path) -> dict:
     block = text.split(STATS_BEGIN)[-1].split(STATS_END)[0]
     # BuildKit's plain progress: "#12 3.1 direct_cache_hit\t2"
     lines = [re.sub(r"^#\d+ \d+\.\d+ ", "", ln) for ln in block.splitlines()]
-    return compilecache.parse_stats("\n".join(lines))
+    stats = compilecache.parse_stats("\n".join(lines))
+    sub = text.split("substeps-begin")[-1].split("substeps-end")[0] if "substeps-begin" in text else ""
+    stats["substeps_run"] = {m.group(2): int(m.group(1)) for m in re.finditer(r"^(?:#\d+ \d+\.\d+ )?\s*(\d+) (\S+)$",
+                                                                           sub, re.M)}
+    return stats
 
 
 def compile_step_s(log_text: str) -> float | None:
@@ -178,7 +190,7 @@ def _fmt(s: dict) -> str:
     return (f"  {s['step']:<40} {s['wall_s']:7.1f} s  stage {s['stage_s'] or 0:7.1f} s  "
             f"compile step {s.get('compile_s') or 0:6.1f} s  hit {rate}  "
             f"(direct {c['direct_hits']}, preprocessed {c['preprocessed_hits']}, miss {c['misses']}, "
-            f"uncacheable {c['uncacheable']})  load {s['load_before'][0]:.1f} -> {s['load_after'][0]:.1f}")
+            f"uncacheable {c['uncacheable']}; sub-steps run {c.get('substeps_run')})  load {s['load_before'][0]:.1f} -> {s['load_after'][0]:.1f}")
 
 
 def main() -> int:
