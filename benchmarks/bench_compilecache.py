@@ -183,8 +183,15 @@ def sequence(variant: str) -> list[dict]:
         steps.append(_step("second clone, no cache mount", p2, env, "--no-cache", "--from", "compile"))
     finally:
         _drop_mount(cache_id)
-        subprocess.run(["docker", "image", "rm", f"{IMAGE}:candidate"], capture_output=True)
+        _remove_images()
     return steps
+
+
+def _remove_images() -> None:
+    """Every tag the runs made (release, b-<id>, candidate): the bench's, on a shared engine."""
+    from tests.buildfixtures import remove_images
+
+    remove_images(f"imagebuild/{IMAGE}", IMAGE)
 
 
 def _fmt(s: dict) -> str:
@@ -238,7 +245,7 @@ def benchmarks():
     def teardown():
         for _base, _env, cache_id in state.values():
             _drop_mount(cache_id)
-        subprocess.run(["docker", "image", "rm", f"{IMAGE}:candidate"], capture_output=True)
+        _remove_images()
 
     return [Benchmark("compile: rebuild after the cache mounts were dropped (2 real vLLM .cu, nvcc sm_121a)",
                       lambda: run("imagebuild"), lambda: run("plain"), repeat=1, setup=setup, teardown=teardown,
