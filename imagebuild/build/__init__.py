@@ -6,6 +6,7 @@ per image, a ref per stage key), the release ``<image>:b-<build id>`` / ``:candi
 the gate (``imagebuild.gate``) passed, ``:local`` moved with the old one kept as ``:previous``.
 Entry points:
 - ``builder``: ``build``, ``dry_run``, ``patch`` and their ``Options``;
+- ``compilecache``: the compile stages' ccache, kept on the host (outlives BuildKit's cache mounts);
 - ``guards``: the checks before anything runs (serving containers, architecture, the build lock);
 - ``promote``: tags that never break the working image, and ``rollback``;
 - ``progress``: the ``--progress`` modes (``resolve_mode``) and BuildKit's lines decoded for them;
@@ -14,4 +15,4 @@ Entry points:
   (the registry stage cache, ``registry_cache``, is the builder's own).
 """
 
-__all__ = ["builder", "guards", "owners", "progress", "promote", "registry_release", "stagestore"]
+__all__ = ["builder", "compilecache", "guards", "owners", "progress", "promote", "registry_release", "stagestore"]

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from imagebuild.build import guards, layerclamp, owners, registry_cache, reprodiff, reproducible
+from imagebuild.build import compilecache, guards, layerclamp, owners, registry_cache, reprodiff, reproducible
 from imagebuild.build import progress as progress_mod
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
@@ -138,12 +138,14 @@ class StageRun:
     status: str = "pending"  # pending | built | pulled | skipped | failed
     manifest: str | None = None  # the stage's OCI manifest digest in the stage store
     patches: dict | None = None
+    compiler_cache: dict | None = None  # the compile's ccache figures (compilecache.py)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "key": self.key, "image": self.image, "action": self.action,
                 "reason": self.reason, "status": self.status, "network": self.network,
                 "args": self.args, "named_contexts": self.contexts, "seconds": self.seconds,
-                "log": self.log, "manifest": self.manifest, "patches": self.patches}
+                "log": self.log, "manifest": self.manifest, "patches": self.patches,
+                **({"compiler_cache": self.compiler_cache} if self.compiler_cache is not None else {})}
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -774,7 +776,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                     _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
                 finally:
                     if r.status in ("built", "failed"):
-                        progress.finish(r.name, r.status, r.seconds)
+                        progress.finish(r.name, r.status, r.seconds, note=compilecache.line(r.compiler_cache))
                 if b.cache is not None:
                     b.cache.push(r.name, r.key, r.manifest)
             if b.opts.check_repro:
@@ -818,6 +820,7 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
         (src_dir / fname).write_bytes(data)
     named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
              NAMED_APT: str(inputs["apt"] or empty)}
+    cache_id = compilecache.give(b.root / st.dockerfile, src_dir, named, empty)
     meta = tmp / "metadata.json"
     argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st))
     r.args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
@@ -854,6 +857,11 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
             hint=f"full log: {log_path}; :local and :candidate were not touched") from None
     b.store.commit(st.key, st.name, manifest, patches=patches)
     r.manifest, r.patches = manifest, patches
+    if cache_id:
+        r.compiler_cache = compilecache.take_back(cache_id, stage_context=b.store.context(manifest),
+                                                  platform=b.plan.platform, tmp=tmp, run_id=b.run_id,
+                                                  log_path=log_path)
+        progress.info("%s: %s", head, compilecache.line(r.compiler_cache) or "ccache: no figures (see the log)")
     r.seconds = round(time.monotonic() - t0, 3)
     r.status = "built"
     progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
@@ -1277,6 +1285,9 @@ def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
         if r.action == "build":
             named = {NAMED_SRC: str(tmp / r.name / context_dir_name(NAMED_SRC, st.key)), NAMED_WHEELS: str(tmp / "empty"),
                      NAMED_APT: str(tmp / "empty")}
+            cache_id = compilecache.cache_id_of((b.root / st.dockerfile).read_text(errors="replace"))
+            if cache_id:
+                named[compilecache.NAMED_CCACHE] = str(compilecache.host_dir(cache_id))
             d["command"] = _stage_argv(b, st, ctx=tmp / r.name / context_dir_name("context", st.key), named=named,
                                        meta=tmp / r.name / "metadata.json", jobs=jobs, dry=True)
         else:

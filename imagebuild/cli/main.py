@@ -1358,6 +1358,8 @@ def cmd_df(args) -> int:
     if doc["buildkit_cache"]:
         print(f"BuildKit build cache: {h(doc['buildkit_cache']['bytes'])} (docker builder prune frees it)")
     print(f"git mirror cache: {h(doc['git_mirrors']['bytes'])} in {doc['git_mirrors']['path']}")
+    for cc in doc.get("compiler_caches", []):
+        print(f"compiler cache {cc['id']}: {h(cc['bytes'])} in {cc['path']}")
     return EXIT_OK
 
 

@@ -542,7 +542,8 @@ def _take_record(res: dict, rec: dict | None) -> None:
         if action == "build" and s.get("status") not in ("built", "failed"):
             cache = "not-reached"  # an earlier stage failed
         stages.append({"name": s.get("name"), "action": action, "cache": cache, "status": s.get("status"),
-                       "seconds": s.get("seconds"), "key": s.get("key"), "log": s.get("log")})
+                       "seconds": s.get("seconds"), "key": s.get("key"), "log": s.get("log"),
+                       **({"compiler_cache": s["compiler_cache"]} if s.get("compiler_cache") else {})})
     res["stages"] = stages
     res["cache"] = {"hits": sum(1 for s in stages if s["cache"] == "hit"),
                     "misses": sum(1 for s in stages if s["cache"] == "miss")}

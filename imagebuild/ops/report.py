@@ -161,6 +161,9 @@ def summary_lines(doc: dict) -> list[str]:
         st = im.get("stages") or []
         if st:
             lines.append("    stages: " + stage_counts(st))
+        for s in st:
+            if s.get("compiler_cache"):
+                lines.append(f"    {s['name']}: {compilecache_line(s['compiler_cache'])}")
         lines += ["    " + ln for ln in failure_lines(im.get("failure"))]
         g = im.get("gate")
         if g:
@@ -182,6 +185,13 @@ def summary_lines(doc: dict) -> list[str]:
     if d.get("gc"):
         lines.append(f"  gc (keep {d['gc']['keep']}): freed {human(d['gc']['freed_bytes'])}")
     return lines
+
+
+def compilecache_line(cc: dict | None) -> str:
+    """A compile stage's compiler-cache figures (build/compilecache.py), in one line."""
+    from imagebuild.build import compilecache
+
+    return compilecache.line(cc)
 
 
 def stage_counts(stages: list[dict]) -> str:
@@ -334,9 +344,10 @@ def _image_md(im: dict) -> list[str]:
             L.append("- nothing moved")
         L.append("")
     if im.get("stages"):
-        L += ["### Stages", "", "| stage | cache | status | time |", "|---|---|---|---:|"]
+        L += ["### Stages", "", "| stage | cache | status | time | compiler cache |", "|---|---|---|---:|---|"]
         for s in im["stages"]:
-            L.append(f"| {s['name']} | {s['cache']} | {s['status']} | {_secs(s.get('seconds'))} |")
+            cc = compilecache_line(s.get("compiler_cache"))
+            L.append(f"| {s['name']} | {s['cache']} | {s['status']} | {_secs(s.get('seconds'))} | {cc or '-'} |")
         L.append("")
     g = im.get("gate")
     if g:

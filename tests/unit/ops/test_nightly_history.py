@@ -141,3 +141,24 @@ def test_actions_commands_and_outputs(tmp_path):
     assert f"failed_logs={log.resolve()}\n" in text  # one log: one line
     assert actions.under_actions({"GITHUB_ACTIONS": "true"}) and not actions.under_actions({})
 
+
+
+def test_history_and_page_carry_the_compiler_cache_hit_rate(tmp_path):
+    """A compile stage's compiler-cache figures reach the history line and the page's chart."""
+    nights = []
+    for i, (hits, misses) in enumerate([(0, 4), (4, 0)]):
+        doc = full_doc(f"2026113{i}T020000.000001Z-aaaaa{i}")
+        st = doc["images"][0]["stages"][0]
+        st["compiler_cache"] = {"hits": hits, "misses": misses, "uncacheable": 1,
+                                "hit_rate": hits / (hits + misses), "cache_bytes": 1 << 20}
+        nights.append(doc)
+    f = tmp_path / history.FILE
+    for doc in nights:
+        history.append(f, doc)
+    rows = history.read(f).rows
+    assert [r["compiler_cache"] for r in rows] == [{"hits": 0, "misses": 4, "uncacheable": 1, "rate": 0.0},
+                                                   {"hits": 4, "misses": 0, "uncacheable": 1, "rate": 1.0}]
+    page = htmlpage.render(rows, nights[-1])
+    assert "compiler-cache hit rate per night" in page and "100%" in page
+    assert history.rows_of(full_doc())[0]["compiler_cache"] is None  # no compile stage: no chart
+    assert "compiler-cache hit rate per night" not in htmlpage.render(history.rows_of(full_doc()), full_doc())

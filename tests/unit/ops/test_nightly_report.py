@@ -251,3 +251,22 @@ def test_layer_sizes_from_history_rows():
     assert imagediff.layer_sizes_from_history([(5, "/bin/sh -c #(nop)  WORKDIR /x"), (7, "RUN a")], 2) == [5, 7]
     assert imagediff.layer_sizes_from_history(rows, 3) == [None, None, None]
     assert imagediff.parse_dpkg_list("libc6:amd64 2.36\n") == {"libc6": "2.36"}
+
+
+def test_compiler_cache_figures_reach_the_report():
+    """A compile stage's compiler-cache figures (build record, build/compilecache.py) reach the nightly
+    report: its JSON stage entry, the terminal summary and the markdown stage table."""
+    cc = {"tool": "ccache version 4.14.2", "hits": 19, "direct_hits": 18, "preprocessed_hits": 1, "misses": 1,
+          "uncacheable": 0, "uncacheable_by_reason": {}, "hit_rate": 0.95, "cache_bytes": 64 << 20, "files": 40}
+    res = nightly._blank("demo")
+    res["status"] = "ok"
+    nightly._take_record(res, {"run_id": "r1", "build_id": "b1", "stages": [
+        {"name": "apt", "action": "skip", "status": "skipped"},
+        {"name": "vllm-wheel", "action": "build", "status": "built", "seconds": 60.0, "compiler_cache": cc}]})
+    assert res["stages"][1]["compiler_cache"] == cc and "compiler_cache" not in res["stages"][0]
+    doc = {"run_id": "n1", "status": "ok", "exit_code": 0, "seconds": 61.0, "images": [res]}
+    lines = report.summary_lines(doc)
+    assert "    vllm-wheel: ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB)" in lines
+    md = "\n".join(report._image_md(res))
+    assert "| vllm-wheel | miss | built | 1m00s | ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB) |" in md or \
+        "ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB) |" in md
