@@ -84,7 +84,6 @@ PATCH_RECORD = f"{IMAGE_META_DIR}/patches.json"
 PRIMITIVE_NAME = plan_mod.PRIMITIVE_CONTEXT
 NAMED_SRC, NAMED_WHEELS, NAMED_APT = "imagebuild-src", "imagebuild-wheels", "imagebuild-apt"
 RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
-LOG_TAIL_LINES = 30
 PROGRESS_CHOICES = progress_mod.MODES
 LABEL_PREFIX = "io.imagebuild"
 # The release's files arrive as one deterministic tar, extracted by ADD: unlike COPY (which gives
@@ -432,12 +431,34 @@ def _inspect(ref: str) -> dict:
     return json.loads(text.splitlines()[-1])
 
 
-def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+def _tail(path: Path, n: int = 30) -> str:
     try:
         lines = fsutil.read_text(path, 256 << 20, errors="replace").splitlines()
     except OSError:
         return ""
     return "\n".join(lines[-n:])
+
+
+def _failure(what: str, log_path: Path, code: int) -> str:
+    """A failed ``docker buildx build`` said once, as the nightly report says it (build/buildlog.py):
+    where (``Dockerfile.check:4``), the RUN's own exit code (``RUN exit 3``: docker buildx itself
+    exits 1), the step, and that step's own output lines; without a failing RUN (the engine, a
+    missing base), the end of the log. The log's path goes in the hint."""
+    from imagebuild.build import buildlog
+
+    info = buildlog.explain_file(log_path)
+    if info is None or info["exit_code"] is None:
+        tail = info["tail"] if info else []
+        return (f"{what} failed (docker buildx build exit {code})" + ("; the end of its log:\n" if tail else "")
+                + "\n".join("  | " + ln for ln in tail))
+    lines = [f"{what} failed" + (f" at {info['where']}" if info["where"] else "")
+             + f": {buildlog.run_exit(info['exit_code'])}"]
+    if info["step"]:
+        lines.append(f"  step: {info['step']}")
+    out = info["output"]
+    lines.append("  its output:" if out else "  it printed nothing")
+    lines += ["  | " + ln for ln in out]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------- the build
@@ -852,9 +873,9 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
         r.status = "failed"
         _record(b, "failed", started, failed_stage=st.name, release=None, promotion=None)
         raise OperationFailed(
-            f"stage {st.name!r} of {b.defn.name} failed (docker buildx build exit {exc.code}); last lines of its "
-            f"log:\n" + "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
-            hint=f"full log: {log_path}; :local and :candidate were not touched") from None
+            _failure(f"stage {st.name!r} of {b.defn.name}", log_path, exc.code),
+            hint=f"full log: {log_path}; the release was not reached: :local and :candidate were not "
+            "touched") from None
     b.store.commit(st.key, st.name, manifest, patches=patches)
     r.manifest, r.patches = manifest, patches
     if cache_id:
@@ -1212,9 +1233,8 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
         except _StageFailed as exc:
             progress.finish("release", "failed")
             _record(b, "failed", started, failed_stage="release", release=None, promotion=None)
-            raise OperationFailed(f"the release step of {b.defn.name} failed (exit {exc.code}):\n" +
-                                  "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
-                                  hint=f"full log: {log_path}") from None
+            raise OperationFailed(_failure(f"the release step of {b.defn.name}", log_path, exc.code),
+                                  hint=f"full log: {log_path}; :local and :candidate were not touched") from None
         built = True
     from imagebuild.core import identity as identity_mod
 

@@ -324,9 +324,9 @@ def _one_line(exc: ImagebuildError) -> str:
 
 def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: ImagebuildError) -> dict:
     """Why the build failed, from the failed stage's own log: the RUN step's exit code (not docker
-    buildx's 1), its command and the last lines of its output (ops/buildlog.py), redacted."""
+    buildx's 1), its command and the last lines of its output (build/buildlog.py), redacted."""
+    from imagebuild.build import buildlog
     from imagebuild.core import runs as runs_mod
-    from imagebuild.ops import buildlog
 
     stage = (rec or {}).get("failed_stage")
     out = {"step": "build", "stage": stage, "exit_code": None, "command": None, "tool_exit_code": None,
@@ -344,7 +344,7 @@ def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: I
         return out
     out.update(exit_code=info["exit_code"], command=info["command"], tool_exit_code=info["tool_exit_code"],
                log=ctx.show(log_path), tail=info["tail"])
-    what = (f"its step `{info['command']}` exited {info['exit_code']}" if info["exit_code"] is not None
+    what = (f"its step `{info['command']}` failed: RUN exit {info['exit_code']}" if info["exit_code"] is not None
             else "no step of it reported an exit code" + (f" (docker buildx exited {info['tool_exit_code']})"
                                                           if info["tool_exit_code"] is not None else ""))
     out["reason"] = (f"stage {stage!r} of {name} failed: {what}; the last lines of its log are in the report "
@@ -354,7 +354,7 @@ def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: I
 
 def _message_tail(exc: ImagebuildError) -> list[str]:
     """The lines after an error's first one (a step's quoted output), cleaned and redacted."""
-    from imagebuild.ops import buildlog
+    from imagebuild.build import buildlog
 
     lines = exc.message.strip().splitlines()[1:]
     return [buildlog.clean(ln[4:] if ln.startswith("  | ") else ln) for ln in lines][-buildlog.TAIL_LINES:]
@@ -375,7 +375,7 @@ def _failure_of_error(exc: ImagebuildError, res: dict) -> dict:
 def _exit_words(failure: dict | None) -> str:
     if not failure or failure.get("exit_code") is None:
         return ""
-    return f": exit code {failure['exit_code']}"
+    return f": RUN exit {failure['exit_code']}"
 
 
 def _fail(res: dict, code: int, reason: str) -> None:
