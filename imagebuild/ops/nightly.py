@@ -36,7 +36,7 @@ from imagebuild import __version__
 from imagebuild.build import guards
 from imagebuild.build import promote as promote_mod
 from imagebuild.core import context as context_mod
-from imagebuild.core import fsutil, state
+from imagebuild.core import fsutil, state, units
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import (
@@ -184,7 +184,9 @@ def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir:
     interrupted = False
     try:
         doc["refused"] = _serving(ctx)
-        if doc["refused"] is None:
+        if doc["refused"] is None:  # seconds on a big store: said, so the start is not silent
+            log.info("disk: measuring what %s hold%s (engine images, stage store, builds) before the run",
+                     ", ".join(images), "s" if len(images) == 1 else "")
             doc["disk"] = {"before": _disk(ctx, images), "after": None, "gc": None, "gc_skipped": None}
         for name in images:
             if doc["refused"] is not None:
@@ -208,6 +210,7 @@ def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir:
     doc["status"] = STATUS_OF.get(doc["exit_code"], "failed")
     doc["finished"] = _now()
     doc["seconds"] = round(time.monotonic() - t0, 3)
+    log.info("report: writing it and the history page under %s", ctx.show(report_dir))
     stored = report_mod.write(report_dir, doc, keep=opts.keep_reports)
     log.debug("report written: %s (and .json)", stored.md_path)
     _history(ctx, report_dir, stored)
@@ -753,14 +756,17 @@ def _gc(ctx: context_mod.Context, images: list[str], opts: Options, doc: dict) -
         t = time.monotonic()
         try:
             for name in images:
+                log.info("gc: %s: keeping the last %d builds, removing the rest", name, opts.keep_builds)
                 plan = gc_mod.collect(ctx, name, opts.keep_builds)  # under the image's build lock
                 freed += plan.freed
                 removed += sum(len(p.remove) for p in plan.images) + len(plan.shared)
             disk["gc"] = {"keep": opts.keep_builds, "freed_bytes": freed, "removed": removed,
                           "seconds": round(time.monotonic() - t, 3)}
+            log.info("gc: freed %s (%d item(s)) in %.1f s", units.human_bytes(freed), removed, disk["gc"]["seconds"])
         except ImagebuildError as exc:
             disk["gc_skipped"] = f"gc failed: {exc.message}"
             log.warning("warning: gc failed: %s", exc.message)
+    log.info("disk: measuring again after the run")
     disk["after"] = _disk(ctx, images)
 
 

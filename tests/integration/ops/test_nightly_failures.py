@@ -141,6 +141,13 @@ def test_a_failed_night_explains_itself_and_the_nights_add_up(project, engine_re
         r = run_cli("--root", str(project), "nightly", name, "--peers", "--report-dir", str(night2),
                     "--keep-reports", "1", "--progress", "quiet", "--json")
         assert r.code == 0, r.err[-3000:]
+        # issue 35: its seconds before the first image and after the last are said, not silent
+        said = [ln for ln in r.err.splitlines() if ln.startswith(("disk: ", "gc: ", "report: ", "== "))]
+        assert [ln.split(":")[0] if not ln.startswith("==") else "==" for ln in said] == \
+            ["disk", "==", "gc", "gc", "disk", "report"], r.err[-3000:]
+        assert said[0] == f"disk: measuring what {name} holds (engine images, stage store, builds) before the run"
+        assert said[2].startswith(f"gc: {name}: keeping the last ") and said[2].endswith(" builds, removing the rest")
+        assert said[3].startswith("gc: freed ") and said[5].startswith("report: writing it")
         (im,) = json.loads(r.out)["images"]
         assert im["failure"] is None and im["promotion"]["status"] == "promoted"
         assert "previous" not in im["steps"]["promote"]["detail"].replace("no " + name + ":previous", "")
