@@ -1508,14 +1508,7 @@ def _rollback_target(image: str, ctx) -> None:
                          "and NAME:previous", hint=f"imagebuild rollback {name}")
     defn_mod.check_image_name(image)
     if not (ctx.root / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
-        from imagebuild.core.errors import Problem
-
-        known = defn_mod.list_images(ctx.root)
-        raise DefinitionError([Problem(defn_mod.display_path(ctx.root, ctx.root / defn_mod.IMAGES_DIR / image),
-                                       "no such image definition: rollback swaps the tags of this project's "
-                                       "images only", key="IMAGE",
-                                       hint=f"known images: {', '.join(known) or 'none'} (imagebuild list)")],
-                              image=image)
+        raise defn_mod.unknown_image(ctx.root, image, note="rollback swaps the tags of this project's images only")
 
 
 def _rollback_registry(args, ctx) -> int:

@@ -35,6 +35,7 @@ from imagebuild.core import fsutil
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.fsutil import atomic_write_json
+from imagebuild.definition import reader as defn_mod
 
 log = logging.getLogger("imagebuild")
 
@@ -180,7 +181,13 @@ def inventory(ref: str, ctx: context_mod.Context | Path | None = None, *, use_ca
     """What ``ref`` holds (see the module doc), kept in the project's state folder when there is a
     project (``ctx``). Raises OperationFailed when the image is missing."""
     ctx = context_mod.maybe(ctx)
-    data = identity_mod.inspect_data(ref, hint="docker image ls; `imagebuild log` shows which builds exist")
+    hint = "docker image ls; `imagebuild log` shows which builds exist"
+    repo = ref.split("@", 1)[0].rsplit(":", 1)[0]
+    if ctx is not None and defn_mod.NAME_RE.match(repo) and not (ctx.root / defn_mod.IMAGES_DIR / repo).is_dir():
+        close = defn_mod.close_image(ctx.root, repo)  # a mistyped image of this project: as every command says it
+        if close:
+            hint = f"did you mean {close + ref[len(repo):]!r}? ({hint})"
+    data = identity_mod.inspect_data(ref, hint=hint)
     ident = identity_mod.from_inspect(data)
     cache = None
     if ctx is not None:

@@ -108,10 +108,7 @@ def nightly(ctx: context_mod.Context | Path, images: list[str], opts: Options) -
     if not images:
         raise UsageError("no IMAGE given", hint="imagebuild nightly IMAGE... (imagebuild list shows them)")
     for name in images:
-        defn_mod.check_image_name(name)
-        if not (root / defn_mod.IMAGES_DIR / name).is_dir():
-            raise UsageError(f"unknown image {name!r}: no folder {defn_mod.IMAGES_DIR}/{name}",
-                             hint=f"images: {', '.join(defn_mod.list_images(root)) or 'none'}")
+        defn_mod.require_image(root, name)
     for flag, v in (("--keep-builds", opts.keep_builds), ("--keep-reports", opts.keep_reports)):
         if v < 1:
             raise UsageError(f"{flag} {v}: expected 1 or more")

@@ -220,7 +220,7 @@ def test_report_command(tmp_path, project):
 
 def test_nightly_bad_input_is_exit_2_before_anything(project):
     r = run_cli("--root", str(project), "nightly", "no-such-image")
-    assert r.code == 2 and "unknown image 'no-such-image'" in r.err
+    assert r.code == 2 and "docker-images/no-such-image: IMAGE: no such image definition" in r.err
     r = run_cli("--root", str(project), "nightly", "tiny", "--keep-builds", "0")
     assert r.code == 2 and "--keep-builds 0" in r.err
     assert not (project / ".imagebuild" / "nightly").exists()
