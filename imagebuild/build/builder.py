@@ -67,7 +67,6 @@ from imagebuild.core.fsutil import (
     sha256_file,
     usable_dir,
 )
-from imagebuild.core.secrets import without_userinfo
 from imagebuild.definition import patchcheck, patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod
@@ -512,13 +511,7 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
     lock = lock_mod.read(defn.dir, ctx.show(lock_mod.lock_path(defn.dir)))
     info = ctx.engine
     if not info.reachable and not opts.dry_run:
-        eng = remote_engine.active()
-        if eng is not None:
-            raise OperationFailed(f"the engine {eng.display} (--engine) is not reachable: {info.detail}",
-                                  hint=f"check it from here: DOCKER_HOST={without_userinfo(str(eng.host))} docker info (ssh keys, the "
-                                  "docker CLI on that node, IMAGEBUILD_SSH)")
-        raise OperationFailed(f"no Docker engine reachable: {info.detail}",
-                              hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
+        raise engine_mod.unreachable_error(info)
     store = StageStore.for_image(root, defn.name)
     plan = plan_mod.make_plan(defn, exists=lambda key: store.lookup(key) is not None, engine=info.as_dict(),
                               lock=lock)

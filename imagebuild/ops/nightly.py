@@ -36,6 +36,7 @@ from imagebuild import __version__
 from imagebuild.build import guards
 from imagebuild.build import promote as promote_mod
 from imagebuild.core import context as context_mod
+from imagebuild.core import engine as engine_mod
 from imagebuild.core import fsutil, state, units
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
@@ -181,6 +182,9 @@ def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir:
     interrupted = False
     try:
         doc["refused"] = _serving(ctx)
+        down = None if ctx.engine.reachable else engine_mod.unreachable_error(ctx.engine)
+        if down is not None:  # said once, here and in each image's reason; no step can run without it
+            log.error("%s", down.render())
         if doc["refused"] is None:  # seconds on a big store: said, so the start is not silent
             log.info("disk: measuring what %s hold%s (engine images, stage store, builds) before the run",
                      ", ".join(images), "s" if len(images) == 1 else "")
@@ -189,11 +193,14 @@ def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir:
             if doc["refused"] is not None:
                 doc["images"].append(_refused_image(name, doc["refused"]["reason"]))
                 continue
+            if down is not None:
+                doc["images"].append(_engine_down_image(name, down))
+                continue
             res = _blank(name)
             doc["images"].append(res)
             _one(ctx, name, opts, res)
         if doc["refused"] is None:
-            _gc(ctx, images, opts, doc)
+            _gc(ctx, images, opts, doc, down)
     except KeyboardInterrupt:
         interrupted = True
         for res in doc["images"]:
@@ -263,6 +270,17 @@ def _serving(ctx: context_mod.Context) -> dict | None:
     return {"reason": f"a serving container is running on the build node: {names}; building while serving "
                       "OOM-kills one of them on 128 GB unified memory",
             "containers": [{"name": c.name, "id": c.id, "image": c.image, "why": c.why} for c in found]}
+
+
+def _engine_down_image(name: str, down: ImagebuildError) -> dict:
+    """An image of a night whose engine is unreachable: failed, nothing run, the reason said once."""
+    res = _blank(name)
+    res.update(status="failed", exit_code=down.exit_code, reason=_one_line(down), seconds=0.0,
+               sync={"status": "not-run", "reason": "the engine is unreachable: nothing was built", "peers": []},
+               changes_note="the engine is unreachable: nothing was built")
+    res["failure"] = {"step": "engine", "stage": None, "exit_code": None, "command": None, "tool_exit_code": None,
+                      "log": None, "tail": [], "problems": [], "reason": None}
+    return res
 
 
 def _blank(name: str) -> dict:
@@ -742,12 +760,15 @@ def _disk(ctx: context_mod.Context, images: list[str]) -> dict:
     return out
 
 
-def _gc(ctx: context_mod.Context, images: list[str], opts: Options, doc: dict) -> None:
+def _gc(ctx: context_mod.Context, images: list[str], opts: Options, doc: dict,
+        down: ImagebuildError | None = None) -> None:
     from imagebuild.ops import gc as gc_mod
 
     disk = doc["disk"]
     if not opts.gc:
         disk["gc_skipped"] = "--no-gc"
+    elif down is not None:
+        disk["gc_skipped"] = "the engine is unreachable"
     else:
         freed = removed = 0
         t = time.monotonic()
