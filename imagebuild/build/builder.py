@@ -210,6 +210,10 @@ def verify_sources(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> l
     root = defn.root
     lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
     out = []
+    if not lock_mod.lock_path(defn.dir).is_file():  # never prefetched: absent, not "stale"
+        raise OperationFailed(f"stage {stage.name!r} mounts source {stage.mounts[0].name}, but {lock_disp} does not "
+                              "exist: the image was never prefetched",
+                              hint=f"imagebuild prefetch {defn.name} makes it (it pins and packs every source)")
     check_lock_current(defn, stage)
     for m in stage.mounts:
         if not m.tarball or not m.sha256:

@@ -1622,6 +1622,12 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
             if starts:
                 msg += f" (options are never abbreviated: did you mean {' or '.join(starts)}?)"
                 break
+            import difflib
+
+            close = difflib.get_close_matches(name, known, n=2, cutoff=0.75) if name.startswith("--") else []
+            if close:  # a typo (--histroy)
+                msg += f" (did you mean {' or '.join(close)}?)"
+                break
         sp.error(msg)
     if args.verbose and args.quiet:
         sp.error("-v/--verbose and -q/--quiet cannot be used together")

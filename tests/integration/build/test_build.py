@@ -401,3 +401,14 @@ def test_provenance_names_an_uncommitted_definition_as_dirty(built, tmp_path):
     script = (root / "docker-images" / IMAGE / "patch_greet.py").read_bytes()
     rec_patch = json.loads(cat(f"{IMAGE}:candidate", "/opt/imagebuild/patches.json"))["patches"]["patch_greet.py"]
     assert rec_patch["sha256"] == "sha256:" + hashlib.sha256(script).hexdigest()
+
+
+def test_a_build_with_no_lock_at_all_is_told_it_is_absent_and_prefetch_makes_it(tmp_path, engine_info):
+    """Issue 35: a definition never prefetched has no lock.json: the build says that (and that
+    `prefetch` makes it), not that the lock is "stale"; nothing is built."""
+    root = staged_project(tmp_path / "p")
+    (root / "docker-images" / IMAGE / "lock.json").unlink()
+    res = run_cli("--root", str(root), "build", IMAGE, "--no-gate", "--force")
+    assert res.code == 1, res.err
+    assert f"docker-images/{IMAGE}/lock.json does not exist: the image was never prefetched" in res.err, res.err
+    assert f"hint: imagebuild prefetch {IMAGE} makes it" in res.err and "stale" not in res.err, res.err
