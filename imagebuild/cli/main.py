@@ -49,15 +49,17 @@ def _docs_dir() -> str:
     return os.path.join(sys.prefix, "share", "doc", "imagebuild")
 
 
-EPILOG = f"""\
-exit codes:
-  {EXIT_OK}    success
-  {EXIT_FAILED}    an operation failed (docker, git, network, a failed check in doctor)
-  {EXIT_BAD_INPUT}    bad input or configuration (definition errors, bad flags)
-  {EXIT_REFUSED}    refused by a guard rail (serving container running, wrong architecture, lock held)
-  {EXIT_GATE_FAILED}    the image's gate failed
-  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+# the exit codes, as the top-level help and the man page's EXIT STATUS say them (docs/cli.md has the table)
+EXIT_CODES = (
+    (EXIT_OK, "success"),
+    (EXIT_FAILED, "an operation failed (docker, git, network, a failed check in doctor)"),
+    (EXIT_BAD_INPUT, "bad input or configuration (definition errors, bad flags)"),
+    (EXIT_REFUSED, "refused by a guard rail (serving container running, wrong architecture, lock held)"),
+    (EXIT_GATE_FAILED, "the image's gate failed"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+)
 
+EPILOG = "exit codes:\n" + "".join(f"  {code:<5}{what}\n" for code, what in EXIT_CODES) + f"""
 environment:
   IMAGEBUILD_ROOT   project root (folder holding docker-images/); default: nearest one above the
                     current folder
