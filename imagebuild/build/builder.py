@@ -1084,9 +1084,18 @@ def _provenance(b: Build) -> tuple[dict, dict]:
     doc = {"schema": "imagebuild.image", "version": 2, "image": b.defn.name, "build_id": b.plan.build_id,
            "platform": b.plan.platform, "source_date_epoch": b.epoch,
            "provenance": prov.as_dict() if prov else None,
-           "stages": [{"name": s.name, "key": s.key, "image": s.image} for s in b.plan.stages],
+           # the build args that reached each stage (versions.env's, the plan's; never the host's MAX_JOBS):
+           # `imagebuild diff` names a changed versions.env value from them
+           "stages": [{"name": s.name, "key": s.key, "image": s.image, "args": _recorded_args(s)} for s in b.plan.stages],
            "sources": _source_provenance(b), "lock_sha256": b.plan.lock_sha256, "patches": _merged_patches(b)}
     return labels, doc
+
+
+def _recorded_args(st: plan_mod.PlannedStage) -> dict[str, str]:
+    """The build args of a stage as its record keeps them: what its key holds (versions.env's, the
+    plan's, a one-run --set), without the parallelism knobs a build sets from the host unless pinned."""
+    return {a.name: a.value for a in st.args if a.origin != "buildkit"
+            and (a.name not in guards.PARALLEL_KNOBS or a.origin == "versions.env")}
 
 
 def _source_provenance(b: Build) -> dict:
