@@ -119,6 +119,8 @@ class Options:
     progress: str | None = None  # auto | tty | plain | quiet | rawjson; None: from the environment (progress.py)
     registry: str | None = None  # HOST[:PORT][/PREFIX]: the shared stage cache and release tags (docs/fleet.md)
     check_repro: bool = False  # build the selected stages once more and compare (no release): docs/build.md
+    overrides: dict[str, str] = field(default_factory=dict)  # build --set KEY=VALUE: this run's build args
+    promote_set: bool = False  # --promote-set: a build with overrides may move :local (never without it)
 
 
 @dataclass
@@ -333,7 +335,7 @@ def _parallel_args(stage: plan_mod.PlannedStage, jobs: guards.Jobs, explicit_job
     out = {}
     for a in stage.args:
         if a.name in guards.PARALLEL_KNOBS:
-            pinned = a.origin == "versions.env"
+            pinned = a.origin in ("versions.env", plan_mod.ORIGIN_SET)
             if not pinned or (explicit_jobs and a.name != "NVCC_THREADS"):
                 out[a.name] = values[a.name]
     return out
@@ -517,8 +519,9 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
     if not info.reachable and not opts.dry_run:
         raise engine_mod.unreachable_error(info)
     store = StageStore.for_image(root, defn.name)
+    plan_mod.check_overrides(defn, opts.overrides)
     plan = plan_mod.make_plan(defn, exists=lambda key: store.lookup(key) is not None, engine=info.as_dict(),
-                              lock=lock)
+                              lock=lock, overrides=opts.overrides)
     if plan.unpinned and lock is None:
         log.info("note: %d unpinned item(s) (imagebuild prefetch pins them)", len(plan.unpinned))
     first, last = _select(plan, opts)
@@ -706,7 +709,9 @@ def _record(b: Build, status: str, started: str, **extra) -> dict:
         "source_date_epoch": b.epoch,
         "options": {"from": b.opts.from_stage, "until": b.opts.until_stage, "no_cache": b.opts.no_cache,
                     "force": b.opts.force, "jobs": b.opts.jobs, "emulate": b.opts.emulate,
-                    "progress": b.opts.progress, "check_repro": b.opts.check_repro},
+                    "progress": b.opts.progress, "check_repro": b.opts.check_repro,
+                    "promote_set": b.opts.promote_set},
+        "overrides": dict(sorted(b.opts.overrides.items())),  # build --set: this run's build args
         "stage_store": str(b.store.dir),
         "engine": remote_engine.record(b.engine_id),
         "registry": b.cache.as_dict() if b.cache is not None else None,
@@ -948,8 +953,7 @@ def _second_build(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, 
     try:
         md = _buildx(argv, log_path=log_path, progress=progress, label=st.name, epoch=st.source_date_epoch)
     except _StageFailed as exc:
-        raise OperationFailed(f"stage {st.name!r}: its second build failed (docker buildx build exit {exc.code}); "
-                              f"last lines of its log:\n" + "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
+        raise OperationFailed(_failure(f"the second build of stage {st.name!r}", log_path, exc.code),
                               hint=f"full log: {log_path}") from None
     manifest = md.get("containerimage.digest")
     if not isinstance(manifest, str) or not b.store.complete(manifest):
@@ -1084,6 +1088,7 @@ def _provenance(b: Build) -> tuple[dict, dict]:
     doc = {"schema": "imagebuild.image", "version": 2, "image": b.defn.name, "build_id": b.plan.build_id,
            "platform": b.plan.platform, "source_date_epoch": b.epoch,
            "provenance": prov.as_dict() if prov else None,
+           "overrides": dict(sorted(b.opts.overrides.items())),  # build --set: not versions.env's values
            # the build args that reached each stage (versions.env's, the plan's; never the host's MAX_JOBS):
            # `imagebuild diff` names a changed versions.env value from them
            "stages": [{"name": s.name, "key": s.key, "image": s.image, "args": _recorded_args(s)} for s in b.plan.stages],
@@ -1286,6 +1291,12 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
         exc.record = _record(b, "gate-failed", started, release=release,  # build --json prints it (exit 4)
                              promotion={"status": "gate-failed", "reason": exc.message})
         raise
+    if b.opts.overrides and not b.opts.promote_set:  # an experiment: gated, never :local unless asked
+        sets = " ".join(f"--set {k}=..." for k in sorted(b.opts.overrides))
+        log.info("%s: built with %s: stopped at %s:candidate (:local unchanged; --promote-set promotes it)",
+                 name, sets, name)
+        return {"status": "skipped", "gated": gated, "reason": f"built with {sets} (a one-run override): never "
+                "promoted to :local without --promote-set; stopped at :candidate"}
     p = promote_mod.promote(b.ctx, name, release["image_id"] or cand, spec_digest=spec_digest)
     return {"status": "promoted" if p.moved else "unchanged", "gated": gated, **p.as_dict()}
 

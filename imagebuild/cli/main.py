@@ -462,6 +462,12 @@ prefetch environment:
                     "them (as build does), then each once more from the same parent without BuildKit's cache, "
                     "and compare; names every file that differs; no release, no promotion; exit 1 on a "
                     "difference (docs/build.md, Reproducibility)")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="this run only: give the build arg KEY (declared by a stage, from versions.env or a "
+                    "default) the value VALUE; a different key and build id, recorded in the build record; "
+                    "the build is gated but never promoted to :local without --promote-set (repeatable)")
+    sp.add_argument("--promote-set", action="store_true", help="with --set: promote the build to :local when its "
+                    "gate passes")
     sp.add_argument("--cache-registry", metavar="HOST:PORT/PREFIX", help="a registry shared by the build nodes: "
                     "stages found there under their key are pulled (verified) instead of built, stages built here "
                     "are pushed, and the gated release is tagged there (default: registry: in imagebuild.yaml)")
@@ -1137,6 +1143,21 @@ def cmd_build(args) -> int:
         return _cmd_build(args)
 
 
+def _overrides(values: list[str]) -> dict[str, str]:
+    """``--set KEY=VALUE`` (repeatable) -> {KEY: VALUE}; a word without ``=``, an empty KEY or a KEY given
+    twice is a usage error (exit 2). Which KEYs a definition takes: planner.check_overrides."""
+    out: dict[str, str] = {}
+    for v in values:
+        key, eq, value = v.partition("=")
+        if not eq or not key or not key.replace("_", "").isalnum():
+            raise UsageError(f"--set {v!r}: expected KEY=VALUE (a build arg's name, then its value)",
+                             hint="imagebuild build IMAGE --set TOOL_VERSION=1.1")
+        if key in out:
+            raise UsageError(f"--set {key}: given twice")
+        out[key] = value
+    return out
+
+
 def _cmd_build(args) -> int:
     from imagebuild.build import builder as build_mod
 
@@ -1156,7 +1177,8 @@ def _cmd_build(args) -> int:
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
                              gate=not args.no_gate, progress=args.progress, registry=registry,
-                             check_repro=args.check_repro)
+                             check_repro=args.check_repro, overrides=_overrides(args.overrides),
+                             promote_set=args.promote_set)
     if args.dry_run and args.check_repro:
         raise UsageError("--check-repro builds every selected stage twice; --dry-run builds nothing",
                          hint="use one of them")
