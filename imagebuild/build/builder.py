@@ -196,7 +196,11 @@ class VerifiedFile:
 
 def check_lock_current(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> None:
     """Raise when a source the stage mounts is pinned otherwise in versions.env than in the lock
-    (``imagebuild prefetch`` brings the lock up to date)."""
+    (``imagebuild prefetch`` brings the lock up to date), or when there is no lock at all."""
+    if stage.mounts and not lock_mod.lock_path(defn.dir).is_file():  # never prefetched: absent, not "stale"
+        raise OperationFailed(f"stage {stage.name!r} mounts source {stage.mounts[0].name}, but "
+                              f"{defn.rel(lock_mod.lock_path(defn.dir))} does not exist: the image was never "
+                              "prefetched", hint=f"imagebuild prefetch {defn.name} makes it (it pins and packs every source)")
     for m in stage.mounts:
         if m.stale:
             lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
@@ -212,10 +216,6 @@ def verify_sources(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> l
     root = defn.root
     lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
     out = []
-    if not lock_mod.lock_path(defn.dir).is_file():  # never prefetched: absent, not "stale"
-        raise OperationFailed(f"stage {stage.name!r} mounts source {stage.mounts[0].name}, but {lock_disp} does not "
-                              "exist: the image was never prefetched",
-                              hint=f"imagebuild prefetch {defn.name} makes it (it pins and packs every source)")
     check_lock_current(defn, stage)
     for m in stage.mounts:
         if not m.tarball or not m.sha256:
@@ -556,11 +556,11 @@ def _check_inputs(b: Build) -> dict[str, dict]:
     verify every prefetched input of the stages to build; returns the named-context sources."""
     for st in b.plan.stages:
         check_lock_current(b.defn, st)
-    return {r.name: _inputs_of(b, b.plan.stage(r.name)) for r in b.stages
+    return {r.name: inputs_of(b, b.plan.stage(r.name)) for r in b.stages
             if r.action == "build" or (b.opts.check_repro and r.action == "skip")}
 
 
-def _inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
+def inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
     return {"src": verify_sources(b.defn, st), "wheels": verify_package_dir(b.defn, b.lock, "wheels", st.name),
             "apt": verify_package_dir(b.defn, b.lock, "apt", st.name)}
 
@@ -788,7 +788,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                         progress.finish(r.name, "pulled", r.seconds)
                         continue
                     r.action, r.reason = "build", "the registry cache did not give it (see the warning)"
-                    named[r.name] = _inputs_of(b, st)
+                    named[r.name] = inputs_of(b, st)
                 if r.action != "build":
                     r.status = "skipped"
                     progress.finish(r.name, "reused" if r.action == "reuse" else "skipped", 0,
@@ -830,8 +830,10 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                    **({"publish": publish} if publish is not None else {}))
 
 
-def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
-                 jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
+def stage_inputs(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path) -> tuple[Path, dict]:
+    """The stage's context folder and its named contexts (``imagebuild-src``: its verified source
+    tarballs and the generated unpack script; ``imagebuild-wheels``, ``imagebuild-apt``), made under
+    ``tmp`` exactly as the build sends them (``inputs``: ``inputs_of``); ``empty`` stands for none."""
     ctx = tmp / context_dir_name("context", st.key)
     make_context(b.root, st, ctx, st.source_date_epoch)
     src_dir = tmp / context_dir_name(NAMED_SRC, st.key)
@@ -841,8 +843,14 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     # the generated unpack script + manifest (extract every source, set every override; source_mounts.py)
     for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
         (src_dir / fname).write_bytes(data)
-    named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
-             NAMED_APT: str(inputs["apt"] or empty)}
+    return ctx, {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
+                 NAMED_APT: str(inputs["apt"] or empty)}
+
+
+def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
+                 jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
+    ctx, named = stage_inputs(b, st, inputs, tmp, empty)
+    src_dir = Path(named[NAMED_SRC])
     cache_id = compilecache.give(b.root / st.dockerfile, src_dir, named, empty)
     meta = tmp / "metadata.json"
     argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st))
@@ -935,16 +943,7 @@ def _second_build(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, 
                   progress: Progress, head: str) -> str:
     """The stage built once more into the stage store, not committed: its (clamped) manifest."""
     tmp.mkdir(parents=True)
-    ctx = tmp / context_dir_name("context", st.key)
-    make_context(b.root, st, ctx, st.source_date_epoch)
-    src_dir = tmp / context_dir_name(NAMED_SRC, st.key)
-    src_dir.mkdir()
-    for vf in inputs["src"]:
-        _link_or_copy(vf.path, src_dir / vf.name)
-    for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
-        (src_dir / fname).write_bytes(data)
-    named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
-             NAMED_APT: str(inputs["apt"] or empty)}
+    ctx, named = stage_inputs(b, st, inputs, tmp, empty)
     meta = tmp / "metadata.json"
     argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st),
                        rerun="check-" + secrets.token_hex(4))

@@ -77,7 +77,7 @@ the man page (make man before the install): man imagebuild
 GROUPS = (
     ("define and inspect", ("list", "validate", "plan", "config")),
     ("fetch", ("prefetch", "bundle", "unbundle")),
-    ("build and check", ("build", "gate", "patch", "log")),
+    ("build and check", ("build", "gate", "shell", "patch", "log")),
     ("ship", ("sync", "rollback")),
     ("operate", ("nightly", "report", "diff", "df", "gc", "doctor")),
     ("help", ("help",)),
@@ -101,6 +101,7 @@ EXAMPLES = {
              "imagebuild gate some/image:tag --spec gate.yaml --junit gate.xml"),
     "patch": ("imagebuild patch glm53-jovian-r12 --src ~/src/vllm --check",
               "imagebuild patch glm53-jovian-r12 --src ~/src/vllm --stage vllm-wheel"),
+    "shell": ("imagebuild shell example app", "imagebuild shell example app -- ls /imagebuild/context"),
     "log": ("imagebuild log", "imagebuild log example latest", "imagebuild log example latest --stage base"),
     "sync": ("imagebuild sync dgx4", "imagebuild sync --image example --dry-run dgx4 dgx5",
              "imagebuild sync @rack2 --via registry"),
@@ -535,6 +536,22 @@ sync environment:
                     help="list only the newest N runs")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
     sp.set_defaults(func=cmd_log)
+
+    sp = sub.add_parser("shell", help="a shell in a stage: a container of its parent with its inputs, no network",
+                        description="Start a container where STAGE's RUN steps run, to see why one failed: FROM "
+                        "the stage's parent (the earlier stage's image from the stage store, or the pinned base "
+                        "image), --network none (unless the stage declares network: true), the stage's build args "
+                        "in the environment, and its inputs, checked against the lock, mounted read-only where "
+                        "the build mounts them: /imagebuild/context (what its COPY lines read), /imagebuild/src "
+                        "(imagebuild-src), /imagebuild/wheels, /imagebuild/apt. With COMMAND, runs it instead of a "
+                        "shell and exits with its code. The container and its temporary tag are removed at the "
+                        "end. Details: docs/build.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("stage", metavar="STAGE", help="the stage whose RUN steps the shell is for")
+    sp.add_argument("run_argv", metavar="COMMAND", nargs=argparse.REMAINDER,
+                    help="run this (after --) instead of an interactive shell")
+    sp.set_defaults(func=cmd_shell)
 
     sp = sub.add_parser("gc", help="free disk: remove what no kept build needs (--dry-run first)",
                         description="Remove, per image, what no kept build needs: release images and tags of other "
@@ -1239,6 +1256,13 @@ def _cmd_build(args) -> int:
                   "differ are listed above; docs/build.md, Reproducibility)", ", ".join(bad))
         return EXIT_FAILED
     return EXIT_OK
+
+
+def cmd_shell(args) -> int:
+    from imagebuild.build import shell as shell_mod
+
+    command = args.run_argv[1:] if args.run_argv[:1] == ["--"] else args.run_argv
+    return shell_mod.shell(common.ctx(args), args.image, args.stage, command or None)
 
 
 def cmd_log(args) -> int:
