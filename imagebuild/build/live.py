@@ -116,7 +116,9 @@ class LiveView:
             mark, style = MARKS.get(r.state, (" ", ""))
             line.append(mark, style=style)
             line.append(f" {r.name:<{namew}}  ")
-            line.append(f"{r.state:<8}", style=style)
+            # once the run ended, a stage still waiting was never reached (not "waiting" for anything)
+            line.append("not reached" if r.state == "waiting" and p.outcome not in (None, "done") else f"{r.state:<8}",
+                        style=style)
             if r.seconds is not None and r.state in ("built", "pulled", "failed"):
                 line.append(f" {self.clock(r.seconds):>7}")
             if r.note:

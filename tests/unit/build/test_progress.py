@@ -175,15 +175,16 @@ def test_a_silent_step_says_how_long_ago_it_printed_in_the_heartbeat_and_the_liv
     p = _run_through("quiet", "ok", upto=cut)
     st = p.row("napper").decoder.current()
     st.heard -= 100
-    assert re.search(r", last output 1m40s ago: partialred, log: ", p.heartbeat()), p.heartbeat()
+    # (a loaded machine may take a few seconds between the lines: the figures are read as ranges)
+    assert re.search(r", last output 1m4\ds ago: partialred, log: ", p.heartbeat()), p.heartbeat()
     st.heard -= 620
-    assert "last output 12m00s ago: partialred" in p.heartbeat()
+    assert re.search(r"last output 12m0\ds ago: partialred", p.heartbeat()), p.heartbeat()
     t = _run_through("tty", "ok", upto=cut, isatty=True)
     tst = t.row("napper").decoder.current()
     assert "ago" not in _render(t)  # a step that just printed: no such line
     tst.heard -= 100
     text = _render(t)
-    assert re.search(r"^\s+partialred\n\s+\(last output 1m40s ago\)$", text, re.M), text
+    assert re.search(r"^\s+partialred\n\s+\(last output 1m4\ds ago\)$", text, re.M), text
 
 
 def test_a_step_with_no_output_yet_says_so():
@@ -192,7 +193,7 @@ def test_a_step_with_no_output_yet_says_so():
     st = progress_mod.Step("sha256:x", 99, "[2/2] RUN make", seen=time.monotonic() - 30)
     dec.order.append(st)
     dec.steps[st.digest] = st
-    assert "step #99 [2/2] RUN make (0:00:30), no output yet, log:" in p.heartbeat()
+    assert re.search(r"step #99 \[2/2\] RUN make \(0:00:3\d\), no output yet, log:", p.heartbeat()), p.heartbeat()
 
 
 def _ours(err: str) -> tuple[list[dict], str]:
@@ -298,6 +299,7 @@ def test_a_failed_stage_shows_its_failing_step_and_last_lines():
     # the failing step and its RUN's exit code, once; its output is in the run's error below the view
     assert re.search(r"^\s+RUN exit 3 at #\d+ \[2/2\] RUN echo before; sleep 1; exit 3$", text, re.M), text
     assert "exit code: 3" not in text
+    assert re.search(r"^\s+first\s+not reached$", text, re.M), text  # never started: not "waiting"
 
 
 def test_plain_leaves_the_failure_to_the_runs_error_said_once(capsys):
