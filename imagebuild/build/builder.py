@@ -1087,7 +1087,9 @@ def _provenance(b: Build) -> tuple[dict, dict]:
     doc = {"schema": "imagebuild.image", "version": 2, "image": b.defn.name, "build_id": b.plan.build_id,
            "platform": b.plan.platform, "source_date_epoch": b.epoch,
            "provenance": prov.as_dict() if prov else None,
-           "overrides": dict(sorted(b.opts.overrides.items())),  # build --set: not versions.env's values
+           # build --set: the values no versions.env holds, as the plan gave them to the stages
+           "overrides": dict(sorted({a.name: a.value for st in b.plan.stages for a in st.args
+                                     if a.origin == plan_mod.ORIGIN_SET}.items())),
            # the build args that reached each stage (versions.env's, the plan's; never the host's MAX_JOBS):
            # `imagebuild diff` names a changed versions.env value from them
            "stages": [{"name": s.name, "key": s.key, "image": s.image, "args": _recorded_args(s)} for s in b.plan.stages],
