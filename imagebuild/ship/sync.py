@@ -179,7 +179,6 @@ def resolve_peers(ctx: context_mod.Context | Path | None, peers: list[str]) -> l
                                  hint=f"named lists: {known} (peer_lists: {{{p[1:]}: [dgx4, dgx5]}})")
             out += lists[p[1:]]
         else:
-            _not_an_image(ctx, cfg, p)
             out.append(p)
     if not peers:
         out = list(cfg.peers)
@@ -189,17 +188,6 @@ def resolve_peers(ctx: context_mod.Context | Path | None, peers: list[str]) -> l
     for p in out:
         remote_mod.check_destination(p)
     return list(dict.fromkeys(out))
-
-
-def _not_an_image(ctx: context_mod.Context | None, cfg, word: str) -> None:
-    """A peer word that names an image of this project (and no configured peer): the image was put
-    where the peer goes (``imagebuild sync hce4-slow``); say so, with the right form (exit 2)."""
-    if ctx is None or word in (cfg.peers or ()) or not defn_mod.NAME_RE.match(word):
-        return
-    if (ctx.root / defn_mod.IMAGES_DIR / word / defn_mod.IMAGE_FILE).is_file():
-        peers = " ".join(cfg.peers) if cfg.peers else "PEER..."
-        raise UsageError(f"{word!r} is an image of this project, not a peer: sync takes the image with --image",
-                         hint=f"imagebuild sync --image {word} {peers}")
 
 
 def resolve_image(ctx: context_mod.Context | Path | None, image: str | None, ref: str | None) -> tuple[str | None, str]:

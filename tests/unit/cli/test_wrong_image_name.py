@@ -54,8 +54,8 @@ def test_another_checkout_is_named_only_when_the_stage_store_holds_that_image(pr
 def test_an_image_where_the_peer_goes_is_noticed_with_the_right_form(project):
     r = run_cli("--root", str(project), "sync", "tiny")
     assert r.code == 2, r.err
-    assert "'tiny' is an image of this project, not a peer: sync takes the image with --image" in r.err
-    assert "hint: imagebuild sync --image tiny PEER..." in r.err
+    assert "'tiny' is an image of this project (docker-images/tiny/), not a peer" in r.err, r.err
+    assert "hint: imagebuild sync --image tiny" in r.err
 
 
 def test_diff_offers_the_image_a_mistyped_reference_meant(project, engine_ready):
