@@ -436,15 +436,28 @@ def _inspect(ref: str) -> dict:
     return json.loads(text.splitlines()[-1])
 
 
-def _tail(path: Path, n: int = 30) -> str:
+def _source_place(where: str, built: Path, source: Path, shown: str) -> str:
+    """BuildKit's place (``napper.Dockerfile:4``) in the Dockerfile as built (``built``: the stage's own
+    with ``ARG SOURCE_DATE_EPOCH`` after each FROM) as the place in the stage's own file (``source``,
+    shown as ``shown``: ``docker-images/IMAGE/Dockerfile.napper:3``); ``where`` as it is otherwise."""
+    name, _, num = where.rpartition(":")
+    if name != built.name or not num.isdigit():
+        return where
     try:
-        lines = fsutil.read_text(path, 256 << 20, errors="replace").splitlines()
+        gen = built.read_text(encoding="utf-8", errors="replace").splitlines()
+        own = source.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
-        return ""
-    return "\n".join(lines[-n:])
+        return where
+    j = 0
+    for i, ln in enumerate(gen[:int(num)], start=1):
+        if j < len(own) and ln == own[j]:  # a line of the stage's own file (the others were inserted)
+            j += 1
+            if i == int(num):
+                return f"{shown}:{j}"
+    return where
 
 
-def _failure(what: str, log_path: Path, code: int) -> str:
+def _failure(what: str, log_path: Path, code: int, place=None) -> str:
     """A failed ``docker buildx build`` said once, as the nightly report says it (build/buildlog.py):
     where (``Dockerfile.check:4``), the RUN's own exit code (``RUN exit 3``: docker buildx itself
     exits 1), the step, and that step's own output lines; without a failing RUN (the engine, a
@@ -456,7 +469,8 @@ def _failure(what: str, log_path: Path, code: int) -> str:
         tail = info["tail"] if info else []
         return (f"{what} failed (docker buildx build exit {code})" + ("; the end of its log:\n" if tail else "")
                 + "\n".join("  | " + ln for ln in tail))
-    lines = [f"{what} failed" + (f" at {info['where']}" if info["where"] else "")
+    where = place(info["where"]) if place is not None and info["where"] else info["where"]
+    lines = [f"{what} failed" + (f" at {where}" if where else "")
              + f": {buildlog.run_exit(info['exit_code'])}"]
     if info["step"]:
         lines.append(f"  step: {info['step']}")
@@ -883,7 +897,9 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
         r.status = "failed"
         _record(b, "failed", started, failed_stage=st.name, release=None, promotion=None)
         raise OperationFailed(
-            _failure(f"stage {st.name!r} of {b.defn.name}", log_path, exc.code),
+            _failure(f"stage {st.name!r} of {b.defn.name}", log_path, exc.code,
+                     lambda w: _source_place(w, b.dir / "logs" / f"{st.name}.Dockerfile", b.root / st.dockerfile,
+                                             st.dockerfile)),
             hint=f"full log: {log_path}; the release was not reached: :local and :candidate were not "
             "touched") from None
     b.store.commit(st.key, st.name, manifest, patches=patches)
