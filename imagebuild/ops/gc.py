@@ -56,7 +56,7 @@ from imagebuild.core import fsutil, runs, state
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.context import Context, of
-from imagebuild.core.errors import DefinitionError, OperationFailed, Problem
+from imagebuild.core.errors import OperationFailed
 from imagebuild.definition import reader as defn_mod
 
 log = logging.getLogger("imagebuild")
@@ -543,12 +543,12 @@ def check_known(ctx: Context, image: str) -> None:
         return
     if (runs.builds_dir(ctx) / image).is_dir():
         return
-    known = defn_mod.list_images(ctx.root)
-    raise DefinitionError([Problem(defn_mod.display_path(ctx.root, ctx.root / defn_mod.IMAGES_DIR / image),
-                                   "no such image in this project (no definition, no build runs recorded): "
-                                   "its builds in the shared stage store belong to another checkout", key="IMAGE",
-                                   hint=f"known images: {', '.join(known) or 'none'} (imagebuild list); run gc "
-                                   "in the checkout that builds it")], image=image)
+    # another checkout is named only where the shared stage store really holds builds of that name
+    held = StageStore.for_image(ctx.root, image).refs()
+    raise defn_mod.unknown_image(
+        ctx.root, image, why="no such image in this project (no definition, no build runs recorded)",
+        note=(f"the shared stage store holds {len(held)} stage(s) of {image!r}: they belong to another checkout "
+              "(run log, df and gc there)") if held else None)
 
 
 def images_of(ctx: Context, image: str | None) -> list[str]:

@@ -219,7 +219,7 @@ def failure_lines(f: dict | None) -> list[str]:
     if f.get("stage"):
         head = f"failed stage {f['stage']}"
         if f.get("exit_code") is not None:
-            head += f": exit code {f['exit_code']}" + (f" (`{f['command']}`)" if f.get("command") else "")
+            head += f": RUN exit {f['exit_code']}" + (f" (`{f['command']}`)" if f.get("command") else "")
         if f.get("tool_exit_code") is not None:
             head += f"; docker buildx exited {f['tool_exit_code']}"
         out.append(head + (f"; log {f['log']}" if f.get("log") else ""))
@@ -254,7 +254,7 @@ def _failure_md(f: dict) -> list[str]:
         text = f"Stage `{f['stage']}`"
         if f.get("exit_code") is not None:
             text += (f": the step `{f['command']}`" if f.get("command") else ": its step") + \
-                f" exited with **exit code {f['exit_code']}**"
+                f" failed: **RUN exit {f['exit_code']}**"
         else:
             text += ": no step reported an exit code"
         if f.get("tool_exit_code") is not None:

@@ -220,7 +220,7 @@ def test_report_command(tmp_path, project):
 
 def test_nightly_bad_input_is_exit_2_before_anything(project):
     r = run_cli("--root", str(project), "nightly", "no-such-image")
-    assert r.code == 2 and "unknown image 'no-such-image'" in r.err
+    assert r.code == 2 and "docker-images/no-such-image: IMAGE: no such image definition" in r.err
     r = run_cli("--root", str(project), "nightly", "tiny", "--keep-builds", "0")
     assert r.code == 2 and "--keep-builds 0" in r.err
     assert not (project / ".imagebuild" / "nightly").exists()
@@ -270,3 +270,22 @@ def test_compiler_cache_figures_reach_the_report():
     md = "\n".join(report._image_md(res))
     assert "| vllm-wheel | miss | built | 1m00s | ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB) |" in md or \
         "ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB) |" in md
+
+
+def test_diff_names_a_changed_build_arg_of_a_stage():
+    """Issue 35: build.json records the build args that reached each stage, so a changed versions.env
+    value shows in the diff; an image from before they were recorded says so."""
+    d = sample_diff()
+    assert d["build_args"] is None  # neither records them
+    a, b = (_inv(r, i, pins=("a" * 40,) * 3, patches="1" * 64, pip={}, dpkg={}, layers=[(SHA, 1)])
+            for r, i in (("x:previous", SHA), ("x:local", SHA2)))
+    a["build"]["stages"] = [{"name": "tools", "args": {"PARENT": "imagebuild-parent", "TOOL_VERSION": "1.0"}}]
+    b["build"]["stages"] = [{"name": "tools", "args": {"PARENT": "imagebuild-parent", "TOOL_VERSION": "1.1"}},
+                            {"name": "extra", "args": {}}]
+    d = imagediff.diff(a, b)
+    assert d["build_args"]["changed"] == [{"name": "tools TOOL_VERSION", "from": "1.0", "to": "1.1"}]
+    assert d["build_args"]["unchanged"] == 1
+    md = imagediff.render(d)
+    assert "- **build args**: 1 changed, 0 added, 0 removed, 1 unchanged" in md and "`tools TOOL_VERSION`: 1.0 -> 1.1" in md
+    del a["build"]["stages"]
+    assert "**build args**: not recorded in one of the images" in imagediff.render(imagediff.diff(a, b))
