@@ -33,9 +33,9 @@ def check(paths: list, src: Path, *, copy: bool = True) -> list:
 def check_lazy(paths: list, entries: list, epoch: int) -> tuple[list | None, str | None]:
     """The same check on a lazily populated tree instead of a full unpack: ``entries`` are the tree's
     files as (path, git mode, blob sha, git dir), what the tarball was packed from, with ``epoch`` its
-    mtime. The tree is laid out as a skeleton (folders, symlinks, every file at its size, mode and
-    mtime, without its bytes); a file gets its bytes from the git mirror when the patch run first opens
-    it (definition/lazytree.py). (outcomes, None), or (None, reason) when a patch did something the lazy
+    mtime. Nothing is laid out up front: a path is made (folder, symlink, or file at its size, mode and
+    mtime) when the patch run first looks it up, a folder's entries when it is listed, and a file gets
+    its bytes from the git mirror when it is first opened (definition/lazytree.py). (outcomes, None), or (None, reason) when a patch did something the lazy
     tree cannot follow (a subprocess, ctypes): then the caller checks on the whole tree."""
     from imagebuild.definition import lazytree
 
@@ -50,10 +50,11 @@ def check_lazy(paths: list, entries: list, epoch: int) -> tuple[list | None, str
             by_mirror.setdefault(mirrors[str(e[3])], []).append(e)
         procs = [run_mod.popen(["git", "--git-dir", gd, "cat-file", "--batch"]) for gd in mirrors]
         try:
-            files = _skeleton(scratch, by_mirror, list(mirrors), epoch)
+            files, links = _manifest(by_mirror, list(mirrors))
             fds = [(p.stdin.fileno(), p.stdout.fileno()) for p in procs]
             manifest = Path(tmp) / "manifest.json"
-            manifest.write_text(json.dumps({"root": str(scratch), "epoch": epoch, "fds": fds, "files": files}))
+            manifest.write_text(json.dumps({"root": str(scratch), "epoch": epoch, "fds": fds, "files": files,
+                                            "links": links}))
             state = Path(tmp) / "hydrated"
             runner = [sys.executable, lazytree.__file__, str(manifest), str(state), "--"]
             runs = _run_twice(paths, scratch, Path(tmp), runner, [fd for pair in fds for fd in pair])
@@ -65,12 +66,11 @@ def check_lazy(paths: list, entries: list, epoch: int) -> tuple[list | None, str
     return _outcomes(paths, runs), None
 
 
-def _skeleton(root: Path, by_mirror: dict, git_dirs: list, epoch: int) -> dict:
-    """Lay out the tree under ``root`` without the files' bytes: {path: [mirror index, sha]} of the files."""
-    import os
-
+def _manifest(by_mirror: dict, git_dirs: list) -> tuple[dict, dict]:
+    """({path: [mirror index, sha, mode, size]} of the files, {path: target} of the symlinks): what the
+    lazy tree makes a path from (sizes from ``git cat-file --batch-check``, nothing extracted)."""
     files: dict[str, list] = {}
-    made: set[str] = set()
+    links: dict[str, str] = {}
     for i, group in sorted(by_mirror.items()):
         blobs = sorted({sha for _p, _m, sha, _g in group})
         out = run_mod.run(["git", "--git-dir", git_dirs[i], "cat-file", "--batch-check"],
@@ -80,38 +80,24 @@ def _skeleton(root: Path, by_mirror: dict, git_dirs: list, epoch: int) -> dict:
             parts = line.split()
             if len(parts) == 3 and parts[1] == "blob":
                 sizes[parts[0]] = int(parts[2])
-        links = [e for e in group if e[1] == "120000"]
-        targets = {}
-        if links:
+        symlinks = [e for e in group if e[1] == "120000"]
+        if symlinks:
             raw = run_mod.run(["git", "--git-dir", git_dirs[i], "cat-file", "--batch"],
-                              input="".join(e[2] + "\n" for e in links).encode()).stdout
+                              input="".join(e[2] + "\n" for e in symlinks).encode()).stdout
             pos = 0
-            for e in links:
+            for e in symlinks:
                 nl = raw.index(b"\n", pos)
                 n = int(raw[pos:nl].split()[2])
-                targets[e[0]] = raw[nl + 1:nl + 1 + n]
+                links[e[0]] = raw[nl + 1:nl + 1 + n].decode("utf-8", "surrogateescape")
                 pos = nl + 1 + n + 1
         for path, mode, sha, _g in group:
-            parent = path.rpartition("/")[0]
-            if parent and parent not in made:
-                os.makedirs(root / parent, mode=0o755, exist_ok=True)
-                made.add(parent)
-            full = root / path
             if mode == "120000":
-                os.symlink(targets[path], full)
                 continue
             if sha not in sizes:
                 raise OperationFailed(f"object {sha} ({path}) is missing from {git_dirs[i]}",
                                       hint="run prefetch again (without --offline) to fetch it")
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755 if mode == "100755" else 0o644)
-            try:
-                if sizes[sha]:
-                    os.ftruncate(fd, sizes[sha])
-            finally:
-                os.close(fd)
-            os.utime(full, (epoch, epoch))
-            files[path] = [i, sha]
-    return files
+            files[path] = [i, sha, mode, sizes[sha]]
+    return files, links
 
 
 def _run_twice(paths: list, scratch: Path, tmp: Path, runner: list, pass_fds) -> list | str:

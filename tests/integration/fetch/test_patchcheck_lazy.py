@@ -135,9 +135,18 @@ with open("pkg/link.py") as f:
 with open("pkg/big.bin", "rb") as f:
     f.seek(size - 4)
     tail = f.read().hex()
-tag = f"{conf.strip()}|{names}|{size}|{exists}|{via_link.strip()}|{tail}"
+import glob
+walked = sorted((d, sorted(f)) for d, _s, f in os.walk("pkg"))
+globbed = sorted(glob.glob("**/*.py", recursive=True)) + sorted(str(p) for p in Path(".").rglob("*.bin"))
+try:
+    os.stat("pkg/main.py/x")
+    lookup = "found"
+except OSError as exc:
+    lookup = type(exc).__name__
+mtime = int(os.path.getmtime("pkg/sub/a.py")), oct(os.stat("pkg/run.sh").st_mode)
+tag = f"{conf.strip()}|{names}|{size}|{exists}|{via_link.strip()}|{tail}|{walked}|{globbed}|{lookup}|{mtime}"
 EDITS = [Edit(file="pkg/main.py", anchor="X = 1\\n", replacement=f"X = 2  # imagebuild-patch: nosy {tag}\\n",
-              marker="imagebuild-patch: nosy", applies_if=["X = "])]
+              marker="imagebuild-patch: nosy", applies_if=["X = "], reason=tag)]
 '''
 
 
@@ -160,6 +169,10 @@ def test_a_patch_reading_files_it_does_not_edit_sees_the_full_tree(tmp_path):
     (tmp_path / "patch_nosy.py").write_text(NOSY)
     (got,) = _same([tmp_path / "patch_nosy.py"], listing, tmp_path)
     assert got.outcome == "would-apply", got
+    # what the patch saw (its reason) is what the full unpack shows: checked equal above, and right here
+    msg = got.edits[0].message
+    assert msg.startswith("mode=fast|['a.py', 'b.py']|1024004|(False, True, True)|mode=fast|01020304|"), msg
+    assert "NotADirectoryError" in msg and "'pkg/big.bin'" in msg and "0o100755" in msg, msg
 
 
 def test_a_patch_starting_a_process_falls_back_with_the_reason(tmp_path):
