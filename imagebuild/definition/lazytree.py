@@ -1,13 +1,15 @@
 """Run the patch runner (``imagebuild_patching.py apply ...``) on a lazily populated tree. Standard
 library only; run as a script, in the process ``patchcheck.check_lazy`` starts.
 
-The tree was laid out by the parent as a skeleton: every folder, every symlink, and every file at its
-path, size, mode and mtime, but without its bytes (a sparse file). Listing, ``stat``, ``exists`` all
-see the whole tree as extracted. The bytes of a file are written into it the first time anything in
-this process opens it (or renames, links or truncates it): an audit hook (``sys.addaudithook``) sees
-every ``open`` before it happens, and reads the blob from a ``git cat-file --batch`` whose pipes the
-parent passed in (this process starts nothing). So a patch may read any file, at import or while it
-applies, and reads what the full unpack would hold.
+Nothing is laid out up front. A path is made the first time the run looks it up, as the full unpack
+would have it (a folder, a symlink, or a file of the right size, mode and mtime without its bytes): the
+stat-like calls that raise no audit event (``os.stat``, ``os.lstat``, ``os.access``, ``os.readlink``:
+so ``os.path.exists``, pathlib's ``exists``/``stat``, shutil) are wrapped, and an audit hook
+(``sys.addaudithook``) sees the rest before it happens. A folder's entries are made when it is listed
+(``os.listdir``, ``os.scandir``: so ``os.walk``, ``glob``). A file's bytes are written into it the first
+time it is opened (or renamed, linked, truncated), read from a ``git cat-file --batch`` whose pipes the
+parent passed in (this process starts nothing). So a patch may read, list or stat any path, at import
+or while it applies, and sees what the full unpack would hold.
 
 What it cannot follow (a subprocess, an ``exec``, ``ctypes``: something that could read the tree
 outside Python's ``open``) ends the run with exit code ``FALLBACK`` and the reason on stderr after
@@ -15,9 +17,10 @@ outside Python's ``open``) ends the run with exit code ``FALLBACK`` and the reas
 
     python3 lazytree.py MANIFEST.json STATE -- PATCHING.py apply --src DIR ...
 
-MANIFEST: {"root": DIR, "epoch": N, "fds": [[write_fd, read_fd], ...], "files": {rel: [i, sha]}}
-(``i`` indexes ``fds``: one cat-file per repository). STATE: the paths already holding their own
-bytes (hydrated, or replaced by a patch), one a line, appended here and read by the next run.
+MANIFEST: {"root": DIR, "epoch": N, "fds": [[write_fd, read_fd], ...], "files": {rel: [i, sha, mode,
+size]}, "links": {rel: target}} (``i`` indexes ``fds``: one cat-file per repository). STATE: what is
+made, listed, or the run's own (bytes written, replaced or removed: never touched again), one a line,
+appended here and read by the second run on the same tree.
 """
 
 from __future__ import annotations

@@ -470,9 +470,9 @@ def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport,
     trees where it is not ``not-applicable`` (else under the first tree).
 
     The patches run in another process, twice (definition/patchcheck.py: nothing of a patch runs here),
-    on the tree the tarball was packed from (``packed``: its entries), laid out lazily: every folder and
-    file is there at its size, mode and mtime, and a file gets its bytes from the git mirror when the
-    patch run first opens it (definition/lazytree.py), so only the files the patches read are read,
+    on the tree the tarball was packed from (``packed``: its entries), populated lazily: a path is made
+    (at its size, mode and mtime) when the patch run looks it up, and a file gets its bytes from the git
+    mirror when the patch run first opens it (definition/lazytree.py), so only the files the patches read are read,
     not the whole tree a second time. When a patch does what that cannot follow (a subprocess, ctypes),
     the check is redone, said in the log, on the packed tarball (the bytes the build gets) extracted.
     The outcomes go into the lock, so that `imagebuild plan` shows, offline, which patches apply,
