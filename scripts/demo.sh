@@ -26,9 +26,6 @@ export IMAGEBUILD_MIN_FREE_GB="${IMAGEBUILD_MIN_FREE_GB:-3}"
 
 peers=(--no-peers)
 peer_dir="$work/peer"
-# names and addresses of the demo's own peer (distinct from the tests' peer)
-export PEER_NS=ibdemo1 PEER_ADDR=10.77.9.2 HOST_ADDR=10.77.9.1 PEER_VETH=ibdemo0 PEER_BRIDGE=ibdemobr0 \
-       PEER_BRIDGE_CIDR=172.29.9.1/24
 why_no_peer=""
 if ! "$BIN/python" -c 'import imagebuild.ship.sync' 2>/dev/null; then
   why_no_peer="this version of imagebuild has no sync yet"
@@ -36,6 +33,12 @@ elif [ "$(id -u)" != 0 ]; then
   why_no_peer="making a peer needs root (network namespace, a second dockerd)"
 elif ! command -v ip >/dev/null || ! command -v dockerd >/dev/null || [ ! -x /usr/sbin/sshd ]; then
   why_no_peer="making a peer needs ip, dockerd and sshd"
+fi
+if [ -z "$why_no_peer" ]; then
+  # a free slot, as the tests take one (never a fixed name another checkout's demo would tear down)
+  # shellcheck source=scripts/peer_slot.sh
+  source scripts/peer_slot.sh
+  take_peer_slot 2>"$work/peer-up.log" || why_no_peer="no free peer slot (see $work/peer-up.log)"
 fi
 if [ -z "$why_no_peer" ]; then
   if out=$(bash scripts/peer.sh up "$peer_dir" 2>"$work/peer-up.log"); then

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from imagebuild.build import guards, layerclamp, owners, registry_cache, reprodiff, reproducible
+from imagebuild.build import compilecache, guards, layerclamp, owners, registry_cache, reprodiff, reproducible
 from imagebuild.build import progress as progress_mod
 from imagebuild.build import promote as promote_mod
 from imagebuild.build.stagestore import StageStore
@@ -67,7 +67,6 @@ from imagebuild.core.fsutil import (
     sha256_file,
     usable_dir,
 )
-from imagebuild.core.secrets import without_userinfo
 from imagebuild.definition import patchcheck, patching
 from imagebuild.definition import reader as defn_mod
 from imagebuild.plan import planner as plan_mod
@@ -84,7 +83,6 @@ PATCH_RECORD = f"{IMAGE_META_DIR}/patches.json"
 PRIMITIVE_NAME = plan_mod.PRIMITIVE_CONTEXT
 NAMED_SRC, NAMED_WHEELS, NAMED_APT = "imagebuild-src", "imagebuild-wheels", "imagebuild-apt"
 RECORD_SOURCE_CONTEXT = "imagebuild-record-src"
-LOG_TAIL_LINES = 30
 PROGRESS_CHOICES = progress_mod.MODES
 LABEL_PREFIX = "io.imagebuild"
 # The release's files arrive as one deterministic tar, extracted by ADD: unlike COPY (which gives
@@ -121,6 +119,8 @@ class Options:
     progress: str | None = None  # auto | tty | plain | quiet | rawjson; None: from the environment (progress.py)
     registry: str | None = None  # HOST[:PORT][/PREFIX]: the shared stage cache and release tags (docs/fleet.md)
     check_repro: bool = False  # build the selected stages once more and compare (no release): docs/build.md
+    overrides: dict[str, str] = field(default_factory=dict)  # build --set KEY=VALUE: this run's build args
+    promote_set: bool = False  # --promote-set: a build with overrides may move :local (never without it)
 
 
 @dataclass
@@ -138,12 +138,14 @@ class StageRun:
     status: str = "pending"  # pending | built | pulled | skipped | failed
     manifest: str | None = None  # the stage's OCI manifest digest in the stage store
     patches: dict | None = None
+    compiler_cache: dict | None = None  # the compile's ccache figures (compilecache.py)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "key": self.key, "image": self.image, "action": self.action,
                 "reason": self.reason, "status": self.status, "network": self.network,
                 "args": self.args, "named_contexts": self.contexts, "seconds": self.seconds,
-                "log": self.log, "manifest": self.manifest, "patches": self.patches}
+                "log": self.log, "manifest": self.manifest, "patches": self.patches,
+                **({"compiler_cache": self.compiler_cache} if self.compiler_cache is not None else {})}
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -194,7 +196,11 @@ class VerifiedFile:
 
 def check_lock_current(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> None:
     """Raise when a source the stage mounts is pinned otherwise in versions.env than in the lock
-    (``imagebuild prefetch`` brings the lock up to date)."""
+    (``imagebuild prefetch`` brings the lock up to date), or when there is no lock at all."""
+    if stage.mounts and not lock_mod.lock_path(defn.dir).is_file():  # never prefetched: absent, not "stale"
+        raise OperationFailed(f"stage {stage.name!r} mounts source {stage.mounts[0].name}, but "
+                              f"{defn.rel(lock_mod.lock_path(defn.dir))} does not exist: the image was never "
+                              "prefetched", hint=f"imagebuild prefetch {defn.name} makes it (it pins and packs every source)")
     for m in stage.mounts:
         if m.stale:
             lock_disp = defn.rel(lock_mod.lock_path(defn.dir))
@@ -329,7 +335,7 @@ def _parallel_args(stage: plan_mod.PlannedStage, jobs: guards.Jobs, explicit_job
     out = {}
     for a in stage.args:
         if a.name in guards.PARALLEL_KNOBS:
-            pinned = a.origin == "versions.env"
+            pinned = a.origin in ("versions.env", plan_mod.ORIGIN_SET)
             if not pinned or (explicit_jobs and a.name != "NVCC_THREADS"):
                 out[a.name] = values[a.name]
     return out
@@ -430,12 +436,48 @@ def _inspect(ref: str) -> dict:
     return json.loads(text.splitlines()[-1])
 
 
-def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+def _source_place(where: str, built: Path, source: Path, shown: str) -> str:
+    """BuildKit's place (``napper.Dockerfile:4``) in the Dockerfile as built (``built``: the stage's own
+    with ``ARG SOURCE_DATE_EPOCH`` after each FROM) as the place in the stage's own file (``source``,
+    shown as ``shown``: ``docker-images/IMAGE/Dockerfile.napper:3``); ``where`` as it is otherwise."""
+    name, _, num = where.rpartition(":")
+    if name != built.name or not num.isdigit():
+        return where
     try:
-        lines = fsutil.read_text(path, 256 << 20, errors="replace").splitlines()
+        gen = built.read_text(encoding="utf-8", errors="replace").splitlines()
+        own = source.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
-        return ""
-    return "\n".join(lines[-n:])
+        return where
+    j = 0
+    for i, ln in enumerate(gen[:int(num)], start=1):
+        if j < len(own) and ln == own[j]:  # a line of the stage's own file (the others were inserted)
+            j += 1
+            if i == int(num):
+                return f"{shown}:{j}"
+    return where
+
+
+def _failure(what: str, log_path: Path, code: int, place=None) -> str:
+    """A failed ``docker buildx build`` said once, as the nightly report says it (build/buildlog.py):
+    where (``Dockerfile.check:4``), the RUN's own exit code (``RUN exit 3``: docker buildx itself
+    exits 1), the step, and that step's own output lines; without a failing RUN (the engine, a
+    missing base), the end of the log. The log's path goes in the hint."""
+    from imagebuild.build import buildlog
+
+    info = buildlog.explain_file(log_path)
+    if info is None or info["exit_code"] is None:
+        tail = info["tail"] if info else []
+        return (f"{what} failed (docker buildx build exit {code})" + ("; the end of its log:\n" if tail else "")
+                + "\n".join("  | " + ln for ln in tail))
+    where = place(info["where"]) if place is not None and info["where"] else info["where"]
+    lines = [f"{what} failed" + (f" at {where}" if where else "")
+             + f": {buildlog.run_exit(info['exit_code'])}"]
+    if info["step"]:
+        lines.append(f"  step: {info['step']}")
+    out = info["output"]
+    lines.append("  its output:" if out else "  it printed nothing")
+    lines += ["  | " + ln for ln in out]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------- the build
@@ -489,16 +531,11 @@ def prepare(ctx: context_mod.Context, image: str, opts: Options) -> Build:
     lock = lock_mod.read(defn.dir, ctx.show(lock_mod.lock_path(defn.dir)))
     info = ctx.engine
     if not info.reachable and not opts.dry_run:
-        eng = remote_engine.active()
-        if eng is not None:
-            raise OperationFailed(f"the engine {eng.display} (--engine) is not reachable: {info.detail}",
-                                  hint=f"check it from here: DOCKER_HOST={without_userinfo(str(eng.host))} docker info (ssh keys, the "
-                                  "docker CLI on that node, IMAGEBUILD_SSH)")
-        raise OperationFailed(f"no Docker engine reachable: {info.detail}",
-                              hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
+        raise engine_mod.unreachable_error(info)
     store = StageStore.for_image(root, defn.name)
+    plan_mod.check_overrides(defn, opts.overrides)
     plan = plan_mod.make_plan(defn, exists=lambda key: store.lookup(key) is not None, engine=info.as_dict(),
-                              lock=lock)
+                              lock=lock, overrides=opts.overrides)
     if plan.unpinned and lock is None:
         log.info("note: %d unpinned item(s) (imagebuild prefetch pins them)", len(plan.unpinned))
     first, last = _select(plan, opts)
@@ -533,20 +570,19 @@ def _check_inputs(b: Build) -> dict[str, dict]:
     verify every prefetched input of the stages to build; returns the named-context sources."""
     for st in b.plan.stages:
         check_lock_current(b.defn, st)
-    return {r.name: _inputs_of(b, b.plan.stage(r.name)) for r in b.stages
+    return {r.name: inputs_of(b, b.plan.stage(r.name)) for r in b.stages
             if r.action == "build" or (b.opts.check_repro and r.action == "skip")}
 
 
-def _inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
+def inputs_of(b: Build, st: plan_mod.PlannedStage) -> dict:
     return {"src": verify_sources(b.defn, st), "wheels": verify_package_dir(b.defn, b.lock, "wheels", st.name),
             "apt": verify_package_dir(b.defn, b.lock, "apt", st.name)}
 
 
 def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
     info = (b.plan.engine or {})
-    warn = guards.check_platform(b.plan.platform, emulate=b.opts.emulate, engine_arch=info.get("architecture"))
-    if warn:
-        b.warnings.append(warn)
+    if not b.opts.emulate:  # a foreign platform without --emulate: refused first
+        guards.check_platform(b.plan.platform, emulate=False, engine_arch=info.get("architecture"))
     prov = b.plan.provenance
     if prov is not None and prov.dirty_paths:  # provenance.py: why a committed definition is still dirty
         b.warnings.append(f"revision {prov.revision}: a stage's context holds what no commit holds (gitignored "
@@ -559,6 +595,10 @@ def _guards(b: Build, *, lock: guards.BuildLock | None) -> None:
         if eng is not None and notes and any(r.action == "build" for r in b.stages):
             remote_engine.refuse_missing_bases(eng, notes)
         _check_pinned_bases(b)
+    if b.opts.emulate:  # after the bases (a wrong base is the definition's error, whatever the host runs)
+        warn = guards.check_platform(b.plan.platform, emulate=True, engine_arch=info.get("architecture"))
+        if warn:
+            b.warnings.append(warn)
     if lock is not None:
         lock.acquire(command="imagebuild build " + b.defn.name)
     if not info.get("reachable"):
@@ -683,7 +723,9 @@ def _record(b: Build, status: str, started: str, **extra) -> dict:
         "source_date_epoch": b.epoch,
         "options": {"from": b.opts.from_stage, "until": b.opts.until_stage, "no_cache": b.opts.no_cache,
                     "force": b.opts.force, "jobs": b.opts.jobs, "emulate": b.opts.emulate,
-                    "progress": b.opts.progress, "check_repro": b.opts.check_repro},
+                    "progress": b.opts.progress, "check_repro": b.opts.check_repro,
+                    "promote_set": b.opts.promote_set},
+        "overrides": dict(sorted(b.opts.overrides.items())),  # build --set: this run's build args
         "stage_store": str(b.store.dir),
         "engine": remote_engine.record(b.engine_id),
         "registry": b.cache.as_dict() if b.cache is not None else None,
@@ -760,7 +802,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                         progress.finish(r.name, "pulled", r.seconds)
                         continue
                     r.action, r.reason = "build", "the registry cache did not give it (see the warning)"
-                    named[r.name] = _inputs_of(b, st)
+                    named[r.name] = inputs_of(b, st)
                 if r.action != "build":
                     r.status = "skipped"
                     progress.finish(r.name, "reused" if r.action == "reuse" else "skipped", 0,
@@ -771,7 +813,7 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                     _build_stage(b, r, st, named[r.name], tmp / r.name, empty, jobs, progress, head, started)
                 finally:
                     if r.status in ("built", "failed"):
-                        progress.finish(r.name, r.status, r.seconds)
+                        progress.finish(r.name, r.status, r.seconds, note=compilecache.line(r.compiler_cache))
                 if b.cache is not None:
                     b.cache.push(r.name, r.key, r.manifest)
             if b.opts.check_repro:
@@ -802,8 +844,10 @@ def _run_stages(b: Build, named: dict, started: str) -> dict:
                    **({"publish": publish} if publish is not None else {}))
 
 
-def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
-                 jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
+def stage_inputs(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path) -> tuple[Path, dict]:
+    """The stage's context folder and its named contexts (``imagebuild-src``: its verified source
+    tarballs and the generated unpack script; ``imagebuild-wheels``, ``imagebuild-apt``), made under
+    ``tmp`` exactly as the build sends them (``inputs``: ``inputs_of``); ``empty`` stands for none."""
     ctx = tmp / context_dir_name("context", st.key)
     make_context(b.root, st, ctx, st.source_date_epoch)
     src_dir = tmp / context_dir_name(NAMED_SRC, st.key)
@@ -813,8 +857,15 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     # the generated unpack script + manifest (extract every source, set every override; source_mounts.py)
     for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
         (src_dir / fname).write_bytes(data)
-    named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
-             NAMED_APT: str(inputs["apt"] or empty)}
+    return ctx, {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
+                 NAMED_APT: str(inputs["apt"] or empty)}
+
+
+def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
+                 jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
+    ctx, named = stage_inputs(b, st, inputs, tmp, empty)
+    src_dir = Path(named[NAMED_SRC])
+    cache_id = compilecache.give(b.root / st.dockerfile, src_dir, named, empty)
     meta = tmp / "metadata.json"
     argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st))
     r.args = {**st.build_args(), "SOURCE_DATE_EPOCH": str(st.source_date_epoch),
@@ -846,11 +897,18 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
         r.status = "failed"
         _record(b, "failed", started, failed_stage=st.name, release=None, promotion=None)
         raise OperationFailed(
-            f"stage {st.name!r} of {b.defn.name} failed (docker buildx build exit {exc.code}); last lines of its "
-            f"log:\n" + "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
-            hint=f"full log: {log_path}; :local and :candidate were not touched") from None
+            _failure(f"stage {st.name!r} of {b.defn.name}", log_path, exc.code,
+                     lambda w: _source_place(w, b.dir / "logs" / f"{st.name}.Dockerfile", b.root / st.dockerfile,
+                                             st.dockerfile)),
+            hint=f"full log: {log_path}; the release was not reached: :local and :candidate were not "
+            "touched") from None
     b.store.commit(st.key, st.name, manifest, patches=patches)
     r.manifest, r.patches = manifest, patches
+    if cache_id:
+        r.compiler_cache = compilecache.take_back(cache_id, stage_context=b.store.context(manifest),
+                                                  platform=b.plan.platform, tmp=tmp, run_id=b.run_id,
+                                                  log_path=log_path)
+        progress.info("%s: %s", head, compilecache.line(r.compiler_cache) or "ccache: no figures (see the log)")
     r.seconds = round(time.monotonic() - t0, 3)
     r.status = "built"
     progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
@@ -901,16 +959,7 @@ def _second_build(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, 
                   progress: Progress, head: str) -> str:
     """The stage built once more into the stage store, not committed: its (clamped) manifest."""
     tmp.mkdir(parents=True)
-    ctx = tmp / context_dir_name("context", st.key)
-    make_context(b.root, st, ctx, st.source_date_epoch)
-    src_dir = tmp / context_dir_name(NAMED_SRC, st.key)
-    src_dir.mkdir()
-    for vf in inputs["src"]:
-        _link_or_copy(vf.path, src_dir / vf.name)
-    for fname, data in source_mounts.source_mounts(b.lock, st.name, st.sources).files().items():
-        (src_dir / fname).write_bytes(data)
-    named = {NAMED_SRC: str(src_dir), NAMED_WHEELS: str(inputs["wheels"] or empty),
-             NAMED_APT: str(inputs["apt"] or empty)}
+    ctx, named = stage_inputs(b, st, inputs, tmp, empty)
     meta = tmp / "metadata.json"
     argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st),
                        rerun="check-" + secrets.token_hex(4))
@@ -919,8 +968,7 @@ def _second_build(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, 
     try:
         md = _buildx(argv, log_path=log_path, progress=progress, label=st.name, epoch=st.source_date_epoch)
     except _StageFailed as exc:
-        raise OperationFailed(f"stage {st.name!r}: its second build failed (docker buildx build exit {exc.code}); "
-                              f"last lines of its log:\n" + "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
+        raise OperationFailed(_failure(f"the second build of stage {st.name!r}", log_path, exc.code),
                               hint=f"full log: {log_path}") from None
     manifest = md.get("containerimage.digest")
     if not isinstance(manifest, str) or not b.store.complete(manifest):
@@ -1055,9 +1103,21 @@ def _provenance(b: Build) -> tuple[dict, dict]:
     doc = {"schema": "imagebuild.image", "version": 2, "image": b.defn.name, "build_id": b.plan.build_id,
            "platform": b.plan.platform, "source_date_epoch": b.epoch,
            "provenance": prov.as_dict() if prov else None,
-           "stages": [{"name": s.name, "key": s.key, "image": s.image} for s in b.plan.stages],
+           # build --set: the values no versions.env holds, as the plan gave them to the stages
+           "overrides": dict(sorted({a.name: a.value for st in b.plan.stages for a in st.args
+                                     if a.origin == plan_mod.ORIGIN_SET}.items())),
+           # the build args that reached each stage (versions.env's, the plan's; never the host's MAX_JOBS):
+           # `imagebuild diff` names a changed versions.env value from them
+           "stages": [{"name": s.name, "key": s.key, "image": s.image, "args": _recorded_args(s)} for s in b.plan.stages],
            "sources": _source_provenance(b), "lock_sha256": b.plan.lock_sha256, "patches": _merged_patches(b)}
     return labels, doc
+
+
+def _recorded_args(st: plan_mod.PlannedStage) -> dict[str, str]:
+    """The build args of a stage as its record keeps them: what its key holds (versions.env's, the
+    plan's, a one-run --set), without the parallelism knobs a build sets from the host unless pinned."""
+    return {a.name: a.value for a in st.args if a.origin != "buildkit"
+            and (a.name not in guards.PARALLEL_KNOBS or a.origin == "versions.env")}
 
 
 def _source_provenance(b: Build) -> dict:
@@ -1201,9 +1261,8 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
         except _StageFailed as exc:
             progress.finish("release", "failed")
             _record(b, "failed", started, failed_stage="release", release=None, promotion=None)
-            raise OperationFailed(f"the release step of {b.defn.name} failed (exit {exc.code}):\n" +
-                                  "\n".join("  | " + ln for ln in _tail(log_path).splitlines()),
-                                  hint=f"full log: {log_path}") from None
+            raise OperationFailed(_failure(f"the release step of {b.defn.name}", log_path, exc.code),
+                                  hint=f"full log: {log_path}; :local and :candidate were not touched") from None
         built = True
     from imagebuild.core import identity as identity_mod
 
@@ -1249,6 +1308,12 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
         exc.record = _record(b, "gate-failed", started, release=release,  # build --json prints it (exit 4)
                              promotion={"status": "gate-failed", "reason": exc.message})
         raise
+    if b.opts.overrides and not b.opts.promote_set:  # an experiment: gated, never :local unless asked
+        sets = " ".join(f"--set {k}=..." for k in sorted(b.opts.overrides))
+        log.info("%s: built with %s: stopped at %s:candidate (:local unchanged; --promote-set promotes it)",
+                 name, sets, name)
+        return {"status": "skipped", "gated": gated, "reason": f"built with {sets} (a one-run override): never "
+                "promoted to :local without --promote-set; stopped at :candidate"}
     p = promote_mod.promote(b.ctx, name, release["image_id"] or cand, spec_digest=spec_digest)
     return {"status": "promoted" if p.moved else "unchanged", "gated": gated, **p.as_dict()}
 
@@ -1274,6 +1339,9 @@ def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
         if r.action == "build":
             named = {NAMED_SRC: str(tmp / r.name / context_dir_name(NAMED_SRC, st.key)), NAMED_WHEELS: str(tmp / "empty"),
                      NAMED_APT: str(tmp / "empty")}
+            cache_id = compilecache.cache_id_of((b.root / st.dockerfile).read_text(errors="replace"))
+            if cache_id:
+                named[compilecache.NAMED_CCACHE] = str(compilecache.host_dir(cache_id))
             d["command"] = _stage_argv(b, st, ctx=tmp / r.name / context_dir_name("context", st.key), named=named,
                                        meta=tmp / r.name / "metadata.json", jobs=jobs, dry=True)
         else:

@@ -8,7 +8,12 @@ line per running step with its timer and its last output lines, and a total on t
      ⠹ napper    1m38s
          #5 [2/2] RUN echo start-napping-$SLEEP && sleep $SLEEP …      1m38s
             start-napping-100
+            (last output 1m38s ago)
        runner    waiting
+
+After a failure the total names the stage and says that the release was not reached
+(``Failed in 3.1s at stage check (2/3); the release was not reached``), and the failed stage's line
+names its step and its RUN's exit code; the step's output is in the run's error below the view.
 
 Only ``progress.Progress`` imports this module (and hands it its model and its clock), only in
 tty mode: rich costs the other commands nothing. The view is redrawn four times a second from the progress model (timers move
@@ -18,6 +23,7 @@ while a step prints nothing); the run's own log lines are printed above it.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 
@@ -29,6 +35,8 @@ SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 MARKS = {"built": ("✔", "green"), "pulled": ("✔", "green"), "skipped": ("·", "dim"), "reused": ("·", "dim"),
          "failed": ("✘", "bold red"), "waiting": (" ", "dim"), "interrupted": ("✘", "yellow")}
 SHOWN_DONE_STEPS = 2  # the last finished steps of the running stage, shown under it
+SILENT_S = 10.0  # a running step silent this long gets a "last output 1m45s ago" line
+_EXIT = re.compile(r"exit code: (\d+)")
 
 
 class LiveView:
@@ -79,11 +87,18 @@ class LiveView:
             head.append(f"Building {self.clock(p.elapsed())}", style="bold")
             head.append(f", stage {current or min(done + 1, total)}/{total}")
         else:
-            failed = any(r.state == "failed" for r in rows)
+            failed = next((r for r in rows if r.state == "failed"), None)
+            stopped = next((r for r in rows if r.state == "interrupted"), None)
             word = "Failed" if failed else ("Stopped" if p.outcome == "interrupted" else "Built")
             head.append(f"{word} in {self.clock(p.elapsed())}",
                         style="bold red" if failed else "bold")
-            head.append(f", {done}/{total} stages")
+            at = failed or stopped
+            if at is not None and at.extra:  # the release step itself
+                head.append(f" at the {at.name} step")
+            elif at is not None:  # never "3/3 stages", which reads as all done
+                head.append(f" at stage {at.name} ({stages.index(at) + 1}/{total}); the release was not reached")
+            elif p.outcome == "done":
+                head.append(f", {done}/{total} stages")
         out = [head]
         namew = max([len(r.name) for r in rows] + [4])
         frame = SPINNER[int(now * 8) % len(SPINNER)]
@@ -101,17 +116,20 @@ class LiveView:
             mark, style = MARKS.get(r.state, (" ", ""))
             line.append(mark, style=style)
             line.append(f" {r.name:<{namew}}  ")
-            line.append(f"{r.state:<8}", style=style)
+            # once the run ended, a stage still waiting was never reached (not "waiting" for anything)
+            line.append("not reached" if r.state == "waiting" and p.outcome not in (None, "done") else f"{r.state:<8}",
+                        style=style)
             if r.seconds is not None and r.state in ("built", "pulled", "failed"):
                 line.append(f" {self.clock(r.seconds):>7}")
             if r.note:
                 line.append(f"  {r.note}", style="dim")
             if r.state == "failed" and r.decoder is not None:
                 bad = r.decoder.error()
-                if bad is not None:
-                    out.append(line)
-                    out.append(self._fit(Text(f"     #{bad.number} {bad.name}: {bad.error}", style="red"), width))
-                    out.extend(self._fit(Text(f"        {ln}", style="dim"), width) for ln in bad.lines)
+                if bad is not None:  # which step, and its RUN's exit code: its output is in the error below
+                    code = _EXIT.search(bad.error or "")
+                    out.append(self._fit(line, width))
+                    out.append(self._fit(Text(f"     {'RUN exit ' + code.group(1) + ' at ' if code else ''}"
+                                              f"#{bad.number} {' '.join(bad.name.split())}", style="red"), width))
                     continue
             out.append(self._fit(line, width))
         return out
@@ -140,6 +158,8 @@ class LiveView:
             if s.partial.strip():
                 tail = (tail + [s.partial.strip()])[-self.tail:]
             out.extend(self._fit(Text(f"        {ln}", style="dim"), width) for ln in tail)
+            if s.silent(now) >= SILENT_S:  # a link step prints nothing for minutes: say for how long
+                out.append(self._fit(Text(f"        ({s.quiet_words(now)})", style="yellow"), width))
         return out
 
     def _step_line(self, label: str, right: str, width: int, style: str) -> Text:

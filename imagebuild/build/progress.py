@@ -12,10 +12,13 @@ stderr, in one of the modes of ``--progress`` (docs/build.md, "Progress"):
   ``live.py`` (rich), imported only in this mode;
 - ``plain``: the run's compact lines, one line when a step starts and one when it ends, and a
   heartbeat (every ``$IMAGEBUILD_HEARTBEAT_S`` s, default 30) naming the stage, the running step,
-  its time and its last output line; with ``-v`` also every output line;
+  its time, how long ago it printed last (``last output 12m03s ago``) and that line; with ``-v``
+  also every output line; a failing step's error is said once, by the run's final error;
 - ``quiet``: only the heartbeat;
 - ``rawjson``: BuildKit's own lines, as they come (for a tool that reads them); buildx's own text lines
-  as ``{"buildx": {"message": ...}}`` and imagebuild's as JSON lines too (cli/main.py ``_json_lines``);
+  as ``{"buildx": {"message": ...}}`` and imagebuild's as JSON lines too (cli/main.py ``_json_lines``),
+  with a stage event (``{"imagebuild": {"event": "start"|"skip"|"done"|"failed", "stage": ...}}``)
+  when each stage starts and ends;
 - ``auto`` (the default): ``tty`` when stderr is a terminal, otherwise ``plain``.
 
 The default comes from ``$IMAGEBUILD_PROGRESS``, then ``$BUILDKIT_PROGRESS`` (as buildx reads it).
@@ -144,6 +147,7 @@ class Step:
     count: int = 0  # output lines so far
     partial: str = ""  # output after the last newline
     status: str | None = None  # the running sub-task (a transfer, a pull)
+    heard: float | None = None  # local monotonic time of its last output
 
     @property
     def internal(self) -> bool:
@@ -172,6 +176,17 @@ class Step:
 
     def last_line(self) -> str:
         return self.partial.strip() or (self.lines[-1] if self.lines else "")
+
+    def silent(self, now: float | None = None) -> float:
+        """Seconds since its last output line (since it started, when it printed nothing yet)."""
+        since = self.heard if self.heard is not None else self.seen
+        return 0.0 if since is None else max(0.0, (now if now is not None else time.monotonic()) - since)
+
+    def quiet_words(self, now: float | None = None) -> str:
+        """``last output 12m03s ago`` (``no output yet`` for a step that printed nothing)."""
+        if self.heard is None:
+            return "no output yet"
+        return f"last output {clock(self.silent(now))} ago"
 
 
 class Decoder:
@@ -293,6 +308,8 @@ class Decoder:
         st = self._step(digest)
         data = redact_text(strip_ansi(st.partial + _b64(lg.get("data"))), self._secrets)
         *full, st.partial = data.split("\n")
+        if data:
+            st.heard = time.monotonic()
         for ln in full:
             self._emit(st, ln, out, lg.get("timestamp"))
         if st.partial and len(st.partial) > 4096:  # a meter with no newline: never hold it all
@@ -335,6 +352,11 @@ class Decoder:
 
     def error(self) -> Step | None:
         return next((s for s in self.order if s.error), None)
+
+
+# a stage's end state -> its rawjson event
+EVENT_OF = {"built": "done", "pulled": "done", "skipped": "skip", "reused": "skip", "failed": "failed",
+            "interrupted": "interrupted"}
 
 
 @dataclass
@@ -391,6 +413,7 @@ class Progress:
                 if r.state == "running" and outcome != "done":
                     r.state = "interrupted" if outcome == "interrupted" else "failed"
                     r.seconds = time.monotonic() - r.t0 if r.t0 else None
+                    self._event(r.state, r)
         if self._live is not None:
             live, self._live = self._live, None
             live.stop()
@@ -410,12 +433,31 @@ class Progress:
             r = self.row(name)
             r.state, r.t0 = "running", time.monotonic()
             self._row = r
+            self._event("start", r)
 
     def finish(self, name: str, state: str, seconds: float | None = None, note: str = "") -> None:
         with self.lock:
             r = self.row(name)
             r.state, r.note, r.label = state, note, ""
             r.seconds = seconds if seconds is not None else (time.monotonic() - r.t0 if r.t0 else None)
+            self._event(EVENT_OF.get(state, state), r)
+
+    def _event(self, event: str, r: StageRow) -> None:
+        """rawjson: imagebuild's own stage events among BuildKit's lines, ``{"imagebuild": {"event":
+        start|skip|done|failed|interrupted, "stage", "index", "of", "state", "seconds", "note"}}``:
+        the BuildKit lines between a stage's ``start`` and its end are that stage's, and a skipped
+        stage leaves its trace."""
+        if self.mode != "rawjson":
+            return
+        stages = [x for x in self.rows if not x.extra]
+        doc = {"event": event, "stage": r.name, "index": stages.index(r) + 1 if r in stages else None,
+               "of": len(stages), "state": r.state}
+        if event != "start":
+            doc["seconds"] = round(r.seconds, 3) if r.seconds is not None else None
+            if r.note:
+                doc["note"] = r.note
+        sys.stderr.write(json.dumps({"imagebuild": doc}, ensure_ascii=False) + "\n")
+        sys.stderr.flush()
 
     def info(self, msg: str, *args) -> None:
         if self.mode not in ("quiet", "rawjson"):
@@ -451,7 +493,7 @@ class Progress:
         for ln in plain.splitlines():
             if not ln:
                 continue
-            if self.verbose or _compact(ln, dec):
+            if self.verbose or (_compact(ln, dec) and not _said_at_the_end(ln, dec)):
                 out.append(f"{name} | {ln}\n")
         if out:
             sys.stderr.write("".join(out))
@@ -478,9 +520,12 @@ class Progress:
                 st = dec.current()
                 if st is not None:
                     parts.append(f"step #{st.number} {_short(st.name, 60)} ({hms(st.seconds())})")
-                    last = st.last_line() or st.status
-                    if last:
-                        parts.append(f"last output: {_short(last, 100)}")
+                    said, last = st.quiet_words(), st.last_line()
+                    if last and st.heard is not None:
+                        said += f": {_short(last, 100)}"
+                    elif st.status:
+                        said += f", {_short(st.status, 100)}"
+                    parts.append(said)
             else:
                 parts[0] += ")"
             parts.append(f"log: {self._log}")
@@ -511,6 +556,16 @@ def _compact(line: str, dec: Decoder) -> bool:
     if st is None or not st.shown:
         return False
     return first in ("DONE", "CACHED") or rest == st.name
+
+
+def _said_at_the_end(line: str, dec: Decoder) -> bool:
+    """A failing step's ERROR line and buildx's error summary after it: the run's final error says
+    them once (the place, the RUN's exit code, the step's output), so ``plain`` does not print them
+    first."""
+    if line.startswith("#"):
+        head, _, rest = line.partition(" ")
+        return head[1:].isdigit() and rest.startswith("ERROR:")
+    return dec.error() is not None or line.startswith("ERROR")
 
 
 def _short(text: str, n: int) -> str:

@@ -75,10 +75,11 @@ class Promotion:
     previous_id: str | None  # what :local was (now :previous), None when nothing moved there
     receipt: dict
     moved: bool = True  # False: :local already held this very image identity (nothing was touched)
+    replaced_other: str | None = None  # the other checkout whose build :local held (and that promoted it)
 
     def as_dict(self) -> dict:
         return {"image": self.image, "local_identity": self.local, "local_id": self.local_id,
-                "previous_id": self.previous_id, "moved": self.moved,
+                "previous_id": self.previous_id, "moved": self.moved, "replaced_other": self.replaced_other,
                 "receipt": {"identity": self.receipt.get("identity", {}).get("digest"),
                             "spec": self.receipt.get("spec"), "authority": self.receipt.get("authority"),
                             "result": self.receipt.get("result")}}
@@ -144,10 +145,19 @@ def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str |
     # the id from the very inspect the receipt was checked against: if :candidate moves meanwhile,
     # :local still goes to the image that passed
     cand_id = ident.local_id or image_id(candidate)
-    local = _identity_or_none(ref(image, LOCAL))
+    try:
+        local_data = identity_mod.inspect_data(ref(image, LOCAL))
+    except OperationFailed:
+        local_data = None
+    local = identity_mod.from_inspect(local_data) if local_data is not None else None
     if local is not None and local.digest == ident.digest:
         log.info("%s:local already is identity %s: nothing moves (:previous stays)", image, ident.digest)
         return Promotion(image, ident.digest, local.local_id, None, receipt, moved=False)
+    other = _promoted_elsewhere(ctx, image, local_data) if local_data is not None else None
+    if other is not None:  # the engine's :local is shared by every checkout on this node
+        log.warning("warning: %s:local holds build %s of another checkout (%s), which promoted it; this promotion "
+                    "replaces it (kept as %s:previous: imagebuild rollback %s brings it back)",
+                    image, other[1], other[0], image, image)
     previous = None
     if local is not None and local.local_id:
         tag(local.local_id, ref(image, PREVIOUS))
@@ -155,7 +165,29 @@ def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str |
     tag(cand_id or candidate, ref(image, LOCAL))
     log.info("promoted %s -> %s:local (identity %s)%s", candidate, image, ident.digest,
              f"; previous :local kept as {image}:previous" if previous else "")
-    return Promotion(image, ident.digest, cand_id, previous, receipt)
+    return Promotion(image, ident.digest, cand_id, previous, receipt,
+                     replaced_other=other[0] if other is not None else None)
+
+
+def _promoted_elsewhere(ctx, image: str, local_data: dict) -> tuple[str, str] | None:
+    """(checkout root, build id) when ``:local`` holds a build that another live checkout claims in the
+    shared stage store (build/owners.py) and this one does not: that checkout promoted it. None when
+    this checkout made it too (the same content: the same build id), or nobody claims it."""
+    from imagebuild.build import owners
+    from imagebuild.build.stagestore import StageStore
+    from imagebuild.core.context import maybe
+
+    c = maybe(ctx)
+    labels = ((local_data.get("Config") or {}).get("Labels")) or {}
+    build_id = labels.get("io.imagebuild.build-id")
+    if c is None or not build_id:
+        return None
+    store = StageStore.for_image(c.root, image).dir
+    mine = owners.read(owners.owner_path(store, c.root))
+    if mine is not None and build_id in mine.builds:
+        return None
+    theirs = [cl for cl in owners.others(store, c.root) if build_id in cl.builds]
+    return (theirs[0].root, build_id) if theirs else None
 
 
 def rollback(image: str, ctx=None, *, dry_run: bool = False) -> dict:

@@ -55,7 +55,7 @@ def failed_logs(doc: dict, root: Path) -> list[Path]:
 
 def commands(doc: dict, root: Path) -> list[str]:
     """The ``::group::`` folds (one per stage that ran) and ``::error`` lines of a nightly report."""
-    from imagebuild.ops import buildlog
+    from imagebuild.build import buildlog
 
     out = []
     for im in doc.get("images") or []:
@@ -75,7 +75,7 @@ def commands(doc: dict, root: Path) -> list[str]:
             props.append(f"title={_prop(im['image'] + ': definition error')}")
             out.append(f"::error {','.join(props)}::{_msg((prob.get('key') + ': ' if prob.get('key') else '') + prob['message'])}")
         if f.get("stage"):
-            what = (f"exit code {f['exit_code']} from `{f.get('command')}`" if f.get("exit_code") is not None
+            what = (f"RUN exit {f['exit_code']} from `{f.get('command')}`" if f.get("exit_code") is not None
                     else "no step reported an exit code")
             out.append(f"::error title={_prop(im['image'] + '/' + f['stage'] + ' failed')}::"
                        + _msg(f"stage {f['stage']} of {im['image']} failed: {what}; log {f.get('log')}"))

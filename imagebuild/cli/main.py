@@ -49,15 +49,17 @@ def _docs_dir() -> str:
     return os.path.join(sys.prefix, "share", "doc", "imagebuild")
 
 
-EPILOG = f"""\
-exit codes:
-  {EXIT_OK}    success
-  {EXIT_FAILED}    an operation failed (docker, git, network, a failed check in doctor)
-  {EXIT_BAD_INPUT}    bad input or configuration (definition errors, bad flags)
-  {EXIT_REFUSED}    refused by a guard rail (serving container running, wrong architecture, lock held)
-  {EXIT_GATE_FAILED}    the image's gate failed
-  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+# the exit codes, as the top-level help and the man page's EXIT STATUS say them (docs/cli.md has the table)
+EXIT_CODES = (
+    (EXIT_OK, "success"),
+    (EXIT_FAILED, "an operation failed (docker, git, network, a failed check in doctor)"),
+    (EXIT_BAD_INPUT, "bad input or configuration (definition errors, bad flags)"),
+    (EXIT_REFUSED, "refused by a guard rail (serving container running, wrong architecture, lock held)"),
+    (EXIT_GATE_FAILED, "the image's gate failed"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+)
 
+EPILOG = "exit codes:\n" + "".join(f"  {code:<5}{what}\n" for code, what in EXIT_CODES) + f"""
 environment:
   IMAGEBUILD_ROOT   project root (folder holding docker-images/); default: nearest one above the
                     current folder
@@ -75,7 +77,7 @@ the man page (make man before the install): man imagebuild
 GROUPS = (
     ("define and inspect", ("list", "validate", "plan", "config")),
     ("fetch", ("prefetch", "bundle", "unbundle")),
-    ("build and check", ("build", "gate", "patch", "log")),
+    ("build and check", ("build", "gate", "shell", "patch", "log")),
     ("ship", ("sync", "rollback")),
     ("operate", ("nightly", "report", "diff", "df", "gc", "doctor")),
     ("help", ("help",)),
@@ -99,6 +101,7 @@ EXAMPLES = {
              "imagebuild gate some/image:tag --spec gate.yaml --junit gate.xml"),
     "patch": ("imagebuild patch glm53-jovian-r12 --src ~/src/vllm --check",
               "imagebuild patch glm53-jovian-r12 --src ~/src/vllm --stage vllm-wheel"),
+    "shell": ("imagebuild shell example app", "imagebuild shell example app -- ls /imagebuild/context"),
     "log": ("imagebuild log", "imagebuild log example latest", "imagebuild log example latest --stage base"),
     "sync": ("imagebuild sync dgx4", "imagebuild sync --image example --dry-run dgx4 dgx5",
              "imagebuild sync @rack2 --via registry"),
@@ -460,6 +463,12 @@ prefetch environment:
                     "them (as build does), then each once more from the same parent without BuildKit's cache, "
                     "and compare; names every file that differs; no release, no promotion; exit 1 on a "
                     "difference (docs/build.md, Reproducibility)")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="this run only: give the build arg KEY (declared by a stage, from versions.env or a "
+                    "default) the value VALUE; a different key and build id, recorded in the build record; "
+                    "the build is gated but never promoted to :local without --promote-set (repeatable)")
+    sp.add_argument("--promote-set", action="store_true", help="with --set: promote the build to :local when its "
+                    "gate passes")
     sp.add_argument("--cache-registry", metavar="HOST:PORT/PREFIX", help="a registry shared by the build nodes: "
                     "stages found there under their key are pulled (verified) instead of built, stages built here "
                     "are pushed, and the gated release is tagged there (default: registry: in imagebuild.yaml)")
@@ -527,6 +536,22 @@ sync environment:
                     help="list only the newest N runs")
     sp.add_argument("--json", action="store_true", help="print JSON (schema imagebuild.log, version 1)")
     sp.set_defaults(func=cmd_log)
+
+    sp = sub.add_parser("shell", help="a shell in a stage: a container of its parent with its inputs, no network",
+                        description="Start a container where STAGE's RUN steps run, to see why one failed: FROM "
+                        "the stage's parent (the earlier stage's image from the stage store, or the pinned base "
+                        "image), --network none (unless the stage declares network: true), the stage's build args "
+                        "in the environment, and its inputs, checked against the lock, mounted read-only where "
+                        "the build mounts them: /imagebuild/context (what its COPY lines read), /imagebuild/src "
+                        "(imagebuild-src), /imagebuild/wheels, /imagebuild/apt. With COMMAND, runs it instead of a "
+                        "shell and exits with its code. The container and its temporary tag are removed at the "
+                        "end. Details: docs/build.md.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("image", metavar="IMAGE", help="image name (a folder under docker-images/)")
+    sp.add_argument("stage", metavar="STAGE", help="the stage whose RUN steps the shell is for")
+    sp.add_argument("run_argv", metavar="COMMAND", nargs=argparse.REMAINDER,
+                    help="run this (after --) instead of an interactive shell")
+    sp.set_defaults(func=cmd_shell)
 
     sp = sub.add_parser("gc", help="free disk: remove what no kept build needs (--dry-run first)",
                         description="Remove, per image, what no kept build needs: release images and tags of other "
@@ -1135,6 +1160,21 @@ def cmd_build(args) -> int:
         return _cmd_build(args)
 
 
+def _overrides(values: list[str]) -> dict[str, str]:
+    """``--set KEY=VALUE`` (repeatable) -> {KEY: VALUE}; a word without ``=``, an empty KEY or a KEY given
+    twice is a usage error (exit 2). Which KEYs a definition takes: planner.check_overrides."""
+    out: dict[str, str] = {}
+    for v in values:
+        key, eq, value = v.partition("=")
+        if not eq or not key or not key.replace("_", "").isalnum():
+            raise UsageError(f"--set {v!r}: expected KEY=VALUE (a build arg's name, then its value)",
+                             hint="imagebuild build IMAGE --set TOOL_VERSION=1.1")
+        if key in out:
+            raise UsageError(f"--set {key}: given twice")
+        out[key] = value
+    return out
+
+
 def _cmd_build(args) -> int:
     from imagebuild.build import builder as build_mod
 
@@ -1154,7 +1194,8 @@ def _cmd_build(args) -> int:
     opts = build_mod.Options(from_stage=args.from_stage, until_stage=args.until_stage, no_cache=args.no_cache,
                              force=args.force, dry_run=args.dry_run, jobs=args.jobs, emulate=args.emulate,
                              gate=not args.no_gate, progress=args.progress, registry=registry,
-                             check_repro=args.check_repro)
+                             check_repro=args.check_repro, overrides=_overrides(args.overrides),
+                             promote_set=args.promote_set)
     if args.dry_run and args.check_repro:
         raise UsageError("--check-repro builds every selected stage twice; --dry-run builds nothing",
                          hint="use one of them")
@@ -1215,6 +1256,13 @@ def _cmd_build(args) -> int:
                   "differ are listed above; docs/build.md, Reproducibility)", ", ".join(bad))
         return EXIT_FAILED
     return EXIT_OK
+
+
+def cmd_shell(args) -> int:
+    from imagebuild.build import shell as shell_mod
+
+    command = args.run_argv[1:] if args.run_argv[:1] == ["--"] else args.run_argv
+    return shell_mod.shell(common.ctx(args), args.image, args.stage, command or None)
 
 
 def cmd_log(args) -> int:
@@ -1358,6 +1406,8 @@ def cmd_df(args) -> int:
     if doc["buildkit_cache"]:
         print(f"BuildKit build cache: {h(doc['buildkit_cache']['bytes'])} (docker builder prune frees it)")
     print(f"git mirror cache: {h(doc['git_mirrors']['bytes'])} in {doc['git_mirrors']['path']}")
+    for cc in doc.get("compiler_caches", []):
+        print(f"compiler cache {cc['id']}: {h(cc['bytes'])} in {cc['path']}")
     return EXIT_OK
 
 
@@ -1506,14 +1556,7 @@ def _rollback_target(image: str, ctx) -> None:
                          "and NAME:previous", hint=f"imagebuild rollback {name}")
     defn_mod.check_image_name(image)
     if not (ctx.root / defn_mod.IMAGES_DIR / image / defn_mod.IMAGE_FILE).is_file():
-        from imagebuild.core.errors import Problem
-
-        known = defn_mod.list_images(ctx.root)
-        raise DefinitionError([Problem(defn_mod.display_path(ctx.root, ctx.root / defn_mod.IMAGES_DIR / image),
-                                       "no such image definition: rollback swaps the tags of this project's "
-                                       "images only", key="IMAGE",
-                                       hint=f"known images: {', '.join(known) or 'none'} (imagebuild list)")],
-                              image=image)
+        raise defn_mod.unknown_image(ctx.root, image, note="rollback swaps the tags of this project's images only")
 
 
 def _rollback_registry(args, ctx) -> int:
@@ -1626,6 +1669,12 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
             starts = [o for o in known if name.startswith("--") and o.startswith(name)]
             if starts:
                 msg += f" (options are never abbreviated: did you mean {' or '.join(starts)}?)"
+                break
+            import difflib
+
+            close = difflib.get_close_matches(name, known, n=2, cutoff=0.75) if name.startswith("--") else []
+            if close:  # a typo (--histroy)
+                msg += f" (did you mean {' or '.join(close)}?)"
                 break
         sp.error(msg)
     if args.verbose and args.quiet:

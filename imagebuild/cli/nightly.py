@@ -212,7 +212,7 @@ def cmd_report(args) -> int:
     import sys
     from pathlib import Path
 
-    from imagebuild.core.errors import EXIT_OK
+    from imagebuild.core.errors import EXIT_OK, ImagebuildError
     from imagebuild.definition import reader as defn_mod
     from imagebuild.ops import report as report_mod
 
@@ -229,13 +229,13 @@ def cmd_report(args) -> int:
             raise UsageError("--summary is for one report; --history and --html show the nights")
         image = None
         if args.args:
-            if len(args.args) > 1 or not (root / defn_mod.IMAGES_DIR / args.args[0]).is_dir():
+            if len(args.args) > 1:
                 from imagebuild.core.errors import UsageError
 
                 raise UsageError(f"with --history or --html: expected at most one IMAGE, got {' '.join(args.args)}",
                                  hint=f"images: {', '.join(defn_mod.list_images(root)) or 'none'}")
             image = args.args[0]
-            defn_mod.check_image_name(image)
+            defn_mod.require_image(root, image)
         return cmd_history(args, ctx, rdir, image)
     if len(args.args) > 2:
         from imagebuild.core.errors import UsageError
@@ -248,11 +248,18 @@ def cmd_report(args) -> int:
         a = args.args[0]
         if a != "latest" and (root / defn_mod.IMAGES_DIR / a).is_dir():
             image = a
-        else:
+        elif a == "latest" or a[:1].isdigit():  # a run id (or its prefix) starts with its date
             which = a
+        else:  # neither a run nor an image: a mistyped image, said as every command says it
+            image = a
     if image is not None:
         defn_mod.check_image_name(image)
-    st = report_mod.find(rdir, which, image)
+    try:
+        st = report_mod.find(rdir, which, image)
+    except ImagebuildError:
+        if image is not None:  # a mistyped image (not a removed one the reports still hold): said as everywhere
+            defn_mod.require_image(root, image)
+        raise
     doc = st.load()
     if image is not None:
         doc = {**doc, "images": [i for i in doc["images"] if i.get("image") == image]}

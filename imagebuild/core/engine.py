@@ -64,6 +64,23 @@ def probe() -> EngineInfo:
                       info.get("Architecture"), info.get("DockerRootDir"), id=info.get("ID") or info.get("Name"))
 
 
+def unreachable_error(info: EngineInfo) -> OperationFailed:
+    """The one error of every command that needs the engine and has none (exit 1): the engine of
+    ``--engine`` or the environment's, why ``docker info`` got no answer, and what to do. Said as
+    ``build`` and ``doctor`` say it, never as a registry that "does not answer"."""
+    from imagebuild.core import remote_engine
+    from imagebuild.core.secrets import without_userinfo
+
+    eng = remote_engine.active()
+    if eng is not None:
+        return OperationFailed(f"the engine {eng.display} (--engine) is not reachable: {info.detail}",
+                               hint=f"check it from here: DOCKER_HOST={without_userinfo(str(eng.host))} docker info "
+                               "(ssh keys, the "
+                               "docker CLI on that node, IMAGEBUILD_SSH)")
+    return OperationFailed(f"no Docker engine reachable: {info.detail}",
+                           hint="start dockerd (scripts/testbed.sh) and check with `imagebuild doctor`")
+
+
 def unreachable_reason(output: str, info: dict | None = None) -> str:
     """Why ``docker info`` got no engine, in the CLI's own words (never its JSON document)."""
     errors = [str(e) for e in ((info or {}).get("ServerErrors") or []) if e]

@@ -69,12 +69,13 @@ def _environ(env: Mapping[str, str] | None) -> dict[str, str] | None:
 
 def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeout: float | None = None,
         env: Mapping[str, str] | None = None, cwd: Path | str | None = None, input: bytes | None = None,
-        hint: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``argv``; with ``capture`` stdout and stderr are returned (combined in ``.stdout``)."""
+        hint: str | None = None, pass_fds: Sequence[int] = ()) -> subprocess.CompletedProcess:
+    """Run ``argv``; with ``capture`` stdout and stderr are returned (combined in ``.stdout``).
+    ``pass_fds``: descriptors the child inherits (as ``subprocess`` keeps them)."""
     argv = _announce(argv)
     try:
         proc = subprocess.run(
-            argv, cwd=cwd, env=_environ(env), input=input, timeout=timeout,
+            argv, cwd=cwd, env=_environ(env), input=input, timeout=timeout, pass_fds=tuple(pass_fds),
             stdout=subprocess.PIPE if capture else None,
             stderr=subprocess.STDOUT if capture else None,
         )

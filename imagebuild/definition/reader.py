@@ -50,6 +50,35 @@ from imagebuild.definition.source_options import (  # noqa: F401  (re-exported: 
 )
 from imagebuild.definition.stages import parse_stage
 
+NO_DEFINITION = "no such image definition (folder not found)"
+
+
+def unknown_image(root: Path | None, name: str, *, why: str = NO_DEFINITION, note: str | None = None) -> DefinitionError:
+    """The one error every command gives for a wrong image name (exit 2): ``docker-images/NAME:
+    IMAGE: <why>``, with a did-you-mean among this project's images (else the known ones) and, after
+    before it, the command's own ``note`` (where else the name could be meant)."""
+    base = Path(root) if root is not None else Path.cwd()
+    known = list_images(base) if (base / IMAGES_DIR).is_dir() else []
+    close = close_image(base, name)
+    hint = f"did you mean {close!r}?" if close else f"known images: {', '.join(known) or 'none'} (imagebuild list)"
+    return DefinitionError([Problem(display_path(base, base / IMAGES_DIR / name), why, key="IMAGE",
+                                    hint=(f"{note}; " if note else "") + hint)], image=name)
+
+
+def close_image(root: Path | None, name: str) -> str | None:
+    """The image of this project whose name is closest to ``name`` (a typo), or None."""
+    if root is None or not (Path(root) / IMAGES_DIR).is_dir():
+        return None
+    close = difflib.get_close_matches(name, list_images(Path(root)), n=1)
+    return close[0] if close else None
+
+
+def require_image(root: Path | None, name: str, *, note: str | None = None) -> None:
+    """``name`` is a valid image name with a definition folder under ``root``; else ``unknown_image``."""
+    check_image_name(name)
+    if root is None or not (Path(root) / IMAGES_DIR / name).is_dir():
+        raise unknown_image(root, name, note=note)
+
 
 def load(root: Path, name: str, *, versions: Path | None = None, versions_display: str | None = None) -> Definition:
     """Read, validate and return the definition ``name``; raise DefinitionError on any problem.
@@ -62,12 +91,7 @@ def load(root: Path, name: str, *, versions: Path | None = None, versions_displa
     c = Collector()
     disp = lambda p: display_path(root, p)  # noqa: E731
     if not d.is_dir():
-        known = list_images(root) if (root / IMAGES_DIR).is_dir() else []
-        close = difflib.get_close_matches(name, known, n=1)
-        raise DefinitionError([Problem(
-            disp(d), "no such image definition (folder not found)", key="IMAGE",
-            hint=f"did you mean {close[0]!r}?" if close else
-            f"known images: {', '.join(known) or 'none'} (imagebuild list)")], image=name)
+        raise unknown_image(root, name)
 
     if versions is None:
         env = _load_env(d / VERSIONS_FILE, disp(d / VERSIONS_FILE), c)

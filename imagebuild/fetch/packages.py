@@ -215,6 +215,12 @@ def prefetch_images(defn: d.Definition, report: Report | None = None) -> dict:
     report = report if report is not None else Report()
     updates: dict[str, str] = {}
     section: dict[str, dict] = {}
+    if image_keys(defn):  # every base is looked up in the engine: without one, say that (not "its registry")
+        from imagebuild.core import engine as engine_mod
+
+        info = engine_mod.probe()
+        if not info.reachable:
+            raise engine_mod.unreachable_error(info)
     for key in image_keys(defn):
         ref, msg = d.parse_image_ref(key, defn.env.get(key) or "")
         if msg:

@@ -355,6 +355,8 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
     srcdir.mkdir(parents=True, exist_ok=True)
     old_sources = (old_lock or {}).get("sources") if isinstance((old_lock or {}).get("sources"), dict) else {}
 
+    packed_entries: dict[str, list[tarball.Entry]] = {}
+
     def do_pack(p: Pin) -> dict:
         m = cache.mirror(p.repo)
         c = composed[p.name]
@@ -362,6 +364,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         info = check.deps.get(p.name)
         subs = info.submodules if info else depcheck.submodules_for(p.opts, None)[0]
         entries, packed_subs = _entries(cache, p, m, c.commit, p.opts.subdir, subs, p.repo, "")
+        packed_entries[p.name] = entries  # what the patch check reads its files from (_check_patches)
         pid = packed_id(tree, packed_subs, c.epoch)
         fname = f"{p.name.lower()}-{pid[:12]}.tar.gz"
         dest = srcdir / fname
@@ -418,7 +421,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         defn.env.update(updates)
         for u in rep.pinned:
             log.info("  pinned %s=%s in %s", u["key"], u["to"], defn.env.display)
-    for name, per_stage in _check_patches(defn, sources, rep).items():
+    for name, per_stage in _check_patches(defn, sources, rep, packed_entries).items():
         sources[name]["patch_check"] = per_stage
     lock.update_sections(defn.dir, defn.name, {"sources": sources})
     packed = {Path(x["tarball"]).name: x["sha256"] for e in sources.values()
@@ -454,7 +457,8 @@ def _ref_updates(defn: d.Definition, pins: dict[str, Pin], rep: ImageReport) -> 
     return updates
 
 
-def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
+def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport,
+                   packed: dict[str, list[tarball.Entry]] | None = None) -> dict:
     """Check each patching stage's patches against a composed tree, as the build will apply them,
     without writing anything: {source: {stage: [outcome, ...]}}.
 
@@ -465,8 +469,12 @@ def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
     applied first, as the installed package has them. A patch is recorded under the first of those
     trees where it is not ``not-applicable`` (else under the first tree).
 
-    The packed tarball (the bytes the build gets) is extracted into a scratch folder, where the
-    patches run in another process, twice (definition/patchcheck.py: nothing of a patch runs here).
+    The patches run in another process, twice (definition/patchcheck.py: nothing of a patch runs here),
+    on the tree the tarball was packed from (``packed``: its entries), populated lazily: a path is made
+    (at its size, mode and mtime) when the patch run looks it up, and a file gets its bytes from the git
+    mirror when the patch run first opens it (definition/lazytree.py), so only the files the patches read are read,
+    not the whole tree a second time. When a patch does what that cannot follow (a subprocess, ctypes),
+    the check is redone, said in the log, on the packed tarball (the bytes the build gets) extracted.
     The outcomes go into the lock, so that `imagebuild plan` shows, offline, which patches apply,
     which are not needed and which do not apply to this tree (with the reason); a patch that would
     fail is said now, not an hour into the build."""
@@ -494,10 +502,17 @@ def _check_patches(defn: d.Definition, sources: dict, rep: ImageReport) -> dict:
             continue
         found = {}
         for name, before in trees:
-            with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
-                with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
-                    tf.extractall(tmp, filter="data")
-                found[name] = patchcheck.check([*before, *paths], Path(tmp), copy=False)[len(before):]
+            res, why = None, "the packed entries are not known"
+            if packed and name in packed:
+                listing = [(e.path, e.mode, e.sha, e.repo.path) for e in packed[name]]
+                res, why = patchcheck.check_lazy([*before, *paths], listing, int(sources[name]["source_date_epoch"]))
+            if res is None:
+                log.info("  %s: stage %s's patches checked on the whole tree extracted: %s", name, st.name, why)
+                with tempfile.TemporaryDirectory(prefix="imagebuild-patch-check-") as tmp:
+                    with tarfile.open(defn.root / sources[name]["tarball"]) as tf:
+                        tf.extractall(tmp, filter="data")
+                    res = patchcheck.check([*before, *paths], Path(tmp), copy=False)
+            found[name] = res[len(before):]
         for i in range(len(paths)):
             name = next((n for n, _ in trees if found[n][i].outcome != patching.NOT_APPLICABLE), trees[0][0])
             r = found[name][i]

@@ -130,6 +130,9 @@ def resolve(ctx: context_mod.Context | Path | None, target: str, *, ref: str | N
         return Target(root, target, ref or default_ref(target), spec_path, _display(root, spec_path, spec),
                       receipts.AUTHORITY_DEFINITION if own else receipts.AUTHORITY_AD_HOC, dfn.env.values())
     if spec is None:
+        if root is not None and defn_mod.NAME_RE.match(target):  # a name: said as every command says it
+            raise defn_mod.unknown_image(root, target, note="to gate an image reference, give its gate spec: "
+                                         "imagebuild gate REF --spec FILE")
         where = f"under {root / defn_mod.IMAGES_DIR}" if root else "(no project root found)"
         raise UsageError(f"{target!r} is not an image definition {where}",
                          hint="to gate an image reference, give its gate spec: imagebuild gate REF --spec FILE")

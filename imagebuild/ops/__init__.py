@@ -5,9 +5,8 @@ build, gate, promote, sync, gc) with its JSON and Markdown report, what changed 
 the disk each image holds and the retention that frees it, and the host checks.
 - ``nightly``: ``imagebuild nightly``; ``report``: the run report; ``imagediff``: ``imagebuild diff``;
 - ``gc``: ``imagebuild df`` and ``imagebuild gc``; ``doctor``: ``imagebuild doctor``;
-- ``history``: the nights, kept for good; ``htmlpage``: them as one HTML page with charts;
-  ``buildlog``: what a failed stage's log says (its step's exit code, its last lines).
+- ``history``: the nights, kept for good; ``htmlpage``: them as one HTML page with charts.
 - ``settings``: ``imagebuild config`` (effective settings and the environment variables).
 """
 
-__all__ = ["buildlog", "doctor", "gc", "history", "htmlpage", "imagediff", "nightly", "report", "settings"]
+__all__ = ["doctor", "gc", "history", "htmlpage", "imagediff", "nightly", "report", "settings"]

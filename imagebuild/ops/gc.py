@@ -56,7 +56,7 @@ from imagebuild.core import fsutil, runs, state
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.context import Context, of
-from imagebuild.core.errors import DefinitionError, OperationFailed, Problem
+from imagebuild.core.errors import OperationFailed
 from imagebuild.definition import reader as defn_mod
 
 log = logging.getLogger("imagebuild")
@@ -72,7 +72,7 @@ _UNITS = {"B": 1, "kB": 1000, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB"
 @dataclass
 class Item:
     # release | tag | legacy-stage | stage-ref | blob | ingest | tarball | package-dir | run | tmp | mirror-tmp
-    # | parse-cache
+    # | parse-cache | compiler-cache-tmp
     kind: str
     what: str  # a reference or a path, as shown
     bytes: int
@@ -516,6 +516,15 @@ def plan_mirror_cache() -> list[Item]:
     return out
 
 
+def plan_compiler_cache() -> list[Item]:
+    """Folders a killed take-back of the compiler cache left (build/compilecache.py). The caches
+    themselves are bounded by ccache's max_size, which every compile applies before they come back."""
+    from imagebuild.build import compilecache
+
+    return [Item("compiler-cache-tmp", str(d), tree_bytes(d), "left by a build killed while taking its compiler "
+                 "cache back", path=str(d)) for d in compilecache.leftovers()]
+
+
 def plan_parse_cache() -> list[Item]:
     """The parse cache of earlier versions (``$XDG_CACHE_HOME/imagebuild/parse``): nothing reads it now."""
     d = state.cache_home() / "imagebuild" / "parse"
@@ -534,12 +543,12 @@ def check_known(ctx: Context, image: str) -> None:
         return
     if (runs.builds_dir(ctx) / image).is_dir():
         return
-    known = defn_mod.list_images(ctx.root)
-    raise DefinitionError([Problem(defn_mod.display_path(ctx.root, ctx.root / defn_mod.IMAGES_DIR / image),
-                                   "no such image in this project (no definition, no build runs recorded): "
-                                   "its builds in the shared stage store belong to another checkout", key="IMAGE",
-                                   hint=f"known images: {', '.join(known) or 'none'} (imagebuild list); run gc "
-                                   "in the checkout that builds it")], image=image)
+    # another checkout is named only where the shared stage store really holds builds of that name
+    held = StageStore.for_image(ctx.root, image).refs()
+    raise defn_mod.unknown_image(
+        ctx.root, image, why="no such image in this project (no definition, no build runs recorded)",
+        note=(f"the shared stage store holds {len(held)} stage(s) of {image!r}: they belong to another checkout "
+              "(run log, df and gc there)") if held else None)
 
 
 def images_of(ctx: Context, image: str | None) -> list[str]:
@@ -573,7 +582,7 @@ def collect(ctx: Context | Path, image: str | None = None, keep_n: int = DEFAULT
             held.append(guards.BuildLock.held(info.id, name, f"imagebuild gc {name}"))
         in_use = container_image_ids()
         plan = GcPlan(keep_n, [plan_image(ctx, name, keep_n, info.id, in_use) for name in names],
-                      plan_mirror_cache() + plan_parse_cache())
+                      plan_mirror_cache() + plan_parse_cache() + plan_compiler_cache())
         if not dry_run:
             apply(plan, ctx)
         return plan
@@ -679,5 +688,9 @@ def disk_usage(ctx: Context | Path, image: str | None = None) -> dict:
     from imagebuild.fetch.gitcache import default_cache_dir
 
     mirrors = default_cache_dir()
+    from imagebuild.build import compilecache
+
     return {"schema": "imagebuild.df", "version": 1, "images": rows, "buildkit_cache": cache,
-            "git_mirrors": {"path": str(mirrors), "bytes": tree_bytes(mirrors) if mirrors.is_dir() else 0}}
+            "git_mirrors": {"path": str(mirrors), "bytes": tree_bytes(mirrors) if mirrors.is_dir() else 0},
+            # imagebuild's own compiler caches (build/compilecache.py), shared by the clones on this host
+            "compiler_caches": compilecache.usage()}

@@ -66,6 +66,17 @@ def changed_of(ch: dict | None) -> dict | None:
     return out
 
 
+def compiler_cache_of(stages: list[dict]) -> dict | None:
+    """The night's compiler-cache figures, over its compile stages (build/compilecache.py); None: no
+    stage compiled through it."""
+    ccs = [st["compiler_cache"] for st in stages if st.get("compiler_cache")]
+    if not ccs:
+        return None
+    hits, misses = sum(c.get("hits", 0) for c in ccs), sum(c.get("misses", 0) for c in ccs)
+    return {"hits": hits, "misses": misses, "uncacheable": sum(c.get("uncacheable", 0) for c in ccs),
+            "rate": hit_rate(hits, misses)}
+
+
 def rows_of(doc: dict) -> list[dict]:
     """The history lines of one nightly report: one per image."""
     out = []
@@ -85,6 +96,7 @@ def rows_of(doc: dict) -> list[dict]:
                         "seconds": st.get("seconds")} for st in im.get("stages") or []],
             "cache": {"hits": c.get("hits", 0), "misses": c.get("misses", 0),
                       "rate": hit_rate(c.get("hits", 0), c.get("misses", 0))},
+            "compiler_cache": compiler_cache_of(im.get("stages") or []),
             "gate": None if not g else {"result": g.get("result"), "ran": bool(g.get("ran")),
                                         "passed": s.get("passed", 0), "failed": s.get("failed", 0),
                                         "skipped": s.get("skipped", 0),

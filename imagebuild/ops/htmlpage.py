@@ -403,6 +403,7 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None, links: di
               if st.get("seconds") is not None and st.get("cache") != "hit"} for r in rows]
     sizes = [float(r["size"]) if r.get("size") else None for r in rows]
     rates = [(r.get("cache") or {}).get("rate") for r in rows]
+    ccrates = [(r.get("compiler_cache") or {}).get("rate") for r in rows]
     gates = [(r.get("gate") or {}).get("result") for r in rows]
     bad = [None if r.get("status") == "ok" else str(r.get("status")) for r in rows]
     unit, div, sfmt = size_axis(sizes)
@@ -421,6 +422,9 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None, links: di
                      ytitle=f"image size ({unit})", tipfmt=lambda v: human(int(v * div)), failed=bad))
     L += figure("Cache hit rate (stages from the stage store; n/a: nothing looked up)",
                 rate_bars("hit-rate", f"{image}: cache hit rate per night", labels, rates))
+    if any(v is not None for v in ccrates):  # a stage compiled through imagebuild's compiler cache
+        L += figure("Compiler-cache hit rate (objects from imagebuild's compiler cache, stages that compiled)",
+                    rate_bars("compiler-hit-rate", f"{image}: compiler-cache hit rate per night", labels, ccrates))
     L += figure(f"Gate results: {esc(streak(gates))}", gate_strip(labels, gates))
     L += ["<h3>Nights (newest first)</h3>", '<div class="table-scroll"><table class="nights"><tr><th>night (UTC)</th>'
           "<th>status</th><th>report</th><th>time</th><th>build</th><th>sync</th><th>size</th><th>hits</th>"

@@ -4,8 +4,8 @@
 when it can:
 
 - ``/opt/imagebuild/lock.json`` (the pins: each git source's commit and PR heads, each base image's
-  digest), ``/opt/imagebuild/build.json`` (build id, stage keys, every patch's outcome and the
-  sha256 of its script), both copied out of a created, never started container (``docker cp``);
+  digest), ``/opt/imagebuild/build.json`` (build id, stage keys, the build args that reached each
+  stage, every patch's outcome and the sha256 of its script), both copied out of a created, never started container (``docker cp``);
 - the package lists: ``/opt/imagebuild/pip-freeze.txt`` and ``/opt/imagebuild/dpkg.txt`` when a
   stage baked them (the example's runner does); otherwise dpkg's own database
   (``/var/lib/dpkg/status``, copied out the same way) and the installed Python distributions,
@@ -35,6 +35,7 @@ from imagebuild.core import fsutil
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.fsutil import atomic_write_json
+from imagebuild.definition import reader as defn_mod
 
 log = logging.getLogger("imagebuild")
 
@@ -180,7 +181,13 @@ def inventory(ref: str, ctx: context_mod.Context | Path | None = None, *, use_ca
     """What ``ref`` holds (see the module doc), kept in the project's state folder when there is a
     project (``ctx``). Raises OperationFailed when the image is missing."""
     ctx = context_mod.maybe(ctx)
-    data = identity_mod.inspect_data(ref, hint="docker image ls; `imagebuild log` shows which builds exist")
+    hint = "docker image ls; `imagebuild log` shows which builds exist"
+    repo = ref.split("@", 1)[0].rsplit(":", 1)[0]
+    if ctx is not None and defn_mod.NAME_RE.match(repo) and not (ctx.root / defn_mod.IMAGES_DIR / repo).is_dir():
+        close = defn_mod.close_image(ctx.root, repo)  # a mistyped image of this project: as every command says it
+        if close:
+            hint = f"did you mean {close + ref[len(repo):]!r}? ({hint})"
+    data = identity_mod.inspect_data(ref, hint=hint)
     ident = identity_mod.from_inspect(data)
     cache = None
     if ctx is not None:
@@ -262,6 +269,16 @@ def _pins(inv: dict) -> dict[str, str]:
     return out
 
 
+def _build_args(inv: dict) -> dict[str, str] | None:
+    """The build args that reached each stage, as {"STAGE KEY": value} (build.json's ``stages[].args``);
+    None for an image built before they were recorded."""
+    stages = (inv.get("build") or {}).get("stages") or []
+    if not any(isinstance(s, dict) and isinstance(s.get("args"), dict) for s in stages):
+        return None
+    return {f"{s.get('name')} {k}": str(v) for s in stages if isinstance(s, dict)
+            for k, v in sorted((s.get("args") or {}).items())}
+
+
 def _patches(inv: dict) -> dict[str, str]:
     out = {}
     for name, p in sorted(((inv.get("build") or {}).get("patches") or {}).items()):
@@ -299,6 +316,7 @@ def diff(a: dict, b: dict) -> dict:
         "from": _side(a), "to": _side(b),
         "same_image": a.get("identity") == b.get("identity"),
         "pins": _compare(_pins(a), _pins(b)),
+        "build_args": _compare(_build_args(a), _build_args(b)),
         "patches": _compare(_patches(a), _patches(b)),
         "pip": _compare(a.get("pip"), b.get("pip")),
         "dpkg": _compare(a.get("dpkg"), b.get("dpkg")),
@@ -355,6 +373,8 @@ def render(d: dict, *, limit: int = 20) -> str:
         lines.append("- **same image**: identical identity, nothing changed")
         return "\n".join(lines)
     lines += _section("pins", d["pins"], limit, "no lock in one of the images")
+    lines += _section("build args", d.get("build_args"), limit,
+                      "not recorded in one of the images (built before build args were recorded)")
     lines += _section("patches", d["patches"], limit, "no build record in one of the images")
     lines += _section("pip", d["pip"], limit, "no Python distributions listed in one of the images")
     lines += _section("dpkg", d["dpkg"], limit, "no dpkg database in one of the images")

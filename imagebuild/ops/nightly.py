@@ -36,7 +36,8 @@ from imagebuild import __version__
 from imagebuild.build import guards
 from imagebuild.build import promote as promote_mod
 from imagebuild.core import context as context_mod
-from imagebuild.core import fsutil, state
+from imagebuild.core import engine as engine_mod
+from imagebuild.core import fsutil, state, units
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import (
@@ -108,10 +109,7 @@ def nightly(ctx: context_mod.Context | Path, images: list[str], opts: Options) -
     if not images:
         raise UsageError("no IMAGE given", hint="imagebuild nightly IMAGE... (imagebuild list shows them)")
     for name in images:
-        defn_mod.check_image_name(name)
-        if not (root / defn_mod.IMAGES_DIR / name).is_dir():
-            raise UsageError(f"unknown image {name!r}: no folder {defn_mod.IMAGES_DIR}/{name}",
-                             hint=f"images: {', '.join(defn_mod.list_images(root)) or 'none'}")
+        defn_mod.require_image(root, name)
     for flag, v in (("--keep-builds", opts.keep_builds), ("--keep-reports", opts.keep_reports)):
         if v < 1:
             raise UsageError(f"{flag} {v}: expected 1 or more")
@@ -184,17 +182,25 @@ def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir:
     interrupted = False
     try:
         doc["refused"] = _serving(ctx)
-        if doc["refused"] is None:
+        down = None if ctx.engine.reachable else engine_mod.unreachable_error(ctx.engine)
+        if down is not None:  # said once, here and in each image's reason; no step can run without it
+            log.error("%s", down.render())
+        if doc["refused"] is None:  # seconds on a big store: said, so the start is not silent
+            log.info("disk: measuring what %s hold%s (engine images, stage store, builds) before the run",
+                     ", ".join(images), "s" if len(images) == 1 else "")
             doc["disk"] = {"before": _disk(ctx, images), "after": None, "gc": None, "gc_skipped": None}
         for name in images:
             if doc["refused"] is not None:
                 doc["images"].append(_refused_image(name, doc["refused"]["reason"]))
                 continue
+            if down is not None:
+                doc["images"].append(_engine_down_image(name, down))
+                continue
             res = _blank(name)
             doc["images"].append(res)
             _one(ctx, name, opts, res)
         if doc["refused"] is None:
-            _gc(ctx, images, opts, doc)
+            _gc(ctx, images, opts, doc, down)
     except KeyboardInterrupt:
         interrupted = True
         for res in doc["images"]:
@@ -208,6 +214,7 @@ def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir:
     doc["status"] = STATUS_OF.get(doc["exit_code"], "failed")
     doc["finished"] = _now()
     doc["seconds"] = round(time.monotonic() - t0, 3)
+    log.info("report: writing it and the history page under %s", ctx.show(report_dir))
     stored = report_mod.write(report_dir, doc, keep=opts.keep_reports)
     log.debug("report written: %s (and .json)", stored.md_path)
     _history(ctx, report_dir, stored)
@@ -263,6 +270,17 @@ def _serving(ctx: context_mod.Context) -> dict | None:
     return {"reason": f"a serving container is running on the build node: {names}; building while serving "
                       "OOM-kills one of them on 128 GB unified memory",
             "containers": [{"name": c.name, "id": c.id, "image": c.image, "why": c.why} for c in found]}
+
+
+def _engine_down_image(name: str, down: ImagebuildError) -> dict:
+    """An image of a night whose engine is unreachable: failed, nothing run, the reason said once."""
+    res = _blank(name)
+    res.update(status="failed", exit_code=down.exit_code, reason=_one_line(down), seconds=0.0,
+               sync={"status": "not-run", "reason": "the engine is unreachable: nothing was built", "peers": []},
+               changes_note="the engine is unreachable: nothing was built")
+    res["failure"] = {"step": "engine", "stage": None, "exit_code": None, "command": None, "tool_exit_code": None,
+                      "log": None, "tail": [], "problems": [], "reason": None}
+    return res
 
 
 def _blank(name: str) -> dict:
@@ -324,9 +342,9 @@ def _one_line(exc: ImagebuildError) -> str:
 
 def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: ImagebuildError) -> dict:
     """Why the build failed, from the failed stage's own log: the RUN step's exit code (not docker
-    buildx's 1), its command and the last lines of its output (ops/buildlog.py), redacted."""
+    buildx's 1), its command and the last lines of its output (build/buildlog.py), redacted."""
+    from imagebuild.build import buildlog
     from imagebuild.core import runs as runs_mod
-    from imagebuild.ops import buildlog
 
     stage = (rec or {}).get("failed_stage")
     out = {"step": "build", "stage": stage, "exit_code": None, "command": None, "tool_exit_code": None,
@@ -344,7 +362,7 @@ def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: I
         return out
     out.update(exit_code=info["exit_code"], command=info["command"], tool_exit_code=info["tool_exit_code"],
                log=ctx.show(log_path), tail=info["tail"])
-    what = (f"its step `{info['command']}` exited {info['exit_code']}" if info["exit_code"] is not None
+    what = (f"its step `{info['command']}` failed: RUN exit {info['exit_code']}" if info["exit_code"] is not None
             else "no step of it reported an exit code" + (f" (docker buildx exited {info['tool_exit_code']})"
                                                           if info["tool_exit_code"] is not None else ""))
     out["reason"] = (f"stage {stage!r} of {name} failed: {what}; the last lines of its log are in the report "
@@ -354,7 +372,7 @@ def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: I
 
 def _message_tail(exc: ImagebuildError) -> list[str]:
     """The lines after an error's first one (a step's quoted output), cleaned and redacted."""
-    from imagebuild.ops import buildlog
+    from imagebuild.build import buildlog
 
     lines = exc.message.strip().splitlines()[1:]
     return [buildlog.clean(ln[4:] if ln.startswith("  | ") else ln) for ln in lines][-buildlog.TAIL_LINES:]
@@ -375,7 +393,7 @@ def _failure_of_error(exc: ImagebuildError, res: dict) -> dict:
 def _exit_words(failure: dict | None) -> str:
     if not failure or failure.get("exit_code") is None:
         return ""
-    return f": exit code {failure['exit_code']}"
+    return f": RUN exit {failure['exit_code']}"
 
 
 def _fail(res: dict, code: int, reason: str) -> None:
@@ -542,7 +560,8 @@ def _take_record(res: dict, rec: dict | None) -> None:
         if action == "build" and s.get("status") not in ("built", "failed"):
             cache = "not-reached"  # an earlier stage failed
         stages.append({"name": s.get("name"), "action": action, "cache": cache, "status": s.get("status"),
-                       "seconds": s.get("seconds"), "key": s.get("key"), "log": s.get("log")})
+                       "seconds": s.get("seconds"), "key": s.get("key"), "log": s.get("log"),
+                       **({"compiler_cache": s["compiler_cache"]} if s.get("compiler_cache") else {})})
     res["stages"] = stages
     res["cache"] = {"hits": sum(1 for s in stages if s["cache"] == "hit"),
                     "misses": sum(1 for s in stages if s["cache"] == "miss")}
@@ -741,25 +760,31 @@ def _disk(ctx: context_mod.Context, images: list[str]) -> dict:
     return out
 
 
-def _gc(ctx: context_mod.Context, images: list[str], opts: Options, doc: dict) -> None:
+def _gc(ctx: context_mod.Context, images: list[str], opts: Options, doc: dict,
+        down: ImagebuildError | None = None) -> None:
     from imagebuild.ops import gc as gc_mod
 
     disk = doc["disk"]
     if not opts.gc:
         disk["gc_skipped"] = "--no-gc"
+    elif down is not None:
+        disk["gc_skipped"] = "the engine is unreachable"
     else:
         freed = removed = 0
         t = time.monotonic()
         try:
             for name in images:
+                log.info("gc: %s: keeping the last %d builds, removing the rest", name, opts.keep_builds)
                 plan = gc_mod.collect(ctx, name, opts.keep_builds)  # under the image's build lock
                 freed += plan.freed
                 removed += sum(len(p.remove) for p in plan.images) + len(plan.shared)
             disk["gc"] = {"keep": opts.keep_builds, "freed_bytes": freed, "removed": removed,
                           "seconds": round(time.monotonic() - t, 3)}
+            log.info("gc: freed %s (%d item(s)) in %.1f s", units.human_bytes(freed), removed, disk["gc"]["seconds"])
         except ImagebuildError as exc:
             disk["gc_skipped"] = f"gc failed: {exc.message}"
             log.warning("warning: gc failed: %s", exc.message)
+    log.info("disk: measuring again after the run")
     disk["after"] = _disk(ctx, images)
 
 

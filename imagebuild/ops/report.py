@@ -161,6 +161,9 @@ def summary_lines(doc: dict) -> list[str]:
         st = im.get("stages") or []
         if st:
             lines.append("    stages: " + stage_counts(st))
+        for s in st:
+            if s.get("compiler_cache"):
+                lines.append(f"    {s['name']}: {compilecache_line(s['compiler_cache'])}")
         lines += ["    " + ln for ln in failure_lines(im.get("failure"))]
         g = im.get("gate")
         if g:
@@ -182,6 +185,13 @@ def summary_lines(doc: dict) -> list[str]:
     if d.get("gc"):
         lines.append(f"  gc (keep {d['gc']['keep']}): freed {human(d['gc']['freed_bytes'])}")
     return lines
+
+
+def compilecache_line(cc: dict | None) -> str:
+    """A compile stage's compiler-cache figures (build/compilecache.py), in one line."""
+    from imagebuild.build import compilecache
+
+    return compilecache.line(cc)
 
 
 def stage_counts(stages: list[dict]) -> str:
@@ -209,7 +219,7 @@ def failure_lines(f: dict | None) -> list[str]:
     if f.get("stage"):
         head = f"failed stage {f['stage']}"
         if f.get("exit_code") is not None:
-            head += f": exit code {f['exit_code']}" + (f" (`{f['command']}`)" if f.get("command") else "")
+            head += f": RUN exit {f['exit_code']}" + (f" (`{f['command']}`)" if f.get("command") else "")
         if f.get("tool_exit_code") is not None:
             head += f"; docker buildx exited {f['tool_exit_code']}"
         out.append(head + (f"; log {f['log']}" if f.get("log") else ""))
@@ -244,7 +254,7 @@ def _failure_md(f: dict) -> list[str]:
         text = f"Stage `{f['stage']}`"
         if f.get("exit_code") is not None:
             text += (f": the step `{f['command']}`" if f.get("command") else ": its step") + \
-                f" exited with **exit code {f['exit_code']}**"
+                f" failed: **RUN exit {f['exit_code']}**"
         else:
             text += ": no step reported an exit code"
         if f.get("tool_exit_code") is not None:
@@ -334,9 +344,10 @@ def _image_md(im: dict) -> list[str]:
             L.append("- nothing moved")
         L.append("")
     if im.get("stages"):
-        L += ["### Stages", "", "| stage | cache | status | time |", "|---|---|---|---:|"]
+        L += ["### Stages", "", "| stage | cache | status | time | compiler cache |", "|---|---|---|---:|---|"]
         for s in im["stages"]:
-            L.append(f"| {s['name']} | {s['cache']} | {s['status']} | {_secs(s.get('seconds'))} |")
+            cc = compilecache_line(s.get("compiler_cache"))
+            L.append(f"| {s['name']} | {s['cache']} | {s['status']} | {_secs(s.get('seconds'))} | {cc or '-'} |")
         L.append("")
     g = im.get("gate")
     if g:

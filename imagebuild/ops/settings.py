@@ -19,6 +19,8 @@ VARIABLES: tuple[tuple[str, str], ...] = (
     ("IMAGEBUILD_ROOT", "project root (default: the nearest folder at or above the current one holding docker-images/)"),
     ("IMAGEBUILD_STATE_DIR", "state folder: run records, logs, receipts, reports (default <root>/.imagebuild)"),
     ("IMAGEBUILD_STAGES", "the stage store, shared by the checkouts of this host (default $XDG_CACHE_HOME/imagebuild/stages)"),
+    ("IMAGEBUILD_COMPILER_CACHE", "the compile stages' compiler caches, shared by the checkouts of this host (default "
+     "$XDG_CACHE_HOME/imagebuild/compiler-cache)"),
     ("IMAGEBUILD_CACHE", "prefetch's git mirror cache (default $XDG_CACHE_HOME/imagebuild/git; --cache overrides it)"),
     ("IMAGEBUILD_LOCK_DIR", "build locks, one per engine and image (default <tmp>/imagebuild-locks)"),
     ("XDG_CACHE_HOME", "the folder imagebuild's caches live under (default ~/.cache)"),

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from imagebuild.core import lock as lock_mod
+from imagebuild.core.errors import UsageError
 from imagebuild.core.fsutil import canonical_json, sha256_bytes, sha256_tree
 from imagebuild.core.secrets import without_userinfo
 from imagebuild.definition import reader as d
@@ -51,7 +52,7 @@ STAGE_TAG_KEY_LEN = 16
 class PlannedArg:
     name: str
     value: str
-    origin: str  # versions.env | plan | buildkit | default
+    origin: str  # versions.env | plan | buildkit | default | --set (a one-run override: build --set)
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,22 @@ def pr_pins(prs) -> list[str]:
     return out
 
 
+ORIGIN_SET = "--set"
+
+
+def check_overrides(defn: d.Definition, overrides: dict[str, str]) -> None:
+    """``build --set KEY=VALUE``: each KEY must be a build arg a stage of ``defn`` declares (an ARG that
+    takes its value from versions.env or its default); not PARENT, IMAGE, STAGE or a STAGE_<NAME>
+    (the plan's), nor BuildKit's own. Else exit 2, naming the args that can be set."""
+    settable = sorted({a.name for st in defn.stages for a in st.args if a.origin in ("versions.env", "default")})
+    for key in overrides:
+        if key not in settable:
+            close = d.difflib.get_close_matches(key, settable, n=1)
+            raise UsageError(f"--set {key}=...: no stage of {defn.name} declares a build arg {key} it takes from "
+                             "versions.env or a default", hint=(f"did you mean {close[0]}? " if close else "")
+                             + f"args that can be set: {', '.join(settable) or 'none'}")
+
+
 def build_id_of(defn: d.Definition, stage_keys: list[str], lock_sha256: str | None,
                 prov: provenance.Provenance) -> str:
     """The build id: a digest of everything that makes the release image (module doc)."""
@@ -335,10 +352,14 @@ def build_id_of(defn: d.Definition, stage_keys: list[str], lock_sha256: str | No
 
 def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = None,
               engine: dict | None = None, lock: dict | None = None,
-              prov: provenance.Provenance | provenance.Pending | None = None) -> Plan:
+              prov: provenance.Provenance | provenance.Pending | None = None,
+              overrides: dict[str, str] | None = None) -> Plan:
     """The plan of ``defn``. ``exists(key)`` says whether a stage with that key is built (None:
     unknown); ``lock`` defaults to the definition's lock.json; ``prov`` to its git provenance (or
-    the one a caller started asking for: provenance.start)."""
+    the one a caller started asking for: provenance.start). ``overrides``: ``build --set`` values of
+    build args (``check_overrides``), for this run only: each replaces the value its ARG gets from
+    versions.env or its default, in the stage's args and its key (so a different key and build id)."""
+    overrides = overrides or {}
     # git answers while the keys are computed
     pending = provenance.start(defn) if prov is None else prov if isinstance(prov, provenance.Pending) else None
     lock_path = lock_mod.lock_path(defn.dir)
@@ -362,6 +383,11 @@ def make_plan(defn: d.Definition, exists: Callable[[str], bool | None] | None = 
         key_args: dict[str, str] = {}
         stage_contexts: dict[str, str] = {}
         for a in st.args:
+            if a.name in overrides and a.origin in ("versions.env", "default"):
+                value = key_value = overrides[a.name]
+                args.append(PlannedArg(a.name, value, ORIGIN_SET))
+                key_args[a.name] = key_value
+                continue
             if a.origin == "versions.env":
                 # a credential in a URL (https://user:TOKEN@host/...) is for prefetch's git only: a stage
                 # (offline) has no use for it, and a build arg lands in the plan, the record and the

@@ -201,8 +201,7 @@ def resolve_image(ctx: context_mod.Context | Path | None, image: str | None, ref
     if image:
         defn_mod.check_image_name(image)
         if root is None or not (Path(root) / defn_mod.IMAGES_DIR / image).is_dir():
-            raise UsageError(f"no image definition {image!r} (docker-images/{image}/)",
-                             hint="imagebuild list; or pass a full reference: --image NAME:TAG")
+            raise defn_mod.unknown_image(root, image, note="a full reference works too: --image NAME:TAG")
         return image, f"{image}:local"
     if ref:
         repo = _repo(ref)

@@ -401,3 +401,40 @@ def test_provenance_names_an_uncommitted_definition_as_dirty(built, tmp_path):
     script = (root / "docker-images" / IMAGE / "patch_greet.py").read_bytes()
     rec_patch = json.loads(cat(f"{IMAGE}:candidate", "/opt/imagebuild/patches.json"))["patches"]["patch_greet.py"]
     assert rec_patch["sha256"] == "sha256:" + hashlib.sha256(script).hexdigest()
+
+
+def test_a_build_with_no_lock_at_all_is_told_it_is_absent_and_prefetch_makes_it(tmp_path, engine_info):
+    """Issue 35: a definition never prefetched has no lock.json: the build says that (and that
+    `prefetch` makes it), not that the lock is "stale"; nothing is built."""
+    root = staged_project(tmp_path / "p")
+    (root / "docker-images" / IMAGE / "lock.json").unlink()
+    res = run_cli("--root", str(root), "build", IMAGE, "--no-gate", "--force")
+    assert res.code == 1, res.err
+    assert f"docker-images/{IMAGE}/lock.json does not exist: the image was never prefetched" in res.err, res.err
+    assert f"hint: imagebuild prefetch {IMAGE} makes it" in res.err and "stale" not in res.err, res.err
+
+
+def test_diff_shows_a_changed_versions_env_value(tmp_path, engine_info):
+    """Issue 35: the build args that reached each stage are in the image's build.json, so `imagebuild
+    diff` names a changed versions.env value (TOOL_VERSION of the stage tools)."""
+    from tests.fleetfixtures import fleet_project, remove_fleet_images, unique_name
+
+    name = unique_name("bargs")
+    root = fleet_project(tmp_path / "p", name)
+    env = root / "docker-images" / name / "versions.env"
+    try:
+        r1 = run_cli("--root", str(root), "build", name, "--no-gate", "--force", "--json")
+        assert r1.code == 0, r1.err
+        env.write_text(env.read_text().replace("TOOL_VERSION=1.0", "TOOL_VERSION=1.1"))
+        r2 = run_cli("--root", str(root), "build", name, "--no-gate", "--force", "--json")
+        assert r2.code == 0, r2.err
+        ids = [json.loads(r.out)["build_id"] for r in (r1, r2)]
+        d = run_cli("--root", str(root), "diff", f"{name}:b-{ids[0]}", f"{name}:b-{ids[1]}", "--json")
+        assert d.code == 0, d.err
+        args = json.loads(d.out)["build_args"]
+        assert args["changed"] == [{"name": "tools TOOL_VERSION", "from": "1.0", "to": "1.1"}], args
+        assert not any(c["name"].endswith("MAX_JOBS") for c in args["changed"] + args["added"])
+        md = run_cli("--root", str(root), "diff", f"{name}:b-{ids[0]}", f"{name}:b-{ids[1]}")
+        assert "`tools TOOL_VERSION`: 1.0 -> 1.1" in md.out, md.out
+    finally:
+        remove_fleet_images(name)

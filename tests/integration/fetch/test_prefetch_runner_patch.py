@@ -124,3 +124,35 @@ def test_a_source_without_prs_gets_a_version(served, tmp_path):
     # offline from that cache: the same, no network
     again = run_cli("--root", str(root), "prefetch", IMAGE, "--cache", str(tmp_path / "cache"), "--offline")
     assert again.code == 0, again.err
+
+
+def test_the_patch_check_never_extracts_the_whole_tarball(served, tmp_path, monkeypatch):
+    """Issue 33 (3): the patches are checked on a lazily populated tree read from the git mirror, not on
+    a second full unpack of the packed tarball; the verdicts are those of the full unpack (see
+    test_patchcheck_lazy.py for the real tree)."""
+    import tarfile
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the patch check extracted the whole tarball")
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", refuse)
+    rep, r = _prefetch(_project(tmp_path, served, "r12"), tmp_path / "cache")
+    assert [e["outcome"] for e in rep["sources"]["VLLM"]["patch_check"]["runner"]] == ["would-apply"]
+    assert [e["outcome"] for e in rep["sources"]["VLLM"]["patch_check"]["wheel"]] == ["would-apply"]
+    assert "checked on the whole tree extracted" not in r.err
+
+
+def test_a_patch_the_lazy_tree_cannot_follow_is_checked_on_the_full_unpack(served, tmp_path):
+    """A patch that starts a process at import (it could read the tree outside Python's open): the check
+    falls back to the extracted tarball, says why in the log, and gives the same verdict."""
+    root = _project(tmp_path, served, "other")
+    img = root / "docker-images" / IMAGE
+    (img / "patch_wheel_stage.py").write_text("import subprocess\nsubprocess.run(['true'], check=True)\n"
+                                              + WHEEL_PATCH)
+    r = run_cli("-v", "--root", str(root), "prefetch", IMAGE, "--cache", str(tmp_path / "cache"), "--json")
+    assert r.code == 0, r.err
+    rep = json.loads(r.out)["images"][0]
+    assert "stage runner's patches checked on the whole tree extracted" in r.err, r.err
+    assert "subprocess.Popen" in r.err
+    (entry,) = rep["sources"]["VLLM"]["patch_check"]["runner"]
+    assert entry["outcome"] == "failed" and "device_capability.major == 12" in entry["message"]

@@ -232,7 +232,7 @@ def test_the_history_page_in_headless_chromium(project, tmp_path, monkeypatch):
     assert charts["hit-rate"]["bar"] == NIGHTS - 1  # night 0 built everything: 0 %, a red line, not a bar
     assert charts["gate"]["rect"] == NIGHTS
     text = got.stdout
-    assert "exit code 7" in text and "&lt;of&gt; &amp; 'quoted'" in text  # tonight's log tail, escaped
+    assert "RUN exit 7" in text and "&lt;of&gt; &amp; 'quoted'" in text  # tonight's log tail, escaped
     assert "https://github.com/example/vllm/compare/" + "3" * 40 + "..." + "4" * 40 in text
     assert "https://github.com/example/vllm/pull/552" in text
     assert "1 failed in a row" in text

@@ -102,7 +102,7 @@ def test_a_failed_night_explains_itself_and_the_nights_add_up(project, engine_re
         assert any("output line 24" in ln for ln in f["tail"]) and any("last words" in ln for ln in f["tail"])
         assert any("leaked [redacted]" in ln for ln in f["tail"])
         assert "exit code: 7" in f["tail"][-1]
-        assert "exited 7" in im["reason"] and "buildx build exit 1" not in im["reason"]
+        assert "RUN exit 7" in im["reason"] and "buildx build exit 1" not in im["reason"]
         log = project / f["log"] if not Path(f["log"]).is_absolute() else Path(f["log"])
         assert log.is_file() and log.name == "broken.log"
         assert outs["failed_logs"].splitlines() == [str(log.resolve())]
@@ -112,20 +112,20 @@ def test_a_failed_night_explains_itself_and_the_nights_add_up(project, engine_re
         assert {s["name"]: s["status"] for s in im["stages"]} == {"base": "built", "broken": "failed"}
 
         md = Path(outs["report_md"]).read_text()
-        assert "exit code 7" in md and "output line 24" in md and "leaked [redacted]" in md
+        assert "RUN exit 7" in md and "output line 24" in md and "leaked [redacted]" in md
         assert "| prefetch | unchanged |" not in md and "| prefetch | pinned |" in md
 
         r2 = run_cli("--root", str(project), "report", name, "--report-dir", str(night1), "--summary")
         assert r2.code == 0, r2.err
         assert "stages: 0 cached, 1 built (base), 1 failed (broken)" in r2.out, r2.out
-        assert "failed stage broken: exit code 7" in r2.out and "| #" in r2.out and "output line 24" in r2.out
+        assert "failed stage broken: RUN exit 7" in r2.out and "| #" in r2.out and "output line 24" in r2.out
         # the summary the run printed says the same
-        assert "failed stage broken: exit code 7" in r.out and "1 failed (broken)" in r.out
+        assert "failed stage broken: RUN exit 7" in r.out and "1 failed (broken)" in r.out
 
         # the runner's log: a fold per stage that ran, the errors with the definition's file and line
         assert f"::group::{name}/base: built" in r.out and f"::group::{name}/broken: failed" in r.out
         assert r.out.count("::endgroup::") == 2
-        assert f"::error title={name}/broken failed::stage broken of {name} failed: exit code 7" in r.out
+        assert f"::error title={name}/broken failed::stage broken of {name} failed: RUN exit 7" in r.out
         prob = baddoc["failure"]["problems"][0]
         assert prob["file"] == f"docker-images/{bad}/image.yaml" and prob["line"] == 4, baddoc["failure"]
         assert f"::error file=docker-images/{bad}/image.yaml,line=4,title={bad}%3A definition error::" in r.out
@@ -141,6 +141,13 @@ def test_a_failed_night_explains_itself_and_the_nights_add_up(project, engine_re
         r = run_cli("--root", str(project), "nightly", name, "--peers", "--report-dir", str(night2),
                     "--keep-reports", "1", "--progress", "quiet", "--json")
         assert r.code == 0, r.err[-3000:]
+        # issue 35: its seconds before the first image and after the last are said, not silent
+        said = [ln for ln in r.err.splitlines() if ln.startswith(("disk: ", "gc: ", "report: ", "== "))]
+        assert [ln.split(":")[0] if not ln.startswith("==") else "==" for ln in said] == \
+            ["disk", "==", "gc", "gc", "disk", "report"], r.err[-3000:]
+        assert said[0] == f"disk: measuring what {name} holds (engine images, stage store, builds) before the run"
+        assert said[2].startswith(f"gc: {name}: keeping the last ") and said[2].endswith(" builds, removing the rest")
+        assert said[3].startswith("gc: freed ") and said[5].startswith("report: writing it")
         (im,) = json.loads(r.out)["images"]
         assert im["failure"] is None and im["promotion"]["status"] == "promoted"
         assert "previous" not in im["steps"]["promote"]["detail"].replace("no " + name + ":previous", "")

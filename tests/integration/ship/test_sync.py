@@ -275,7 +275,7 @@ def test_doctor_checks_what_sync_needs(sync_images, peer, peer_nodocker):
 
 def test_cli_usage_errors(sync_images):
     r = run_cli("--root", str(sync_images.root), "sync", "--image", "nosuch", "dgx4")
-    assert r.code == 2 and "no image definition 'nosuch'" in r.err
+    assert r.code == 2 and "docker-images/nosuch: IMAGE: no such image definition" in r.err
     r = run_cli("--root", str(sync_images.root), "sync", "--image", sync_images.name)
     assert r.code == 2 and "no peer to sync to" in r.err
     r = run_cli("--root", str(sync_images.root), "sync", "@rack", "--image", sync_images.name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import time
 
 import pytest
@@ -163,21 +164,84 @@ def test_the_heartbeat_names_the_running_step_its_time_and_its_last_output():
     beat = p.heartbeat()
     assert beat.startswith("... napper: still building (0:02:0"), beat
     assert "step #" in beat and "[2/3] RUN echo hello" in beat
-    assert beat.split("last output: ")[1].startswith("partialred"), beat
+    assert re.search(r"last output \d+\.\ds ago: partialred", beat), beat
     assert beat.endswith("log: /logs/napper.log")
+
+
+def test_a_silent_step_says_how_long_ago_it_printed_in_the_heartbeat_and_the_live_view():
+    """Issue 35: a link step prints nothing for minutes; the heartbeat and the live view say when its
+    last output line was written, not only what it was."""
+    cut = next(i for i, ln in enumerate(lines("ok")) if '"logs"' in ln) + 1
+    p = _run_through("quiet", "ok", upto=cut)
+    st = p.row("napper").decoder.current()
+    st.heard -= 100
+    # (a loaded machine may take a few seconds between the lines: the figures are read as ranges)
+    assert re.search(r", last output 1m4\ds ago: partialred, log: ", p.heartbeat()), p.heartbeat()
+    st.heard -= 620
+    assert re.search(r"last output 12m0\ds ago: partialred", p.heartbeat()), p.heartbeat()
+    t = _run_through("tty", "ok", upto=cut, isatty=True)
+    tst = t.row("napper").decoder.current()
+    assert "ago" not in _render(t)  # a step that just printed: no such line
+    tst.heard -= 100
+    text = _render(t)
+    assert re.search(r"^\s+partialred\n\s+\(last output 1m4\ds ago\)$", text, re.M), text
+
+
+def test_a_step_with_no_output_yet_says_so():
+    p = _run_through("quiet", "ok", upto=1)
+    dec = p.row("napper").decoder
+    st = progress_mod.Step("sha256:x", 99, "[2/2] RUN make", seen=time.monotonic() - 30)
+    dec.order.append(st)
+    dec.steps[st.digest] = st
+    assert re.search(r"step #99 \[2/2\] RUN make \(0:00:3\d\), no output yet, log:", p.heartbeat()), p.heartbeat()
+
+
+def _ours(err: str) -> tuple[list[dict], str]:
+    """imagebuild's stage events, and the rest of a rawjson stream."""
+    events, rest = [], []
+    for ln in err.splitlines(keepends=True):
+        doc = json.loads(ln)
+        (events.append(doc["imagebuild"]) if "imagebuild" in doc else rest.append(ln))
+    return events, "".join(rest)
 
 
 def test_rawjson_passes_buildkits_lines_through(capsys):
     _run_through("rawjson", "ok")
-    err = capsys.readouterr().err
+    events, err = _ours(capsys.readouterr().err)
     assert err == "".join(lines("ok"))
+    assert events == [{"event": "start", "stage": "napper", "index": 2, "of": 2, "state": "running"}]
+
+
+def test_rawjson_carries_imagebuilds_stage_events_start_skip_done_failed(capsys):
+    """Issue 35: a consumer of the stream can tell which stage a BuildKit line belongs to (the lines
+    between a stage's start and its end), and a skipped stage leaves a trace."""
+    p = progress_mod.Progress("rawjson")
+    p.begin(["base", "app", "tests"], extra=("release",))
+    p.stage("base")
+    p.finish("base", "skipped", 0, note="stage with this key is built")
+    p.stage("app")
+    p.start("app", "/logs/app.log", decoder=progress_mod.Decoder())
+    for ln in lines("ok"):
+        p.feed(ln, p.row("app").decoder, "")
+    p.stop()
+    p.finish("app", "built", 2.5)
+    p.stage("tests")
+    p.finish("tests", "failed", 1.25)
+    p.end("failed")
+    events, rest = _ours(capsys.readouterr().err)
+    assert rest == "".join(lines("ok"))
+    assert [(e["event"], e["stage"], e["index"], e["of"]) for e in events] == [
+        ("start", "base", 1, 3), ("skip", "base", 1, 3), ("start", "app", 2, 3), ("done", "app", 2, 3),
+        ("start", "tests", 3, 3), ("failed", "tests", 3, 3)]
+    assert events[1]["note"] == "stage with this key is built" and events[3]["seconds"] == 2.5
+    assert events[3]["state"] == "built" and events[5]["state"] == "failed"
 
 
 def test_rawjson_wraps_buildxs_own_text_lines_so_every_line_is_json(capsys):
     """A failed build: buildx ends with its error summary as text (the fixture's last lines); under
     rawjson each of them is one ``{"buildx": {"message": LINE}}``, BuildKit's lines pass unchanged."""
     _run_through("rawjson", "fail")
-    out = capsys.readouterr().err.splitlines()
+    out = capsys.readouterr().err.splitlines()[1:]  # after the stage's start event
     src = [ln.rstrip("\n") for ln in lines("fail")]
     assert len(out) == len(src)
     texts = [ln for ln in src if not ln.startswith("{")]
@@ -229,8 +293,22 @@ def test_a_failed_stage_shows_its_failing_step_and_last_lines():
     p.finish("napper", "failed", 2.0)
     p.end("failed")
     text = _render(p, width=160)
-    assert text.startswith("Failed in ")
-    assert "[2/2] RUN echo before; sleep 1; exit 3" in text and "exit code: 3" in text and "before" in text
+    # which stage failed, and that the release was not reached (not "2/2 stages", read as all done)
+    assert re.match(r"Failed in \S+ at stage napper \(2/2\); the release was not reached\n", text), text
+    assert "stages" not in text.splitlines()[0]
+    # the failing step and its RUN's exit code, once; its output is in the run's error below the view
+    assert re.search(r"^\s+RUN exit 3 at #\d+ \[2/2\] RUN echo before; sleep 1; exit 3$", text, re.M), text
+    assert "exit code: 3" not in text
+    assert re.search(r"^\s+first\s+not reached$", text, re.M), text  # never started: not "waiting"
+
+
+def test_plain_leaves_the_failure_to_the_runs_error_said_once(capsys):
+    """Issue 35: plain printed the failing step's ERROR line and buildx's whole summary, and then the
+    run's error said it all again; now only the run's error says it."""
+    _run_through("plain", "fail")
+    err = capsys.readouterr().err
+    assert "RUN echo before; sleep 1; exit 3" in err  # the step's start line still
+    assert "ERROR" not in err and "exit code: 3" not in err and "------" not in err, err
 
 
 def test_the_timer_reads_at_a_glance():

@@ -37,6 +37,18 @@ def test_options_are_never_abbreviated(project, argv, meant):
     assert res.out == "" and tree_state(project) == before
 
 
+@pytest.mark.parametrize("argv, meant", [
+    (["report", "--histroy"], "--history"),
+    (["build", "tiny", "--forse"], "--force"),
+    (["gc", "--dyr-run"], "--dry-run"),
+])
+def test_a_mistyped_option_gets_a_did_you_mean(project, argv, meant):
+    """Issue 35: `report --histroy` got no did-you-mean, where `build --fo` did."""
+    res = run_cli("--root", str(project), *argv)
+    assert res.code == 2 and "unrecognized arguments" in res.err, res
+    assert f"(did you mean {meant}?)" in res.err, res.err
+
+
 @pytest.mark.parametrize("argv", [
     ["--root", "{root}", "--debug", "list"],
     ["list", "--root", "{root}", "--debug"],

@@ -62,13 +62,13 @@ def test_word_split_fast_path_matches_shlex():
 
 def test_the_named_contexts_a_dockerfile_may_use_are_those_the_build_passes():
     """definition/model.py's list (what validate accepts) is the build's own list (what it passes)."""
-    from imagebuild.build import builder
+    from imagebuild.build import builder, compilecache
     from imagebuild.definition import model
     from imagebuild.fetch import packages
     from imagebuild.plan import planner, source_mounts
 
     passed = {source_mounts.CONTEXT, packages.WHEELS_CONTEXT, packages.APT_CONTEXT, planner.PARENT_CONTEXT,
-              builder.NAMED_SRC, builder.NAMED_WHEELS, builder.NAMED_APT}
+              builder.NAMED_SRC, builder.NAMED_WHEELS, builder.NAMED_APT, compilecache.NAMED_CCACHE}
     assert model.NAMED_CONTEXTS == passed
     assert planner.stage_context("x") == model.STAGE_CONTEXT_PREFIX + "x"
 

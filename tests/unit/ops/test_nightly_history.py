@@ -4,8 +4,9 @@ history file (added once, atomically, read past a bad line), the Actions command
 
 from __future__ import annotations
 
+from imagebuild.build import buildlog
 from imagebuild.cli import actions
-from imagebuild.ops import buildlog, history, htmlpage, nightly, report
+from imagebuild.ops import history, htmlpage, nightly, report
 from tests.unit.ops.test_nightly_report import full_doc, validate
 
 TOKEN = "ghp_unitHistoryToken0123456789abcdef"
@@ -41,6 +42,20 @@ def test_buildlog_reads_the_run_exit_code_and_the_failing_steps_tail(monkeypatch
     assert "\x1b" not in coloured and "user:pw@" not in coloured and TOKEN not in coloured and "[redacted]" in coloured
 
 
+def test_buildlog_names_the_place_the_step_and_its_own_output_for_builds_error():
+    """Issue 35: ``build`` says what the nightly says, from the same reading: the place buildx's summary
+    names, the step, and the step's own output lines without BuildKit's ``#N <seconds>`` prefixes."""
+    text = LOG.replace("------\n > [2/2]", "Dockerfile.app:4\n--------------------\n   4 | >>> RUN x\n"
+                       "--------------------\n > [2/2]")
+    info = buildlog.explain(text, n=5)
+    assert info["where"] == "Dockerfile.app:4"
+    assert info["step"] == "[2/2] RUN for i in 1 2 3; do echo line $i; done; exit 7"
+    assert info["output"][:4] == ["output 26", "output 27", "output 28", "output 29"] and len(info["output"]) == 5
+    assert buildlog.run_exit(info["exit_code"]) == "RUN exit 7"
+    none = buildlog.explain("#1 [internal] load build definition\nERROR: failed to solve: no such image\n")
+    assert none["where"] is None and none["step"] is None and none["output"] == []
+
+
 def test_buildlog_without_a_failing_step_keeps_the_logs_end():
     info = buildlog.explain("#1 [internal] load build definition\nERROR: failed to solve: base image not found\n"
                             "\nimagebuild: docker buildx build exited 1\n")
@@ -72,11 +87,11 @@ def test_the_failure_in_markdown_summary_and_schema(tmp_path):
     doc = failed_doc()
     validate(doc)
     md = report.render_markdown(doc)
-    assert "### Failure" in md and "**exit code 7**" in md and "(docker buildx itself exited 1)" in md
+    assert "### Failure" in md and "**RUN exit 7**" in md and "(docker buildx itself exited 1)" in md
     fence = "````"  # longer than the tail's own backtick run
     assert f"{fence}text\n#5 0.1 compiling\n#5 0.2 ```not a fence```\n#5 ERROR: exit code: 7\n{fence}\n" in md
     lines = report.summary_lines(doc)
-    assert "    failed stage app: exit code 7 (`/bin/sh -c make`); docker buildx exited 1; log " \
+    assert "    failed stage app: RUN exit 7 (`/bin/sh -c make`); docker buildx exited 1; log " \
            ".imagebuild/builds/img/r/logs/app.log" in lines
     assert "      | #5 ERROR: exit code: 7" in lines
     assert any("1 cached, 0 built (none), 1 failed (app)" in ln for ln in lines)
@@ -129,7 +144,7 @@ def test_actions_commands_and_outputs(tmp_path):
     doc["images"].append(bad)
     cmds = actions.commands(doc, tmp_path)
     assert cmds[:4] == ["::group::img/app: failed (7.9 s)", "#5 [2/2] RUN make", "#5 ERROR: exit code: 7", "::endgroup::"]
-    assert "::error title=img/app failed::stage app of img failed: exit code 7 from `/bin/sh -c make`; log " \
+    assert "::error title=img/app failed::stage app of img failed: RUN exit 7 from `/bin/sh -c make`; log " \
            ".imagebuild/builds/img/r/logs/app.log" in cmds
     assert "::error file=docker-images/bad/image.yaml,line=4,title=bad%3A definition error::stages[0].form: " \
            "unknown key, 100%25" in cmds
@@ -141,3 +156,24 @@ def test_actions_commands_and_outputs(tmp_path):
     assert f"failed_logs={log.resolve()}\n" in text  # one log: one line
     assert actions.under_actions({"GITHUB_ACTIONS": "true"}) and not actions.under_actions({})
 
+
+
+def test_history_and_page_carry_the_compiler_cache_hit_rate(tmp_path):
+    """A compile stage's compiler-cache figures reach the history line and the page's chart."""
+    nights = []
+    for i, (hits, misses) in enumerate([(0, 4), (4, 0)]):
+        doc = full_doc(f"2026113{i}T020000.000001Z-aaaaa{i}")
+        st = doc["images"][0]["stages"][0]
+        st["compiler_cache"] = {"hits": hits, "misses": misses, "uncacheable": 1,
+                                "hit_rate": hits / (hits + misses), "cache_bytes": 1 << 20}
+        nights.append(doc)
+    f = tmp_path / history.FILE
+    for doc in nights:
+        history.append(f, doc)
+    rows = history.read(f).rows
+    assert [r["compiler_cache"] for r in rows] == [{"hits": 0, "misses": 4, "uncacheable": 1, "rate": 0.0},
+                                                   {"hits": 4, "misses": 0, "uncacheable": 1, "rate": 1.0}]
+    page = htmlpage.render(rows, nights[-1])
+    assert "compiler-cache hit rate per night" in page and "100%" in page
+    assert history.rows_of(full_doc())[0]["compiler_cache"] is None  # no compile stage: no chart
+    assert "compiler-cache hit rate per night" not in htmlpage.render(history.rows_of(full_doc()), full_doc())

@@ -220,7 +220,7 @@ def test_report_command(tmp_path, project):
 
 def test_nightly_bad_input_is_exit_2_before_anything(project):
     r = run_cli("--root", str(project), "nightly", "no-such-image")
-    assert r.code == 2 and "unknown image 'no-such-image'" in r.err
+    assert r.code == 2 and "docker-images/no-such-image: IMAGE: no such image definition" in r.err
     r = run_cli("--root", str(project), "nightly", "tiny", "--keep-builds", "0")
     assert r.code == 2 and "--keep-builds 0" in r.err
     assert not (project / ".imagebuild" / "nightly").exists()
@@ -251,3 +251,41 @@ def test_layer_sizes_from_history_rows():
     assert imagediff.layer_sizes_from_history([(5, "/bin/sh -c #(nop)  WORKDIR /x"), (7, "RUN a")], 2) == [5, 7]
     assert imagediff.layer_sizes_from_history(rows, 3) == [None, None, None]
     assert imagediff.parse_dpkg_list("libc6:amd64 2.36\n") == {"libc6": "2.36"}
+
+
+def test_compiler_cache_figures_reach_the_report():
+    """A compile stage's compiler-cache figures (build record, build/compilecache.py) reach the nightly
+    report: its JSON stage entry, the terminal summary and the markdown stage table."""
+    cc = {"tool": "ccache version 4.14.2", "hits": 19, "direct_hits": 18, "preprocessed_hits": 1, "misses": 1,
+          "uncacheable": 0, "uncacheable_by_reason": {}, "hit_rate": 0.95, "cache_bytes": 64 << 20, "files": 40}
+    res = nightly._blank("demo")
+    res["status"] = "ok"
+    nightly._take_record(res, {"run_id": "r1", "build_id": "b1", "stages": [
+        {"name": "apt", "action": "skip", "status": "skipped"},
+        {"name": "vllm-wheel", "action": "build", "status": "built", "seconds": 60.0, "compiler_cache": cc}]})
+    assert res["stages"][1]["compiler_cache"] == cc and "compiler_cache" not in res["stages"][0]
+    doc = {"run_id": "n1", "status": "ok", "exit_code": 0, "seconds": 61.0, "images": [res]}
+    lines = report.summary_lines(doc)
+    assert "    vllm-wheel: ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB)" in lines
+    md = "\n".join(report._image_md(res))
+    assert "| vllm-wheel | miss | built | 1m00s | ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB) |" in md or \
+        "ccache 95.0% hit (19 hits, 1 misses, 0 uncacheable; 64 MiB) |" in md
+
+
+def test_diff_names_a_changed_build_arg_of_a_stage():
+    """Issue 35: build.json records the build args that reached each stage, so a changed versions.env
+    value shows in the diff; an image from before they were recorded says so."""
+    d = sample_diff()
+    assert d["build_args"] is None  # neither records them
+    a, b = (_inv(r, i, pins=("a" * 40,) * 3, patches="1" * 64, pip={}, dpkg={}, layers=[(SHA, 1)])
+            for r, i in (("x:previous", SHA), ("x:local", SHA2)))
+    a["build"]["stages"] = [{"name": "tools", "args": {"PARENT": "imagebuild-parent", "TOOL_VERSION": "1.0"}}]
+    b["build"]["stages"] = [{"name": "tools", "args": {"PARENT": "imagebuild-parent", "TOOL_VERSION": "1.1"}},
+                            {"name": "extra", "args": {}}]
+    d = imagediff.diff(a, b)
+    assert d["build_args"]["changed"] == [{"name": "tools TOOL_VERSION", "from": "1.0", "to": "1.1"}]
+    assert d["build_args"]["unchanged"] == 1
+    md = imagediff.render(d)
+    assert "- **build args**: 1 changed, 0 added, 0 removed, 1 unchanged" in md and "`tools TOOL_VERSION`: 1.0 -> 1.1" in md
+    del a["build"]["stages"]
+    assert "**build args**: not recorded in one of the images" in imagediff.render(imagediff.diff(a, b))

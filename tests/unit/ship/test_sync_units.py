@@ -62,7 +62,7 @@ def test_resolve_image(tmp_path):
     assert sync.resolve_image(tmp_path, "one", None) == ("one", "one:local")
     assert sync.resolve_image(tmp_path, "one:b-123", None) == ("one", "one:b-123")
     assert sync.resolve_image(tmp_path, "other/x:tag", None) == (None, "other/x:tag")
-    with pytest.raises(UsageError, match="no image definition 'two'"):
+    with pytest.raises(DefinitionError, match="image definition 'two' has 1 problem"):
         sync.resolve_image(tmp_path, "two", None)
     (tmp_path / "docker-images" / "two").mkdir()
     (tmp_path / "docker-images" / "two" / "image.yaml").write_text("stages: []\n")
