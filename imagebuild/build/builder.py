@@ -644,8 +644,30 @@ def dockerfile_for_build(b: Build, st: plan_mod.PlannedStage) -> Path:
     path = b.dir / "logs" / f"{st.name}.Dockerfile"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = (b.root / st.dockerfile).read_bytes().decode("utf-8", "surrogateescape")
-    atomic_write_bytes(path, reproducible.dockerfile_for_build(text).encode("utf-8", "surrogateescape"))
+    atomic_write_bytes(path, reproducible.dockerfile_for_build(text, cpuinfo=_emulated_arm64(b)).encode(
+        "utf-8", "surrogateescape"))
     return path
+
+
+def _emulated_arm64(b: Build) -> bool:
+    """An arm64 build on another architecture's engine (``--emulate``): its RUNs get an AArch64 cpuinfo."""
+    from imagebuild.core import emulation
+
+    engine_arch = (b.plan.engine or {}).get("architecture")
+    return bool(b.opts.emulate) and emulation.arch_of(b.plan.platform) == "arm64" \
+        and guards.host_arch(engine_arch) != "arm64"
+
+
+def _cpuinfo_context(b: Build, tmp: Path) -> dict[str, str]:
+    """The named context holding the AArch64 cpuinfo the RUNs of an emulated arm64 build mount."""
+    if not _emulated_arm64(b):
+        return {}
+    from imagebuild.core import emulation
+
+    d = tmp / "cpuinfo"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cpuinfo").write_text(emulation.aarch64_cpuinfo(os.cpu_count() or 1), encoding="ascii")
+    return {reproducible.CPUINFO_CONTEXT: str(d)}
 
 
 def _stage_argv(b: Build, st: plan_mod.PlannedStage, *, ctx: Path, named: dict, meta: Path | None,
@@ -864,6 +886,7 @@ def stage_inputs(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, e
 def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, empty: Path,
                  jobs: guards.Jobs, progress: Progress, head: str, started: str) -> None:
     ctx, named = stage_inputs(b, st, inputs, tmp, empty)
+    named.update(_cpuinfo_context(b, tmp))
     src_dir = Path(named[NAMED_SRC])
     cache_id = compilecache.give(b.root / st.dockerfile, src_dir, named, empty)
     meta = tmp / "metadata.json"
@@ -960,6 +983,7 @@ def _second_build(b: Build, st: plan_mod.PlannedStage, inputs: dict, tmp: Path, 
     """The stage built once more into the stage store, not committed: its (clamped) manifest."""
     tmp.mkdir(parents=True)
     ctx, named = stage_inputs(b, st, inputs, tmp, empty)
+    named.update(_cpuinfo_context(b, tmp))
     meta = tmp / "metadata.json"
     argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st),
                        rerun="check-" + secrets.token_hex(4))

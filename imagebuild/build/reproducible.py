@@ -71,12 +71,28 @@ def _escape_char(lines: list[str]) -> str:
     return "\\"
 
 
-def dockerfile_for_build(text: str) -> str:
+# Under emulation of linux/arm64 every RUN gets an AArch64 /proc/cpuinfo (core/emulation.py): the process
+# otherwise reads the x86 host's, and torch's oneDNN (xbyak_aarch64) dies at import ("Can't open MIDR_EL1
+# sysfs entry", then a segmentation fault), which stops glm53's torch stage at its own `import torch`. A bind
+# mount leaves nothing in the layer; runc allows it on /proc/cpuinfo (as LXCFS uses it).
+CPUINFO_CONTEXT = "imagebuild-cpuinfo"
+CPUINFO_MOUNT = f"--mount=type=bind,from={CPUINFO_CONTEXT},source=cpuinfo,target=/proc/cpuinfo"
+_RUN_RE = re.compile(r"^(\s*)(run)(\s+)", re.I)
+
+
+def dockerfile_for_build(text: str, *, cpuinfo: bool = False) -> str:
     """The Dockerfile as BuildKit gets it: ``text`` with ``ARG SOURCE_DATE_EPOCH`` after every
-    ``FROM`` instruction (after its last line when it continues over several). Nothing else
-    changes: later instructions move down one line per FROM before them (the build's log names the
-    file as built)."""
+    ``FROM`` instruction (after its last line when it continues over several); with ``cpuinfo``, every
+    RUN also mounts the emulated platform's /proc/cpuinfo (on its first line: no line moves). Nothing
+    else changes: later instructions move down one line per FROM before them (the build's log names
+    the file as built)."""
     lines = text.splitlines(keepends=True)
+    if cpuinfo:
+        for ins in dockerfile.parse(text).instructions:
+            if ins.keyword == "RUN":
+                i = ins.line - 1
+                lines[i] = _RUN_RE.sub(lambda m: f"{m.group(1)}{m.group(2)} {CPUINFO_MOUNT}{m.group(3)}", lines[i],
+                                       count=1)
     esc = _escape_char(lines)
     after: set[int] = set()  # 0-based index of the line after which the ARG goes
     for f in dockerfile.parse(text).froms:

@@ -2,7 +2,7 @@
 x86-64 machine under QEMU user-mode emulation with PyPI's real aarch64 wheels (issue 32).
 
 The test-only definition (tests/fixtures/smoke-arm64/docker-images/glm53-smoke-arm64) takes the real
-definition's Dockerfile.apt, Dockerfile.torch, Dockerfile.b12x-wheel and both requirement files as they are:
+definition's Dockerfile.torch, Dockerfile.b12x-wheel and both requirement files as they are:
   - torch 2.13.0 (PyPI's aarch64 wheel is the CUDA 13.0 build), flashinfer-python 0.6.17 and the runner's
     set, resolved and prefetched by imagebuild for linux/arm64, CPython 3.11 (bookworm's; Debian has no
     3.12 for arm64);
@@ -38,7 +38,7 @@ ROOT = realtrees.ROOT
 IMAGE = "glm53-smoke-arm64"
 SMOKE = ROOT / "tests" / "fixtures" / "smoke-arm64"
 REAL = ROOT / "docker-images" / "glm53-jovian-r12"
-REUSED = ("Dockerfile.apt", "Dockerfile.torch", "Dockerfile.b12x-wheel", "files/cuda13-wheel-links.sh",
+REUSED = ("Dockerfile.torch", "Dockerfile.b12x-wheel", "files/cuda13-wheel-links.sh",
           "requirements-torch.txt", "requirements-runner.txt")
 ARM64_BASE = "imagebuild-test/debian-arm64:bookworm"
 

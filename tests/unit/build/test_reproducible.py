@@ -135,3 +135,17 @@ def test_a_dropped_member_described_by_a_long_name_header_goes_with_it(name):
     with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as t:
         kept = t.getnames()
     assert kept == ([f"{long_dir}/a", f"{long_dir}/b"] if "dpkg" in name else [f"{long_dir}/a", name, f"{long_dir}/b"])
+
+
+def test_an_emulated_arm64_build_mounts_an_aarch64_cpuinfo_in_every_run_without_moving_a_line():
+    text = ("FROM a AS x\nrun echo one \\\n  && echo two\nCOPY f /f\n  RUN --mount=type=cache,target=/c echo three\n"
+            "RUN [\"echo\", \"four\"]\n")
+    plain = reproducible.dockerfile_for_build(text)
+    assert reproducible.CPUINFO_MOUNT not in plain
+    got = reproducible.dockerfile_for_build(text, cpuinfo=True)
+    assert got.count(reproducible.CPUINFO_MOUNT) == 3
+    assert len(got.splitlines()) == len(plain.splitlines())
+    assert f"run {reproducible.CPUINFO_MOUNT} echo one \\" in got
+    assert f"  RUN {reproducible.CPUINFO_MOUNT} --mount=type=cache,target=/c echo three" in got
+    assert f'RUN {reproducible.CPUINFO_MOUNT} ["echo", "four"]' in got
+    assert "  && echo two" in got  # a continuation line is not an instruction
