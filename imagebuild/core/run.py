@@ -215,6 +215,38 @@ def check_popen(proc: subprocess.Popen, *, hint: str | None = None) -> None:
 KILL_GRACE_S = 10.0
 
 
+def _read_until_exit(proc, on_line, split_cr: bool) -> None:
+    """Call ``on_line`` for each line ``proc`` writes, until its pipe closes or, once ``proc`` has
+    ended, nothing more is there to read."""
+    import select
+
+    fd = proc.stdout.fileno()
+    buf = b""
+
+    def lines(data: bytes) -> bytes:
+        if split_cr:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *whole, rest = data.split(b"\n")
+        for raw in whole:
+            on_line(raw.decode("utf-8", "replace") + "\n")
+        return rest
+
+    ended = False
+    while True:
+        if select.select([fd], [], [], 0 if ended else 0.2)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf = lines(buf + chunk)
+            continue
+        if ended:  # the child ended and what it wrote is read: whoever else holds the pipe is not waited for
+            break
+        # what the child wrote before it ended is in the pipe by now: one more look, without waiting
+        ended = proc.poll() is not None
+    if buf:
+        on_line(buf.decode("utf-8", "replace"))
+
+
 def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None,
            cwd: Path | str | None = None, hint: str | None = None, split_cr: bool = False,
            die_with_parent: bool = False, timeout: float | None = None) -> int:
@@ -230,6 +262,10 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
     ``die_with_parent``: the child gets SIGKILL when this process dies, even by ``kill -9`` (through
     util-linux ``setpriv --pdeathsig``, when installed): a killed sync leaves no rsync sending on.
     ``timeout``: the group is killed after that many seconds, silent or not (OperationFailed).
+
+    The output is read until the child has ended, not until its pipe closes: a pipe something else
+    still holds (an ssh ControlMaster holds the stdio of every mux client, rsync's ssh included, until
+    the peer closes the channel) never ends the call late.
     """
     import signal
     import time
@@ -258,19 +294,7 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
         timer.start()
     try:
         assert proc.stdout is not None
-        if not split_cr:
-            for raw in iter(proc.stdout.readline, b""):
-                on_line(raw.decode("utf-8", "replace"))
-        else:
-            buf = b""
-            fd = proc.stdout.fileno()
-            while chunk := os.read(fd, 65536):
-                buf += chunk
-                *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-                for raw in lines:
-                    on_line(raw.decode("utf-8", "replace") + "\n")
-            if buf:
-                on_line(buf.decode("utf-8", "replace"))
+        _read_until_exit(proc, on_line, split_cr)
         rc = proc.wait()
         if timer is not None and timer.expired:
             raise OperationFailed(f"command timed out after {timeout:g} s: {shlex.join(argv)}", hint=hint)
