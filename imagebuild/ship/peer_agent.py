@@ -53,17 +53,43 @@ ib_lock() {
   mkdir -p "$CACHE/incoming" "$CACHE/stage" "$CACHE/tmp" "$CACHE/pending" "$CACHE/records" \
            "$CACHE/receipts" "$CACHE/attempts" || ib_fail io "cannot create folders under $CACHE"
 }
-ib_hold() {  # $1 lock name (hex), $2 seconds to wait, $3 run id. Run by the session's own shell (LOOP's
+ib_start_time() {  # the start time of process $1 (clock ticks since boot: /proc/PID/stat field 22), or nothing
+  [ -r "/proc/$1/stat" ] && sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f20
+}
+ib_end_dead_holder() {  # $1 lock name, $2 the sender token of a holder whose sender is gone (the sender's
+                        # machine says so: its process no longer runs). When the holder record still names
+                        # that sender, its session's shell (pid and start time from the record) is ended:
+                        # it waits for a call that never comes. A step it runs keeps the lock (fd 8) until
+                        # it ends, as when the sender dies with the connection up.
+  ib_h=$(cat "$CACHE/locks/$1.holder" 2>/dev/null) || return 0
+  case " $ib_h " in *" sender $2 "*) ;; *) return 0 ;; esac
+  ib_p=$(printf '%s\n' "$ib_h" | sed -n 's/^.* pid \([0-9][0-9]*\) start \([0-9][0-9]*\) .*$/\1/p')
+  ib_s=$(printf '%s\n' "$ib_h" | sed -n 's/^.* pid \([0-9][0-9]*\) start \([0-9][0-9]*\) .*$/\2/p')
+  [ -n "$ib_p" ] && [ -n "$ib_s" ] && [ "$(ib_start_time "$ib_p")" = "$ib_s" ] || return 0
+  printf '@@ended %s\n' "$ib_h"
+  kill -TERM "$ib_p" 2>/dev/null
+  return 0
+}
+ib_hold() {  # $1 lock name (hex), $2 seconds to wait, $3 run id, $4 the sender's token (BOOT:PID:START),
+             # $5 the token of a holder's sender that is gone, or -. Run by the session's own shell (LOOP's
              # @@hold), not a call: fd 8 of the session holds $CACHE/locks/$1.lock until the session ends
              # (the sender gone, the step that runs finished). One sync of one image to this peer at a time.
              # Says the holder before this one (@@previous): the probe saw it too if nothing ran between.
   case "$1" in ''|*[!0-9a-f]*) printf '@@error usage bad lock name\n'; return 3 ;; esac
   case "$2" in ''|*[!0-9]*) printf '@@error usage bad lock wait\n'; return 3 ;; esac
+  case "${4:--}" in *[!0-9a-f:-]*) printf '@@error usage bad sender\n'; return 3 ;; esac
+  case "${5:--}" in *[!0-9a-f:-]*) printf '@@error usage bad sender\n'; return 3 ;; esac
   command -v flock >/dev/null 2>&1 || { printf '@@error tools flock not found on the peer (util-linux)\n'; return 3; }
   mkdir -p "$CACHE/locks" 2>/dev/null
   ( : >> "$CACHE/locks/$1.lock" ) 2>/dev/null || { printf '@@error io cannot open %s\n' "$CACHE/locks/$1.lock"; return 3; }
   exec 8>>"$CACHE/locks/$1.lock"
-  if ! flock -n 8; then
+  ib_got=
+  flock -n 8 && ib_got=1
+  if [ -z "$ib_got" ] && [ "${5:--}" != - ]; then
+    ib_end_dead_holder "$1" "$5"
+    flock -w 2 8 && ib_got=1
+  fi
+  if [ -z "$ib_got" ]; then
     printf '@@waiting %s\n' "$(cat "$CACHE/locks/$1.holder" 2>/dev/null)"
     if ! flock -w "$2" 8; then
       printf '@@error busy another imagebuild sync of this image to this peer still runs after %s s (%s)\n' \
@@ -73,8 +99,8 @@ ib_hold() {  # $1 lock name (hex), $2 seconds to wait, $3 run id. Run by the ses
     fi
   fi
   printf '@@previous %s\n' "$(cat "$CACHE/locks/$1.holder" 2>/dev/null)"
-  printf '%s pid %s since %s run %s\n' "$(hostname 2>/dev/null)" "$$" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${3:-}" \
-    > "$CACHE/locks/$1.holder" 2>/dev/null
+  printf '%s pid %s start %s since %s run %s sender %s\n' "$(hostname 2>/dev/null)" "$$" "$(ib_start_time $$)" \
+    "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${3:--}" "${4:--}" > "$CACHE/locks/$1.holder" 2>/dev/null
   printf '@@held %s\n' "$1"
   return 0
 }
@@ -615,8 +641,8 @@ LOOP = r"""
 printf '@@ready %s\n' 1
 while IFS=' ' read -r ib_tag ib_id ib_n; do
   if [ "$ib_tag" = "@@hold" ]; then  # @@hold NAME WAIT: in this shell, so that the lock lasts the session
-    ib_w=${ib_n%% *}; ib_r=${ib_n#* }; [ "$ib_r" = "$ib_n" ] && ib_r=
-    ib_hold "$ib_id" "$ib_w" "$ib_r" </dev/null 2>&1
+    set -f; set -- $ib_n; set +f
+    ib_hold "$ib_id" "${1:-}" "${2:--}" "${3:--}" "${4:--}" </dev/null 2>&1
     printf '@@done hold %s\n' "$?"
     continue
   fi

@@ -609,13 +609,13 @@ class _Session:
             raise self.error
         return self.conn
 
-    def close(self) -> None:
+    def close(self, wait: float = 10) -> None:
         with self._lock:
             self._closed = True
             opening = self.thread is not None and self.thread.is_alive()
         if not opening:
             try:
-                self.conn.close()
+                self.conn.close(wait)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -659,7 +659,9 @@ def _sync_peer(shared: _Shared, host: str) -> PeerResult:
         log.debug("sync to %s", host, exc_info=True)
         res.status, res.message = "failed", f"internal error: {type(exc).__name__}: {exc}"
     finally:
-        sess.close()
+        # a failed sync does not wait for its session's end: over a cut link it never comes, and the
+        # sync must end within its bound (IMAGEBUILD_SYNC_TIMEOUT)
+        sess.close(1 if res.status == "failed" else 10)
         res.bytes_sent += conn.bytes_sent
         if res.status != "refused" or conn.timings:
             res.details["timings"] = conn.timings
@@ -709,7 +711,10 @@ class _PeerSync:
             self.say("another sync of %s to this peer runs (%s): waiting for it (up to %d s)", self.s.ref,
                      holder or "holder unknown", wait)
         try:
-            waited, previous = self.conn.hold(self.lock_name, wait, self.run_id, waiting)
+            # a holder whose sender ran here and is gone (a cut link ended it; the peer's sshd may not
+            # notice for minutes): the peer ends its session instead of waiting for it
+            dead = peer_mod.dead_sender(st.synclock[1]) if st.synclock[0] == "held" else ""
+            waited, previous = self.conn.hold(self.lock_name, wait, self.run_id, waiting, dead=dead)
         except peer_mod.AgentFailed as exc:
             if exc.code == "busy":
                 raise GuardRefused(f"busy: {exc.detail}",

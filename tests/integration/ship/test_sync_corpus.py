@@ -1,0 +1,154 @@
+"""The hostile-input and fault corpus of issue 34 (round three), peers and sync: each case against the
+real peer (scripts/peer.sh: own network namespace, sshd and Docker engine), each one that failed on the
+code before it: a frozen rsync receiver, a cut link under IMAGEBUILD_SYNC_TIMEOUT, a rerun right after a
+cut whose dead run still holds the peer's lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from imagebuild.core import identity
+from tests.integration.ship.test_sync_locks_and_timeouts import _blob_files, _child_rsync, _finish, _Stderr
+from tests.syncfixtures import (  # noqa: F401 - fixtures
+    _private_sync_cache,
+    env,
+    peer_identity,
+    reset,
+    sync,
+    sync_images_fixture,
+    sync_proc,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+BOUND = 20  # IMAGEBUILD_SYNC_TIMEOUT in these cases
+# what a sync may take past its bound after the fault: the local rsync's exit, the session's end, the
+# report (loaded machine included)
+SLACK = 10
+
+
+def _receivers(peer) -> list[int]:
+    """The peer's rsync receivers (``rsync --server`` writing into its sync cache)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"rsync") and b"--server" in argv and any(peer.cache.encode() in a for a in argv):
+            out.append(int(d.name))
+    return out
+
+
+def _start_big_sync(imgs, peer, hexname: str, **extra: str):
+    """A sync of the 300 MB image, once more than 48 MiB of its big layer are on the peer: (proc, stderr)."""
+    reset(peer)
+    imgs.set_local(imgs.big)
+    p = sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_SYNC_TIMEOUT": str(BOUND), **extra})
+    err = _Stderr(p)
+    wait_for(lambda: (err.has("sending") and _child_rsync(p.pid)) or p.poll() is not None, timeout=180, every=0.005)
+    assert p.poll() is None, err.text()
+    part = lambda: sum(f.stat().st_size for f in _blob_files(peer, hexname) if f.exists())  # noqa: E731
+    wait_for(lambda: part() > 48 << 20 or p.poll() is not None, timeout=120, every=0.002)
+    assert p.poll() is None, err.text()
+    return p, err
+
+
+def _big_layer(imgs) -> str:
+    from imagebuild.ship import localblobs
+
+    return max(localblobs.load(imgs.big).layers, key=lambda la: la.size).digest.split(":")[1]
+
+
+def _end(p, err, seconds: float):
+    """Wait ``seconds`` for the sync; it hangs: kill it and fail, saying so."""
+    try:
+        return _finish(p, err, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        pytest.fail(f"the sync still ran {seconds:.0f} s after the fault (IMAGEBUILD_SYNC_TIMEOUT={BOUND}):\n"
+                    + err.text()[-2000:])
+
+
+def test_a_frozen_rsync_receiver_ends_the_sync_within_its_bound(sync_images, peer):
+    """The peer's rsync receiver is stopped (SIGSTOP) mid-transfer. The local rsync gives up at its I/O
+    timeout, but its ssh is a mux client whose stdio the shared ControlMaster holds while the peer's
+    channel stays open: the sync read rsync's output until EOF, for ever. It ends within the bound now."""
+    imgs = sync_images
+    frozen: list[int] = []
+    try:
+        p, err = _start_big_sync(imgs, peer, _big_layer(imgs))
+        frozen = _receivers(peer)
+        assert frozen, "no rsync receiver found on the peer"
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc, doc = _end(p, err, BOUND + SLACK + 60)
+        took = time.monotonic() - t0
+        print(f"frozen receiver: the sync ended {took:.1f} s after the freeze (bound {BOUND} s)")
+        assert rc == 1 and doc["peers"][0]["status"] == "failed", err.text()
+        assert took < BOUND + SLACK, (took, err.text())
+    finally:
+        for pid in frozen:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        imgs.set_local(imgs.v1)
+        reset(peer)
+
+
+def _link(peer, state: str) -> None:
+    subprocess.run(["ip", "link", "set", peer.veth, state], check=True)
+
+
+def test_a_cut_link_ends_the_sync_within_its_bound_and_the_rerun_takes_the_dead_runs_lock(sync_images, peer):
+    """The peer's link goes down mid-transfer (IMAGEBUILD_SYNC_TIMEOUT=20): the sync ended 74-78 s after the
+    cut (when the ssh ControlMaster gave up on the link); now within the bound. The link stays down until
+    this host has dropped the dead connection (ss -K: as after a long cut, or a reboot), so the peer's
+    sshd, whose session waits idle for a call, never hears of it and its shell holds the image's lock:
+    the rerun right after the link is back waited for it up to IMAGEBUILD_SYNC_LOCK_WAIT (1800 s by
+    default), then was refused busy. The rerun sees that the holder's sender, a process of this machine,
+    is gone, has the peer end that session, and syncs."""
+    imgs = sync_images
+    hexname = _big_layer(imgs)
+    down = False
+    try:
+        # the plain transfer (no load runs during it): the peer's session is idle while rsync sends
+        p, err = _start_big_sync(imgs, peer, hexname, IMAGEBUILD_SYNC_STREAM="0")
+        _link(peer, "down")
+        down = True
+        t0 = time.monotonic()
+        rc, doc = _end(p, err, BOUND + SLACK + 90)
+        took = time.monotonic() - t0
+        print(f"cut link: the sync ended {took:.1f} s after the cut (bound {BOUND} s)")
+        assert rc == 1 and doc["peers"][0]["status"] == "failed", err.text()
+        assert took < BOUND + SLACK, (took, err.text())
+        # this host forgets the connection (its RST is lost on the dead link)
+        subprocess.run(["ss", "-K", "-t", "dst", peer.addr], capture_output=True)
+        _link(peer, "up")
+        down = False
+        t1 = time.monotonic()
+        with env(IMAGEBUILD_SYNC_LOCK_WAIT="60", IMAGEBUILD_SYNC_TIMEOUT=None):
+            r, doc = sync(imgs, peer, peer.addr)
+        rerun = time.monotonic() - t1
+        print(f"the rerun after the cut took {rerun:.1f} s")
+        assert r.code == 0 and doc["peers"][0]["status"] == "synced", r.err
+        assert "waiting for it" not in r.err, r.err
+        assert peer_identity(peer, imgs.local) == identity.inspect(imgs.big).digest
+    finally:
+        if down:
+            _link(peer, "up")
+        imgs.set_local(imgs.v1)
+        reset(peer)
