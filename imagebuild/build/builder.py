@@ -709,17 +709,18 @@ def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
         blk.release()
 
 
-def _check_folders(ctx: context_mod.Context) -> None:
+def _check_folders(ctx: context_mod.Context, create: bool = True) -> None:
     """The folders a build writes in, checked before anything starts (a run record never stays
     ``running`` because one of them is unusable): the stage store, the lock folder, then the state
-    folder (last: a refusal leaves the project as it was)."""
+    folder (last: a refusal leaves the project as it was). ``create`` False (``--dry-run``): the
+    same checks, nothing made."""
     usable_dir(state.stages_dir(), state.STAGES_ENV if os.environ.get(state.STAGES_ENV) else "the stage store",
                hint=f"{state.STAGES_ENV} names a folder this user can write (default "
-               "$XDG_CACHE_HOME/imagebuild/stages)")
-    guards.usable_lock_dir(guards.lock_top())
+               "$XDG_CACHE_HOME/imagebuild/stages)", create=create)
+    guards.usable_lock_dir(guards.lock_top(), create=create)
     usable_dir(tmp_root(ctx), "IMAGEBUILD_STATE_DIR" if os.environ.get("IMAGEBUILD_STATE_DIR") else
                "the state folder", hint="IMAGEBUILD_STATE_DIR names a folder this user can write (default "
-               "<project>/.imagebuild)")
+               "<project>/.imagebuild)", create=create)
 
 
 def _remove_stale_tmp(b: Build) -> None:
@@ -1345,6 +1346,7 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
 def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """What ``build`` would do, with every docker command it would run (nothing is built)."""
     guards.min_free_gib()
+    _check_folders(context_mod.of(ctx), create=False)  # what the build would refuse, the dry run refuses too
     b = prepare(context_mod.of(ctx), image, opts)
     registry_cache.attach(b)
     _check_inputs(b)

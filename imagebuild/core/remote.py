@@ -9,14 +9,24 @@ from __future__ import annotations
 import os
 import shlex
 
-from imagebuild.core.errors import UsageError
+from imagebuild.core.errors import UsageError, excerpt
 
 SSH_ENV = "IMAGEBUILD_SSH"
 CONNECT_TIMEOUT_S = 5
 
 
 def ssh_command() -> list[str]:
-    return shlex.split(os.environ.get(SSH_ENV) or "ssh")
+    """``$IMAGEBUILD_SSH`` split like a shell would; a UsageError (exit 2) naming it when it cannot be
+    (an unbalanced quote) or names no command."""
+    value = os.environ.get(SSH_ENV) or "ssh"
+    try:
+        argv = shlex.split(value)
+    except ValueError as exc:
+        raise UsageError(f"{SSH_ENV}={excerpt(value)}: cannot be split like a shell command line: {exc}",
+                         hint="balance its quotes, e.g. IMAGEBUILD_SSH='ssh -F ~/.ssh/cluster_config'") from None
+    if not argv:
+        raise UsageError(f"{SSH_ENV}={excerpt(value)}: names no command", hint="e.g. IMAGEBUILD_SSH=ssh")
+    return argv
 
 
 def is_destination(dest: object) -> bool:

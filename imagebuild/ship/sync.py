@@ -187,6 +187,7 @@ def resolve_peers(ctx: context_mod.Context | Path | None, peers: list[str]) -> l
                          hint="name one (imagebuild sync dgx4) or list them in imagebuild.yaml (peers: [dgx4])")
     for p in out:
         remote_mod.check_destination(p)
+    remote_mod.ssh_command()  # $IMAGEBUILD_SSH splits (exit 2 naming it), before any peer's step
     return list(dict.fromkeys(out))
 
 

@@ -1,0 +1,122 @@
+"""The hostile-input corpus of issue 34 (round three), section 2: each case once gave an internal error
+or a wrong answer. Each now gets a clear error naming the file, key or variable, exit 2, no traceback,
+nothing written (docs/security.md)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli, tree_state
+
+TINY = "docker-images/tiny"
+
+
+def _clear(r, code: int, *names: str) -> None:
+    assert r.code == code, (r.code, r.err)
+    assert "internal error" not in r.err and "Traceback" not in r.err, r.err
+    for n in names:
+        assert n in r.err, (n, r.err)
+
+
+def _loop(path: Path) -> None:
+    """``path`` becomes a symlink loop (a -> b -> a)."""
+    path.unlink()
+    other = path.with_name(path.name + ".other")
+    os.symlink(other.name, path)
+    os.symlink(path.name, other)
+
+
+@pytest.mark.parametrize("what, named", [
+    ("versions.env", "versions.env: is a symlink loop"),
+    ("Dockerfile.app", "'Dockerfile.app' is a symlink loop"),
+    ("files/tool.sh", "'files/tool.sh' is a symlink loop"),
+    ("image.yaml", "image.yaml: is a symlink loop"),
+])
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_a_symlink_loop_in_a_definition_is_named(project, what, named, command):
+    _loop(project / TINY / what)
+    r = run_cli("--root", str(project), command, "tiny")
+    _clear(r, 2, named)
+
+
+def _folder_input(project: Path) -> Path:
+    """tiny's tools stage declares the folder files/extra too."""
+    y = project / TINY / "image.yaml"
+    y.write_text(y.read_text().replace("files: [files/tool.sh]", "files: [files/tool.sh, files/extra]"))
+    d = project / TINY / "files/extra"
+    d.mkdir()
+    (d / "ok.txt").write_text("fine\n")
+    return d
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "build"])
+def test_a_file_name_that_is_not_utf8_in_a_declared_folder_is_named(project, command):
+    d = _folder_input(project)
+    (d / os.fsdecode(b"bad\xffname")).write_text("x\n")
+    before = tree_state(project)
+    argv = ["build", "tiny", "--dry-run"] if command == "build" else [command, "tiny"]
+    r = run_cli("--root", str(project), *argv)
+    _clear(r, 2, "'files/extra'", "not UTF-8", "bad\\udcffname")
+    assert tree_state(project) == before
+
+
+def test_a_file_name_that_is_not_utf8_elsewhere_in_the_definition_folder_does_not_crash_plan(project):
+    (project / TINY / os.fsdecode(b"notes-\xfe.txt")).write_text("not an input\n")
+    r = run_cli("--root", str(project), "plan", "tiny")
+    _clear(r, 0)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+def test_a_special_file_inside_a_declared_folder_fails_validate_as_it_fails_plan(project, kind):
+    d = _folder_input(project)
+    sock = None
+    if kind == "fifo":
+        os.mkfifo(d / "special")
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        cwd = os.getcwd()
+        os.chdir(d)  # a socket path is at most 107 bytes
+        try:
+            sock.bind("special")
+        finally:
+            os.chdir(cwd)
+    try:
+        for command in ("validate", "plan"):
+            r = run_cli("--root", str(project), command, "tiny")
+            _clear(r, 2, "special")
+            assert ("FIFO" if kind == "fifo" else "socket") in r.err, r.err
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--peer", "somehost"], ["gc", "--peer", "somehost"],
+                                  ["nightly", "tiny", "--peers", "somehost"]])
+def test_unbalanced_quotes_in_imagebuild_ssh_are_named(project, monkeypatch, argv):
+    monkeypatch.setenv("IMAGEBUILD_SSH", "ssh -o 'ProxyCommand=nc")
+    r = run_cli("--root", str(project), *argv)
+    _clear(r, 2, "IMAGEBUILD_SSH", "No closing quotation")
+
+
+@pytest.mark.parametrize("var", ["IMAGEBUILD_STATE_DIR", "IMAGEBUILD_LOCK_DIR", "IMAGEBUILD_STAGES"])
+@pytest.mark.parametrize("kind", ["a-file", "under-proc"])
+def test_build_dry_run_checks_the_folders_a_build_writes_in(project, tmp_path, monkeypatch, var, kind):
+    f = tmp_path / "a-file"
+    f.write_text("not a folder\n")
+    monkeypatch.setenv(var, str(f) if kind == "a-file" else "/proc/imagebuild-x")
+    before = tree_state(project)
+    r = run_cli("--root", str(project), "build", "tiny", "--dry-run")
+    _clear(r, 2, var)
+    assert tree_state(project) == before
+    assert f.read_text() == "not a folder\n"
+
+
+def test_build_dry_run_makes_no_folder(project, tmp_path, monkeypatch):
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "new" / "state"))
+    r = run_cli("--root", str(project), "build", "tiny", "--dry-run")
+    _clear(r, 0)
+    assert not (tmp_path / "new").exists()
