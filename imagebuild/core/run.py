@@ -67,15 +67,32 @@ def _environ(env: Mapping[str, str] | None) -> dict[str, str] | None:
     return {k: v for k, v in merged.items() if v is not None}
 
 
+_SETPRIV: list[str | None] = []
+
+
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when the thread that started it dies, even by ``kill -9``
+    (util-linux ``setpriv --pdeathsig``, when installed; else ``argv`` as it is). Only for a child
+    waited for where it was started: a killed ``gc`` must not leave its ``docker image rm`` running
+    with the lock released."""
+    if not _SETPRIV:
+        _SETPRIV.append(which("setpriv"))
+    if _SETPRIV[0] is None or which(argv[0]) is None:  # a missing command is said as one, not by setpriv
+        return argv
+    return [_SETPRIV[0], "--pdeathsig", "KILL", "--", *argv]
+
+
 def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeout: float | None = None,
         env: Mapping[str, str] | None = None, cwd: Path | str | None = None, input: bytes | None = None,
         hint: str | None = None, pass_fds: Sequence[int] = ()) -> subprocess.CompletedProcess:
     """Run ``argv``; with ``capture`` stdout and stderr are returned (combined in ``.stdout``).
-    ``pass_fds``: descriptors the child inherits (as ``subprocess`` keeps them)."""
+    ``pass_fds``: descriptors the child inherits (as ``subprocess`` keeps them). The child dies with
+    this process (``_dying_with_parent``)."""
     argv = _announce(argv)
     try:
         proc = subprocess.run(
-            argv, cwd=cwd, env=_environ(env), input=input, timeout=timeout, pass_fds=tuple(pass_fds),
+            _dying_with_parent(argv), cwd=cwd, env=_environ(env), input=input, timeout=timeout,
+            pass_fds=tuple(pass_fds),
             stdout=subprocess.PIPE if capture else None,
             stderr=subprocess.STDOUT if capture else None,
         )

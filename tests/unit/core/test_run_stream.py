@@ -53,3 +53,41 @@ def test_carriage_returns_end_lines_with_split_cr():
     lines: list[str] = []
     assert run.stream(["printf", "a\\rb\\r\\nc"], lines.append, split_cr=True) == 0
     assert lines == ["a\n", "b\n", "c"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_child_of_run_dies_with_its_parent_killed_by_sigkill(tmp_path):
+    """issue 34: after kill -9 of gc, the `docker image rm` it ran went on with gc's lock released. A
+    child of run.run gets SIGKILL when its parent dies, however it dies."""
+    import subprocess
+    import sys
+
+    pidfile = tmp_path / "child.pid"
+    code = ("from imagebuild.core import run; "
+            f"run.run(['sh', '-c', 'echo $$ > {pidfile}; exec sleep 60'])")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    child = None
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (pidfile.exists() and pidfile.read_text().strip()):
+            time.sleep(0.02)
+        child = int(pidfile.read_text())
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.02)
+        assert not _alive(child), "the child outlived its parent's kill -9"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
