@@ -22,6 +22,7 @@ import re
 import urllib.parse
 from pathlib import Path
 
+from imagebuild.core.errors import excerpt
 from imagebuild.ops import history as hist
 from imagebuild.ops.imagediff import human
 
@@ -454,7 +455,12 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None, links: di
                  f'<td>{_changed_cell(r.get("changed"))}</td><td>{prs or "-"}</td></tr>')
     L.append("</table></div>")
     if tonight is not None:
-        L += _tonight(tonight, ((links or {}).get(tonight.get("run_id") or "") or {}).get("logs", {}).get(image))
+        try:
+            logs = (((links or {}).get(tonight.get("run_id") or "") or {}).get("logs") or {}).get(image)
+            L += _tonight(tonight, logs)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError) as exc:  # hand-edited
+            L.append(f'<p class="bad">Tonight\'s details of {esc(image)} are not shown: the report is not one this '
+                     f"version can read ({esc(type(exc).__name__)}: {esc(excerpt(str(exc)))}).</p>")
     return L + ["</section>"]
 
 
@@ -510,7 +516,11 @@ def render(rows: list[dict], tonight: dict | None = None, *, title: str = "image
     """The page for ``rows`` (history lines, oldest first) and, when given, a report's details;
     ``links``: per run id, relative links to its report and failed logs (``night_links``)."""
     images = list(dict.fromkeys(r["image"] for r in rows))
-    by_image = {i.get("image"): i for i in (tonight or {}).get("images") or []}
+    if not isinstance(tonight, dict):
+        tonight = None
+    listed = (tonight or {}).get("images")
+    by_image = {i.get("image"): i for i in (listed if isinstance(listed, list) else [])
+                if isinstance(i, dict) and isinstance(i.get("image"), str)}
     L = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
          '<meta name="viewport" content="width=device-width, initial-scale=1">',
          # nothing is loaded from anywhere: no script, no remote style, font or image
