@@ -50,3 +50,16 @@ def ssh_argv(host: str, *remote: str) -> list[str]:
     """argv that runs ``remote`` on ``host`` without ever prompting for a password."""
     check_destination(host)
     return [*ssh_command(), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}", "--", host, *remote]
+
+
+def host_key_trouble(text: str, host: str) -> tuple[str, str] | None:
+    """(what, hint) when ssh's output ``text`` says it refused ``host`` for its host key: changed since it
+    was recorded, or not recorded at all; else None. imagebuild never turns host key checking off."""
+    if "IDENTIFICATION HAS CHANGED" in text or "Host key for" in text and "has changed" in text:
+        return ("its host key has CHANGED since it was recorded in known_hosts (a reinstalled node, or "
+                "someone in between)", f"check the key with the node's admin, then `ssh-keygen -R {host}` and "
+                "connect once")
+    if "Host key verification failed" in text or "host key is known" in text:
+        return ("its host key is not in known_hosts", f"verify the key and add it: `ssh {host} true` once "
+                f"interactively, or `ssh-keyscan {host} >> ~/.ssh/known_hosts` after checking the fingerprint")
+    return None

@@ -16,7 +16,7 @@ from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
-from imagebuild.core.remote import check_destination, ssh_argv
+from imagebuild.core.remote import check_destination, host_key_trouble, ssh_argv
 
 GIB = 1 << 30
 # Real images need ~40 GB of build cache and layers; a stage build fails late when the disk fills.
@@ -211,15 +211,9 @@ def check_peer(host: str) -> list[Check]:
         return [Check(f"peer {host}", "fail", exc.message, "check the host name and that sshd runs there")]
     text = proc.stdout.decode("utf-8", "replace").strip()
     if proc.returncode == 255:
-        if "IDENTIFICATION HAS CHANGED" in text:
-            return [Check(f"peer {host}", "fail", "ssh refused it: its host key has CHANGED since it was "
-                          "recorded in known_hosts (a reinstalled node, or someone in between)",
-                          f"check the key with the node's admin, then `ssh-keygen -R {host}` and connect once")]
-        if "Host key verification failed" in text or "No ED25519 host key is known" in text or \
-                "host key is known" in text:
-            return [Check(f"peer {host}", "fail", "ssh refused it: its host key is not in known_hosts",
-                          f"verify the key and add it: `ssh {host} true` once interactively, or "
-                          f"`ssh-keyscan {host} >> ~/.ssh/known_hosts` after checking the fingerprint")]
+        key = host_key_trouble(text, host)
+        if key is not None:
+            return [Check(f"peer {host}", "fail", f"ssh refused it: {key[0]}", key[1])]
         return [Check(f"peer {host}", "fail", f"ssh failed: {text.splitlines()[-1] if text else 'exit 255'}",
                       f"make `ssh {host} true` work without a password (ssh-copy-id {host}; check ~/.ssh/config)")]
     if proc.returncode != 0:

@@ -256,6 +256,9 @@ class Connection:
             return line
 
     def _unreachable(self, text: str, rc: int) -> PeerUnreachable:
+        key = remote.host_key_trouble(text, self.host)
+        if key is not None:  # not a password problem: say what ssh refused
+            return PeerUnreachable(f"cannot reach {self.host} over ssh: ssh refused it: {key[0]}", hint=key[1])
         lines = [ln for ln in text.strip().splitlines() if ln.strip() and "Warning: Permanently added" not in ln]
         why = lines[-1] if lines else f"ssh exit {rc}"
         return PeerUnreachable(f"cannot reach {self.host} over ssh: {why}",

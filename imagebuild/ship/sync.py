@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import threading
 import time
@@ -59,6 +60,7 @@ RECORD_SCHEMA = "imagebuild.peer-record"
 STATUSES = ("synced", "unchanged", "failed", "refused", "dry-run")
 DEFAULT_MIN_FREE_GIB = 1.0
 PROGRESS_EVERY_S = 2.0
+FULL_DISK_BYTES = 4 << 20  # after rsync's "error in file IO", a peer cache with less free than this is full
 INLINE_LAYERS_MAX = 4 << 20  # missing layers up to this much travel inside the load call (no rsync)
 # every remote step is bounded (a frozen peer engine must not hang a sync): the quick steps by
 # STEP_TIMEOUT_S, the load (and a pull) by LOAD_BASE_S plus what it moves at LOAD_MIN_RATE;
@@ -783,6 +785,9 @@ class _PeerSync:
         if st.quick and not self._unchanged(st):
             st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, timeout=step_timeout(120),
                                 lock=self.lock_name)
+        if st.quick and st.target:  # the quick probe asks no `docker info`: the tag's id says the store (a
+            # classic store names an image by its config digest, the containerd store by its manifest or index)
+            st.containerd_store = st.target.get("Id") != img.config_digest
         res.store = st.store if st.docker_error is None else None
         res.layers_total = len(img.layers)
         if self._unchanged(st):
@@ -1126,8 +1131,29 @@ class _PeerSync:
         if rc != 0:
             msg = "\n".join(ln for ln in tail if not ln.startswith(("Number of", "Total", "Literal", "Matched",
                                                                     "File list", "sent ", "total size")))[-800:]
+            full = next((ln for ln in tail if "No space left on device" in ln or "Disk quota exceeded" in ln), None)
+            if full is None and rc == 11:  # "error in file IO": the receiver's own words may not reach us
+                free = self._cache_free(st)
+                if free is not None and free < FULL_DISK_BYTES:
+                    full = f"{human(free)} free there"
+            if full is not None:  # rsync says "error in file IO (code 11)": say what it is
+                raise OperationFailed(f"the peer's disk is full: rsync could not write into {st.cache}/partial/"
+                                      f"{self.lock_name}/ ({full.strip()[-300:]})",
+                                      hint=f"free space on {self.host} (imagebuild gc --peer {self.host}; docker "
+                                      "image prune there), then rerun: the transfer resumes where it stopped")
             raise OperationFailed(f"rsync to {st.cache}/partial/{self.lock_name}/ failed (exit {rc}): {msg}",
                                   hint="rerun: the transfer resumes where it stopped")
+
+    def _cache_free(self, st: peer_mod.PeerState) -> int | None:
+        """The bytes free on the filesystem of the peer's sync cache now (one short ssh command of its
+        own: a streamed load may hold the session), or None when it cannot be told within 15 s."""
+        try:
+            out = run_mod.run(self.conn.ssh_argv(f"df -Pk -- {shlex.quote(st.cache)}"), check=False,
+                              timeout=min(15, step_timeout())).stdout.decode("utf-8", "replace")
+        except OperationFailed:
+            return None
+        df = peer_mod._df((out.strip().splitlines() or [""])[-1])
+        return df.available if df else None
 
     def _load_lines(self, need, inline: bool, call: tuple[str, ...] = ()) -> list[str]:
         s, img = self.s, self.s.img

@@ -191,3 +191,72 @@ def test_a_rerun_after_a_cut_takes_the_lock_of_the_dead_run(sync_images, peer):
             _drop(peer, False)
         imgs.set_local(imgs.v1)
         reset(peer)
+
+
+def test_an_unchanged_row_names_the_peers_store(sync_images, peer):
+    """The second sync of an image finds the peer's tag already holding it (the quick probe, which asks
+    no `docker info`): its row named the classic store for a containerd-store peer."""
+    imgs = sync_images
+    reset(peer)
+    try:
+        r, doc = sync(imgs, peer, peer.addr)
+        assert r.code == 0 and doc["peers"][0]["status"] == "synced", r.err
+        assert doc["peers"][0]["store"] == "containerd"
+        r, doc = sync(imgs, peer, peer.addr)
+        assert r.code == 0 and doc["peers"][0]["status"] == "unchanged", r.err
+        assert doc["peers"][0]["store"] == "containerd", doc["peers"][0]
+    finally:
+        reset(peer)
+
+
+def test_a_changed_host_key_is_said_as_one(sync_images, peer, tmp_path):
+    """A peer whose host key changed got the hint "make `ssh X true` work without a password"."""
+    import re
+
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"{peer.addr} {' '.join((tmp_path / 'other.pub').read_text().split()[:2])}\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(re.sub(r"UserKnownHostsFile \S+", f"UserKnownHostsFile {kh}", Path(peer.ssh_config).read_text()))
+    r, doc = sync(sync_images, peer, peer.addr, ssh=f"ssh -F {cfg}")
+    msg = doc["peers"][0]["message"]
+    assert r.code == 1 and doc["peers"][0]["status"] == "failed", r.err
+    assert "host key has CHANGED" in msg and "ssh-keygen -R" in msg, msg
+    assert "without a password" not in msg, msg
+
+
+def test_a_full_peer_disk_is_said_as_one(sync_images, peer_small):
+    """The peer's disk fills while rsync sends (the sender's rsync is held, the disk filled, rsync let
+    go): the sync said rsync's "error in file IO (code 11)"; it says the peer's disk is full."""
+    peer = peer_small
+    imgs = sync_images
+    reset(peer)
+    filler = Path(peer.cache) / "filler"
+    stopped = None
+    try:
+        p = sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_PEER_MIN_FREE_GB": "0"})
+        err = _Stderr(p)
+        wait_for(lambda: _child_rsync(p.pid) or p.poll() is not None, timeout=180, every=0.002)
+        stopped = _child_rsync(p.pid)
+        assert stopped and p.poll() is None, err.text()
+        os.kill(stopped, signal.SIGSTOP)
+        vfs = os.statvfs(peer.cache)
+        with open(filler, "wb") as f:  # all but 64 KiB of what is free
+            left = vfs.f_bavail * vfs.f_frsize - (64 << 10)
+            chunk = b"\0" * (1 << 20)
+            while left > 0:
+                try:
+                    left -= f.write(chunk[:min(left, len(chunk))])
+                except OSError:
+                    break
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        rc, doc = _end(p, err, 300)
+        msg = doc["peers"][0]["message"]
+        assert rc == 1 and doc["peers"][0]["status"] == "failed", err.text()
+        assert "the peer's disk is full" in msg and ("free there" in msg or "No space left" in msg), msg
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        filler.unlink(missing_ok=True)
+        reset(peer)
