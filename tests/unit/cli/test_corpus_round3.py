@@ -120,3 +120,15 @@ def test_build_dry_run_makes_no_folder(project, tmp_path, monkeypatch):
     r = run_cli("--root", str(project), "build", "tiny", "--dry-run")
     _clear(r, 0)
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("text", [
+    "root:$6$secretHASHvalue0123456789:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n",
+    "secretHASHvalue0123456789: 1\nother_secretHASHvalue: 2\n",
+])
+def test_gate_spec_that_is_some_other_file_quotes_nothing_of_it(project, tmp_path, text):
+    f = tmp_path / "shadow"
+    f.write_text(text)
+    r = run_cli("--root", str(project), "gate", "tiny", "--spec", str(f), "--ref", "imagebuild-none:x")
+    _clear(r, 2, "not a gate spec")
+    assert "secretHASH" not in r.err and "daemon" not in r.err, r.err
