@@ -1406,7 +1406,8 @@ def patch(ctx: context_mod.Context | Path, image: str, src: Path, *, check: bool
            "check": check, "patches": [r.as_dict() for r in results]}
     failed = [r for r in results if r.outcome == patching.FAILED]
     if failed:
-        raise PatchFailed(doc, failed[0].message)
+        raise PatchFailed(doc, failed[0].message if len(failed) == 1 else
+                          f"{len(failed)} patches failed: {', '.join(r.patch for r in failed)} (each one's reason above)")
     return doc
 
 

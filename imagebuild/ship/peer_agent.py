@@ -519,7 +519,12 @@ ib_finish() {  # $1 run id: forget the run (pending record) and the blobs no oth
       [ $other = no ] && rm -f "$CACHE/incoming/$hex"
     done < "$CACHE/pending/$1.blobs"
   fi
-  rm -f "$CACHE/pending/$1.json" "$CACHE/pending/$1.blobs" "$CACHE/attempts/$1.json"
+  rm -f "$CACHE/pending/$1.json" "$CACHE/pending/$1.blobs"
+  # a load attempt that did not end well stays on record: gc --peer matches the engine's leases against
+  # it (a load cut on the peer, its engine killed, leaves one); gc --peer removes the record then
+  if [ -f "$CACHE/attempts/$1.json" ] && ! grep -q '"status":"ok"' "$CACHE/attempts/$1.json"; then :; else
+    rm -f "$CACHE/attempts/$1.json"
+  fi
 }
 
 ib_promote() {  # $1 run id, $2 verified image id, $3 target ref, $4 previous ref or -, $5 staging ref or -,

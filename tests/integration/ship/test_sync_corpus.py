@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from imagebuild.core import identity
+from tests.conftest import run_cli
 from tests.integration.ship.test_sync_locks_and_timeouts import _blob_files, _child_rsync, _finish, _Stderr
 from tests.syncfixtures import (  # noqa: F401 - fixtures
     _private_sync_cache,
@@ -259,4 +260,47 @@ def test_a_full_peer_disk_is_said_as_one(sync_images, peer_small):
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         filler.unlink(missing_ok=True)
+        reset(peer)
+
+
+def test_a_lease_of_a_load_cut_on_the_peer_is_removed_by_gc_after_a_successful_rerun(sync_images, peer):
+    """A load cut on a containerd-store peer (its docker load killed while the engine writes content)
+    leaves a lease that holds its partial writes for 24 h. gc --peer removed it only before a rerun: the
+    rerun's promotion forgot the cut run, its load attempt included, and gc then had nothing to match the
+    lease against. The record of an attempt that did not end well now stays until gc --peer."""
+    from tests.integration.ship.test_sync_faults import _peer_load_pid, _start_fresh
+    from tests.syncfixtures import finish, load_leases
+
+    imgs = sync_images
+    proc = None
+    try:
+        leases: list[str] = []
+        for _attempt in range(3):  # a kill that lands before or after the content writes leaves no lease
+            _start_fresh(imgs, peer)
+            proc = sync_proc(imgs, peer, peer.addr, extra_env={"IMAGEBUILD_SYNC_STREAM": "0"})
+            pid = wait_for(lambda: _peer_load_pid(peer), timeout=180, every=0.01)
+            time.sleep(1.0)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                finish(proc)
+                continue
+            rc, doc, _ = finish(proc)
+            assert rc == 1, doc
+            leases = load_leases(peer)
+            if leases:
+                break
+        assert leases, "expected a cut load to leave a lease (3 tries)"
+        rc, doc, e = finish(sync_proc(imgs, peer, peer.addr))
+        assert rc == 0 and doc["peers"][0]["status"] == "synced", e
+        assert set(leases) <= set(load_leases(peer))  # the rerun leaves the cut load's lease
+        with env(IMAGEBUILD_SSH=peer.ssh_env):
+            g = run_cli("gc", "--peer", peer.addr, "--json")
+        assert g.code == 0, g.err
+        assert not set(leases) & set(load_leases(peer)), g.out
+        assert not list((Path(peer.cache) / "attempts").glob("*.json"))
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        imgs.set_local(imgs.v1)
         reset(peer)

@@ -132,3 +132,37 @@ def test_gate_spec_that_is_some_other_file_quotes_nothing_of_it(project, tmp_pat
     r = run_cli("--root", str(project), "gate", "tiny", "--spec", str(f), "--ref", "imagebuild-none:x")
     _clear(r, 2, "not a gate spec")
     assert "secretHASH" not in r.err and "daemon" not in r.err, r.err
+
+
+def _two_failing_patches(tmp_path):
+    from tests.unit.build.test_patch_check_scratch import PATCH, _project
+
+    ok = PATCH.format(extra="", anchor="x = 1\n", replacement="x = 2  # patched: p0\n", marker="patched: p0")
+    bad = [PATCH.format(extra="", anchor=f"missing {i}\n", replacement=f"y  # patched: q{i}\n",
+                        marker=f"patched: q{i}") for i in (1, 2)]
+    # a patch whose first edit applies (after patch_a) and whose second one fails
+    two = ('from imagebuild_patching import Edit\nEDITS = [Edit(file="app.py", anchor="x = 2", '
+           'replacement="x = 3  # patched: t1", marker="patched: t1"), Edit(file="app.py", anchor="nowhere\\n", '
+           'replacement="z  # patched: t2\\n", marker="patched: t2")]\n')
+    return _project(tmp_path, {"patch_a.py": ok, "patch_b.py": bad[0], "patch_c.py": bad[1], "patch_d.py": two})
+
+
+def test_patch_check_gives_every_failing_patch_its_reason(tmp_path):
+    root, src = _two_failing_patches(tmp_path)
+    r = run_cli("--root", str(root), "patch", "pc", "--src", str(src), "--check")
+    assert r.code == 1, r.err
+    assert "missing 1" in r.out and "missing 2" in r.out, r.out  # both reasons, not the first one's only
+    assert "nowhere" in r.out, r.out
+    assert "3 patches failed" in r.err, r.err
+
+
+def test_patch_check_json_holds_the_failing_edit(tmp_path):
+    import json
+
+    root, src = _two_failing_patches(tmp_path)
+    r = run_cli("--root", str(root), "patch", "pc", "--src", str(src), "--check", "--json")
+    assert r.code == 1, r.err
+    by = {p["patch"]: p for p in json.loads(r.out)["patches"]}
+    assert [e["outcome"] for e in by["patch_b.py"]["edits"]] == ["failed"], by["patch_b.py"]
+    assert "missing 1" in by["patch_b.py"]["edits"][0]["message"]
+    assert [e["outcome"] for e in by["patch_d.py"]["edits"]] == ["would-apply", "failed"], by["patch_d.py"]
