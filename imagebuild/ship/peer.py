@@ -427,6 +427,7 @@ class PeerState:
     host: str
     cache: str = ""
     tools: dict[str, str] = field(default_factory=dict)
+    signers: str = ""  # whether the peer verifies receipts' signatures: file | none | broken ('' unknown)
     rsync_version: str = ""
     rsync_zstd: bool = False
     dd_bytes: bool = False  # GNU dd with iflag=skip_bytes,count_bytes: the streamed load can follow a blob
@@ -521,6 +522,8 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
             st.cache = v.strip()
         elif k == "dd-bytes":
             st.dd_bytes = v.strip() == "yes"
+        elif k == "signers":
+            st.signers = v.strip()
         elif k == "tool":
             name, _, path = v.partition(" ")
             if path.strip():

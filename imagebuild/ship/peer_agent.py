@@ -173,6 +173,12 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   printf 'agent %s\ncache %s\nhost %s\n' "1" "$CACHE" "$(hostname 2>/dev/null)"
   for t in docker rsync flock tar stat df sha256sum ctr; do printf 'tool %s %s\n' "$t" "$(command -v "$t" 2>/dev/null)"; done
   [ -d "$CACHE" ] && [ -w "$CACHE" ] && echo "cache-writable yes"
+  # whether receipts must verify here (ib_signers' rule, said without failing): file | none | broken
+  ib_s=${IMAGEBUILD_ALLOWED_SIGNERS:-}
+  if [ "$ib_s" = none ]; then echo "signers none"
+  elif [ -n "$ib_s" ]; then if [ -f "$ib_s" ]; then echo "signers file"; else echo "signers broken"; fi
+  elif [ -f "${XDG_CONFIG_HOME:-$HOME/.config}/imagebuild/allowed_signers" ]; then echo "signers file"
+  else echo "signers none"; fi
   # the streamed load reads a growing file by byte offsets (ib_follow): GNU dd's skip_bytes,count_bytes
   dd if=/dev/null iflag=skip_bytes,count_bytes count=0 status=none 2>/dev/null && echo "dd-bytes yes"
   ib_sect receipt

@@ -304,3 +304,13 @@ def test_a_lease_of_a_load_cut_on_the_peer_is_removed_by_gc_after_a_successful_r
             proc.kill()
         imgs.set_local(imgs.v1)
         reset(peer)
+
+
+def test_doctor_peer_warns_when_the_peer_does_not_verify_receipts(peer):
+    """The test peer has no allowed-signers file: it takes any receipt that holds together."""
+    import json
+
+    with env(IMAGEBUILD_SSH=peer.ssh_env):
+        r = run_cli("doctor", "--peer", peer.addr, "--json")
+    check = {c["name"]: c for c in json.loads(r.out)["checks"]}.get(f"peer {peer.addr} receipts")
+    assert check is not None and check["status"] == "warn" and "allowed-signers" in check["detail"], r.out

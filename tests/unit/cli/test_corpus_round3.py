@@ -166,3 +166,27 @@ def test_patch_check_json_holds_the_failing_edit(tmp_path):
     assert [e["outcome"] for e in by["patch_b.py"]["edits"]] == ["failed"], by["patch_b.py"]
     assert "missing 1" in by["patch_b.py"]["edits"][0]["message"]
     assert [e["outcome"] for e in by["patch_d.py"]["edits"]] == ["would-apply", "failed"], by["patch_d.py"]
+
+
+def test_doctor_warns_when_receipts_are_unsigned_or_not_verified(tmp_path, monkeypatch):
+    """docs/gate.md said nothing takes a receipt at its word; without an allowed-signers file a consistent
+    forgery is taken. doctor says so."""
+    from imagebuild.ops import doctor
+
+    monkeypatch.setenv("IMAGEBUILD_SIGNING_KEY", "none")
+    monkeypatch.setenv("IMAGEBUILD_ALLOWED_SIGNERS", "none")
+    got = {c.name: c for c in doctor.check_receipts(None)}
+    assert got["receipt signing"].status == "warn" and "unsigned" in got["receipt signing"].detail
+    assert got["receipt verification"].status == "warn" and "forge" in got["receipt verification"].detail
+    key, signers = tmp_path / "key", tmp_path / "allowed_signers"
+    key.write_text("k\n")
+    signers.write_text("builder ssh-ed25519 AAAA\n")
+    monkeypatch.setenv("IMAGEBUILD_SIGNING_KEY", str(key))
+    monkeypatch.setenv("IMAGEBUILD_ALLOWED_SIGNERS", str(signers))
+    assert {c.status for c in doctor.check_receipts(None)} == {"ok"}
+
+
+def test_docs_say_what_an_unsigned_receipt_proves():
+    text = (Path(__file__).resolve().parents[3] / "docs" / "gate.md").read_text()
+    assert "at its word" not in text
+    assert "### What an unsigned receipt proves" in text and "consistent forgery" in text
