@@ -190,3 +190,26 @@ def test_docs_say_what_an_unsigned_receipt_proves():
     text = (Path(__file__).resolve().parents[3] / "docs" / "gate.md").read_text()
     assert "at its word" not in text
     assert "### What an unsigned receipt proves" in text and "consistent forgery" in text
+
+
+def test_a_run_folder_that_is_a_link_out_of_the_state_folder_is_not_followed(project, tmp_path, monkeypatch):
+    import json
+
+    from imagebuild.core import runs
+
+    state = tmp_path / "state"
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(state))
+    outside = tmp_path / "outside"
+    (outside / "logs").mkdir(parents=True)
+    record = {"status": "running", "owner": "nohost:1", "build_id": "f" * 16, "started": "2026-01-01T00:00:00Z"}
+    (outside / "record.json").write_text(json.dumps(record))
+    (outside / "logs" / "base.log").write_text("SECRET-OUTSIDE-LOG\n")
+    d = state / "builds" / "tiny"
+    d.mkdir(parents=True)
+    (d / "20260101T000000Z-aaaaaa").symlink_to(outside, target_is_directory=True)
+    before = (outside / "record.json").read_text()
+    assert runs.list_runs(project, "tiny") == []
+    runs.mark_abandoned(project, "tiny")
+    assert (outside / "record.json").read_text() == before  # nothing written through the link
+    r = run_cli("--root", str(project), "log", "tiny")
+    assert "SECRET-OUTSIDE-LOG" not in r.out + r.err and "internal error" not in r.err, r.err
