@@ -1241,6 +1241,14 @@ def release_ref(image: str, build_id: str) -> str:
     return f"imagebuild/{image}:release-{build_id}"
 
 
+def _extends(image: dict, stage_diff_ids: list[str]) -> bool:
+    """Whether the engine image ``image`` (``docker image inspect``) holds the layers ``stage_diff_ids``,
+    in order, below its own (a release adds one layer to its final stage)."""
+    layers = list(((image.get("RootFS") or {}).get("Layers")) or [])
+    return bool(stage_diff_ids) and layers[:len(stage_diff_ids)] == stage_diff_ids and \
+        len(layers) > len(stage_diff_ids)
+
+
 def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
     final = b.plan.stages[-1]
     labels, doc = _provenance(b)
@@ -1254,10 +1262,16 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
     labels[FINAL_MANIFEST_LABEL] = final_manifest
     have = engine_mod.existing_tags(ref.split(":", 1)[0])
     if ref in have and not rebuild:
-        made_from = ((_inspect(ref).get("Config") or {}).get("Labels") or {}).get(FINAL_MANIFEST_LABEL)
+        found = _inspect(ref)
+        made_from = ((found.get("Config") or {}).get("Labels") or {}).get(FINAL_MANIFEST_LABEL)
         if made_from != final_manifest:
             log.warning("warning: release: %s was made from another final stage (%s, this build's is %s): "
                         "made again", ref, (made_from or "not recorded")[:19], final_manifest[:19])
+            rebuild = True
+        elif not _extends(found, b.store.diff_ids(final_manifest)):
+            # a label is only a claim: an image made elsewhere can carry the right one
+            log.warning("warning: release: %s says it was made from the final stage %s, but its layers do not "
+                        "extend that stage's: made again", ref, final_manifest[:19])
             rebuild = True
     if ref in have and not rebuild:
         progress.info("release: %s exists (made from the final stage %s)", ref, final_manifest[:19])
