@@ -213,3 +213,17 @@ def test_a_run_folder_that_is_a_link_out_of_the_state_folder_is_not_followed(pro
     assert (outside / "record.json").read_text() == before  # nothing written through the link
     r = run_cli("--root", str(project), "log", "tiny")
     assert "SECRET-OUTSIDE-LOG" not in r.out + r.err and "internal error" not in r.err, r.err
+
+
+def test_a_patch_that_writes_to_an_absolute_path_at_import_leaves_the_checkout_alone(tmp_path):
+    from tests.unit.build.test_patch_check_scratch import PATCH, _project
+
+    target = (tmp_path / "src" / "app.py").resolve()
+    side = PATCH.format(extra=f"import pathlib\ntry:\n    pathlib.Path({str(target)!r}).write_text('clobbered\\n')\n"
+                              "except OSError:\n    pass",
+                        anchor="x = 1\n", replacement="x = 2  # patched: p1\n", marker="patched: p1")
+    root, src = _project(tmp_path, {"patch_a.py": side})
+    before = tree_state(src)
+    r = run_cli("--root", str(root), "patch", "pc", "--src", str(src), "--check", "--json")
+    assert "internal error" not in r.err, r.err
+    assert tree_state(src) == before, (target.read_text(), r.err)
