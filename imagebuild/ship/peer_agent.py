@@ -331,6 +331,35 @@ ib_prepare() {  # $1 run id, $2 the image's sync lock name (after ib_lock and th
   return 0
 }
 
+ib_others() {  # $1 this image's sync lock name, $2 seconds to wait (0: only say), then blob hexes. Says
+               # "busy HEX" for each blob another image's sync is sending here now (partial/<its lock>/HEX while
+               # that sync holds its lock); with $2 > 0, first waits (up to $2 s) until none is. Read only.
+  case "$1" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  case "$2" in ''|*[!0-9]*) ib_fail usage "bad wait" ;; esac
+  ib_own=$1; ib_w=$2; shift 2
+  ib_end=$(( $(date +%s) + ib_w ))
+  ib_sect others
+  while :; do
+    ib_busy=
+    for hex in "$@"; do
+      case "$hex" in ''|*[!0-9a-f]*) continue ;; esac
+      for f in "$CACHE"/partial/*/"$hex"; do
+        [ -f "$f" ] || continue
+        n=$(basename "$(dirname "$f")")
+        [ "$n" = "$ib_own" ] && continue
+        if [ -f "$CACHE/locks/$n.lock" ] && ! flock -n "$CACHE/locks/$n.lock" true 2>/dev/null; then
+          ib_busy="$ib_busy $hex"; break
+        fi
+      done
+    done
+    if [ -z "$ib_busy" ] || [ "$ib_w" = 0 ] || [ "$(date +%s)" -ge "$ib_end" ]; then
+      for hex in $ib_busy; do echo "busy $hex"; done
+      return 0
+    fi
+    sleep 1
+  done
+}
+
 ib_settle() {  # $1 run id, $2 lock name: each blob rsync wrote to partial/$2/ is hashed (outside the cache
                # lock: the folder is this session's) and, only when its content is its name, moved into
                # incoming/ (under the lock, with mv: atomic); a blob another sync put there meanwhile is reused

@@ -764,6 +764,11 @@ class _PeerSync:
             if planned is None:
                 return
             st, need = planned
+        if not s.dry_run and self._wait_for_others(need):  # another image's sync sent shared blobs meanwhile
+            planned = self._plan(quick=False)
+            if planned is None:
+                return
+            st, need = planned
         # an earlier run (killed after its load) may have left the verified image under the staging name
         if st.staging is not None and identity_mod.from_inspect(st.staging).digest == s.identity:
             got = self._verify_existing()
@@ -773,6 +778,28 @@ class _PeerSync:
         got = self._deliver(st, need)
         s.pause("promote", self.host)
         self._promote(st, got, need)
+
+    def _wait_for_others(self, need) -> bool:
+        """When a sync of another image to this peer is sending some of these blobs right now (they share
+        layers), wait until it has ended (bounded as a load of those blobs) instead of sending them a second
+        time; True when it waited (the plan is then made again: what it loaded is not sent)."""
+        if sum(la.size for la in need) <= INLINE_LAYERS_MAX:
+            return False
+        hexes = [_hexof(la.digest) for la in need]
+        r = self.conn.agent(peer_agent.call("ib_others", self.lock_name, "0", *hexes), timeout=step_timeout(),
+                            what="looking for other syncs")
+        busy = {ln.split()[1] for ln in r.lines("others") if ln.startswith("busy ")}
+        if not busy:
+            return False
+        size = sum(la.size for la in need if _hexof(la.digest) in busy)
+        wait = int(load_timeout(size))
+        self.say("another sync to this peer is sending %d of these blob(s) (%s): waiting for it (up to %d s), then "
+                 "sending only what is still missing", len(busy), human(size), wait)
+        t0 = time.monotonic()
+        self.conn.agent(peer_agent.call("ib_others", self.lock_name, str(wait), *sorted(busy)), timeout=wait + 60,
+                        what="waiting for another sync", heartbeat=self.heartbeat("waiting for another sync"))
+        self.res.details["waited_for_other_sync_s"] = round(time.monotonic() - t0, 1)
+        return True
 
     def _plan(self, quick: bool):
         """Probe, and decide: None when the peer is done with (unchanged, dry-run), else (state, the

@@ -314,3 +314,40 @@ def test_doctor_peer_warns_when_the_peer_does_not_verify_receipts(peer):
         r = run_cli("doctor", "--peer", peer.addr, "--json")
     check = {c["name"]: c for c in json.loads(r.out)["checks"]}.get(f"peer {peer.addr} receipts")
     assert check is not None and check["status"] == "warn" and "allowed-signers" in check["detail"], r.out
+
+
+def test_a_sync_waits_for_the_shared_blob_another_sync_is_sending(sync_images, peer):
+    """Two syncs of different images that share the 300 MB layer, the second started while the first
+    sends it: both sent it (604 MB on the wire for 301 MB needed). The second now waits for the first
+    and sends only what is still missing; both images are on the peer, each the source's."""
+    imgs = sync_images
+    hexname = _big_layer(imgs)
+    reset(peer)
+    imgs.set_local(imgs.big)
+    a = b = None
+    try:
+        tx0 = peer.tx_bytes()
+        a = sync_proc(imgs, peer, peer.addr)
+        ea = _Stderr(a)
+        part = lambda: sum(f.stat().st_size for f in _blob_files(peer, hexname) if f.exists())  # noqa: E731
+        wait_for(lambda: part() > 16 << 20 or a.poll() is not None, timeout=180, every=0.005)
+        assert a.poll() is None, ea.text()
+        b = sync_proc(imgs, peer, peer.addr, "--image", imgs.big2, "--force")
+        eb = _Stderr(b)
+        rc_a, doc_a = _finish(a, ea)
+        rc_b, doc_b = _finish(b, eb)
+        sent = peer.tx_bytes() - tx0
+        print(f"two syncs sharing a 300 MB layer: {sent / 1e6:.0f} MB on the wire")
+        assert rc_a == 0 and doc_a["peers"][0]["status"] == "synced", ea.text()
+        assert rc_b == 0 and doc_b["peers"][0]["status"] == "synced", eb.text()
+        assert eb.has("another sync to this peer is sending"), eb.text()
+        assert sent < 420e6, (sent, eb.text())
+        assert peer_identity(peer, imgs.local) == identity.inspect(imgs.big).digest
+        assert peer_identity(peer, imgs.big2) == identity.inspect(imgs.big2).digest
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        imgs.set_local(imgs.v1)
+        reset(peer)
