@@ -331,31 +331,36 @@ ib_prepare() {  # $1 run id, $2 the image's sync lock name (after ib_lock and th
   return 0
 }
 
-ib_others() {  # $1 this image's sync lock name, $2 seconds to wait (0: only say), then blob hexes. Says
-               # "busy HEX" for each blob another image's sync is sending here now (partial/<its lock>/HEX while
-               # that sync holds its lock); with $2 > 0, first waits (up to $2 s) until none is. Read only.
+ib_others() {  # $1 this image's sync lock name, then blob hexes. Says "busy HEX LOCK" for each blob a sync of
+               # another image is sending here now (partial/LOCK/HEX while that sync holds its lock). Read only.
   case "$1" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
-  case "$2" in ''|*[!0-9]*) ib_fail usage "bad wait" ;; esac
-  ib_own=$1; ib_w=$2; shift 2
-  ib_end=$(( $(date +%s) + ib_w ))
+  ib_own=$1; shift
   ib_sect others
-  while :; do
-    ib_busy=
-    for hex in "$@"; do
-      case "$hex" in ''|*[!0-9a-f]*) continue ;; esac
-      for f in "$CACHE"/partial/*/"$hex"; do
-        [ -f "$f" ] || continue
-        n=$(basename "$(dirname "$f")")
-        [ "$n" = "$ib_own" ] && continue
-        if [ -f "$CACHE/locks/$n.lock" ] && ! flock -n "$CACHE/locks/$n.lock" true 2>/dev/null; then
-          ib_busy="$ib_busy $hex"; break
-        fi
-      done
+  for hex in "$@"; do
+    case "$hex" in ''|*[!0-9a-f]*) continue ;; esac
+    for f in "$CACHE"/partial/*/"$hex"; do
+      [ -f "$f" ] || continue
+      n=$(basename "$(dirname "$f")")
+      [ "$n" = "$ib_own" ] && continue
+      if [ -f "$CACHE/locks/$n.lock" ] && ! flock -n "$CACHE/locks/$n.lock" true 2>/dev/null; then
+        echo "busy $hex $n"; break
+      fi
     done
-    if [ -z "$ib_busy" ] || [ "$ib_w" = 0 ] || [ "$(date +%s)" -ge "$ib_end" ]; then
-      for hex in $ib_busy; do echo "busy $hex"; done
-      return 0
-    fi
+  done
+  return 0
+}
+ib_wait_locks() {  # $1 seconds, then sync lock names: waits (up to $1 s) until no session holds any of them
+                   # (that sync has ended: its blobs are loaded and recorded, or it failed). Read only.
+  case "$1" in ''|*[!0-9]*) ib_fail usage "bad wait" ;; esac
+  ib_end=$(( $(date +%s) + $1 )); shift
+  while :; do
+    ib_held=
+    for n in "$@"; do
+      case "$n" in ''|*[!0-9a-f]*) continue ;; esac
+      flock -n "$CACHE/locks/$n.lock" true 2>/dev/null || ib_held=1
+    done
+    [ -z "$ib_held" ] && { ib_sect waited; echo ended; return 0; }
+    [ "$(date +%s)" -ge "$ib_end" ] && { ib_sect waited; echo timeout; return 0; }
     sleep 1
   done
 }

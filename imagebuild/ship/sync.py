@@ -786,9 +786,11 @@ class _PeerSync:
         if sum(la.size for la in need) <= INLINE_LAYERS_MAX or os.environ.get("IMAGEBUILD_SYNC_WAIT_SHARED", "1") == "0":
             return False
         hexes = [_hexof(la.digest) for la in need]
-        r = self.conn.agent(peer_agent.call("ib_others", self.lock_name, "0", *hexes), timeout=step_timeout(),
+        r = self.conn.agent(peer_agent.call("ib_others", self.lock_name, *hexes), timeout=step_timeout(),
                             what="looking for other syncs")
-        busy = {ln.split()[1] for ln in r.lines("others") if ln.startswith("busy ")}
+        rows = [ln.split() for ln in r.lines("others") if ln.startswith("busy ")]
+        busy = {row[1] for row in rows if len(row) == 3}
+        locks = sorted({row[2] for row in rows if len(row) == 3})
         if not busy:
             return False
         size = sum(la.size for la in need if _hexof(la.digest) in busy)
@@ -796,7 +798,8 @@ class _PeerSync:
         self.say("another sync to this peer is sending %d of these blob(s) (%s): waiting for it (up to %d s), then "
                  "sending only what is still missing", len(busy), human(size), wait)
         t0 = time.monotonic()
-        self.conn.agent(peer_agent.call("ib_others", self.lock_name, str(wait), *sorted(busy)), timeout=wait + 60,
+        # until that sync has ended (its session: the load done and recorded, or failed), not only its transfer
+        self.conn.agent(peer_agent.call("ib_wait_locks", str(wait), *locks), timeout=wait + 60,
                         what="waiting for another sync", heartbeat=self.heartbeat("waiting for another sync"))
         self.res.details["waited_for_other_sync_s"] = round(time.monotonic() - t0, 1)
         return True

@@ -330,10 +330,20 @@ def test_a_sync_waits_for_the_shared_blob_another_sync_is_sending(sync_images, p
         a = sync_proc(imgs, peer, peer.addr)
         ea = _Stderr(a)
         part = lambda: sum(f.stat().st_size for f in _blob_files(peer, hexname) if f.exists())  # noqa: E731
-        wait_for(lambda: part() > 16 << 20 or a.poll() is not None, timeout=180, every=0.005)
+        wait_for(lambda: (part() > 16 << 20 and _child_rsync(a.pid)) or a.poll() is not None, timeout=180,
+                 every=0.005)
         assert a.poll() is None, ea.text()
-        b = sync_proc(imgs, peer, peer.addr, "--image", imgs.big2, "--force")
-        eb = _Stderr(b)
+        # the first one's rsync is held while the second one starts (on a quiet machine the first would
+        # be done before the second looks), for well under the streamed load's stall bound (60 s)
+        stopped = _child_rsync(a.pid)
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            b = sync_proc(imgs, peer, peer.addr, "--image", imgs.big2, "--force")
+            eb = _Stderr(b)
+            wait_for(lambda: eb.has("another sync to this peer is sending") or eb.has("sending") or
+                     b.poll() is not None, timeout=40, every=0.01)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
         rc_a, doc_a = _finish(a, ea)
         rc_b, doc_b = _finish(b, eb)
         sent = peer.tx_bytes() - tx0
