@@ -132,14 +132,19 @@ ROW_SPEC = ("dict", {
     "stages": ("list", ("dict", {"name": (str,), "cache": OPT_STR, "status": OPT_STR, "seconds": OPT_NUM}, {"name"})),
     "cache": ("dict", {"hits": OPT_INT, "misses": OPT_INT, "rate": OPT_NUM}, set(), "or-none"),
     "gate": ("dict", {"result": OPT_STR, "ran": (bool, type(None)), "passed": OPT_INT, "failed": OPT_INT,
-                      "skipped": OPT_INT, "gpu_checks_skipped": (bool, type(None))}, set(), "or-none"),
+                      "skipped": OPT_INT, "gpu_checks_skipped": (bool, type(None)),
+                      "failed_checks": ("list", ("dict", {"id": SCALAR, "detail": OPT_STR}, set()))},
+             set(), "or-none"),
     "promotion": OPT_STR, "sync": OPT_STR,
     "moved": ("list", ("dict", {"source": SCALAR, "what": SCALAR, "from": SCALAR, "to": SCALAR, "repo": OPT_STR},
                        {"source", "what", "from", "to"})),
     "pull_requests": ("list", ("dict", {"source": SCALAR, "number": SCALAR, "head": SCALAR, "state": SCALAR,
                                         "merged": SCALAR, "repo": OPT_STR}, {"source", "number"})),
-    "failure": ("dict", {"step": OPT_STR, "stage": OPT_STR, "exit_code": OPT_INT, "command": SCALAR}, set(),
-                "or-none"),
+    "failure": ("dict", {"step": OPT_STR, "stage": OPT_STR, "exit_code": OPT_INT, "command": SCALAR,
+                         "log": OPT_STR}, set(), "or-none"),
+    "changed": ("dict", {"same_image": (bool, type(None)),
+                         **{part: ("dict", {"n": (int,), "items": ("list", (str,))}, {"n"}, "or-none")
+                            for part in ("pins", "patches", "pip", "dpkg")}}, set(), "or-none"),
 }, {"schema", "run_id", "image"})
 
 

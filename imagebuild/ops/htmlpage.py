@@ -328,7 +328,9 @@ def night_links(rows: list[dict], reports: list[tuple[Path, dict]], root: Path, 
         return ("./" if ":" in r.split("/")[0] else "") + urllib.parse.quote(r, safe="/:@-._~!$&'()*+,;=")
 
     out: dict[str, dict] = {}
-    docs = {doc.get("run_id"): (Path(jp), doc) for jp, doc in reports}
+    # a kept report is read as it is (a hand-edited one too): only the values of the right type count
+    docs = {doc.get("run_id"): (Path(jp), doc) for jp, doc in reports
+            if isinstance(doc, dict) and isinstance(doc.get("run_id"), str)}
     for r in rows:
         run = r["run_id"]
         d = out.setdefault(run, {"report": {}, "logs": {}})
@@ -338,12 +340,20 @@ def night_links(rows: list[dict], reports: list[tuple[Path, dict]], root: Path, 
                 if jp.with_suffix("." + ext).is_file():
                     d["report"][ext] = rel(jp.with_suffix("." + ext))
         logs = [(r.get("failure") or {}).get("log")]
-        logs += [(i.get("failure") or {}).get("log") for i in (doc or {}).get("images") or []
-                 if i.get("image") == r["image"]]
+        images = (doc or {}).get("images")
+        logs += [(i.get("failure") or {}).get("log") for i in (images if isinstance(images, list) else [])
+                 if isinstance(i, dict) and i.get("image") == r["image"] and isinstance(i.get("failure"), dict)]
         for log in logs:
-            if log and (Path(root) / log).is_file():
+            if isinstance(log, str) and log and _is_file(Path(root) / log):
                 d["logs"].setdefault(r["image"], rel(Path(root) / log))
     return out
+
+
+def _is_file(p: Path) -> bool:
+    try:  # a hand-edited path may be too long, or hold a NUL
+        return p.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def found_expected(detail: str | None) -> list[tuple[str, str]]:
