@@ -709,17 +709,18 @@ def build(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
         blk.release()
 
 
-def _check_folders(ctx: context_mod.Context) -> None:
+def _check_folders(ctx: context_mod.Context, create: bool = True) -> None:
     """The folders a build writes in, checked before anything starts (a run record never stays
     ``running`` because one of them is unusable): the stage store, the lock folder, then the state
-    folder (last: a refusal leaves the project as it was)."""
+    folder (last: a refusal leaves the project as it was). ``create`` False (``--dry-run``): the
+    same checks, nothing made."""
     usable_dir(state.stages_dir(), state.STAGES_ENV if os.environ.get(state.STAGES_ENV) else "the stage store",
                hint=f"{state.STAGES_ENV} names a folder this user can write (default "
-               "$XDG_CACHE_HOME/imagebuild/stages)")
-    guards.usable_lock_dir(guards.lock_top())
+               "$XDG_CACHE_HOME/imagebuild/stages)", create=create)
+    guards.usable_lock_dir(guards.lock_top(), create=create)
     usable_dir(tmp_root(ctx), "IMAGEBUILD_STATE_DIR" if os.environ.get("IMAGEBUILD_STATE_DIR") else
                "the state folder", hint="IMAGEBUILD_STATE_DIR names a folder this user can write (default "
-               "<project>/.imagebuild)")
+               "<project>/.imagebuild)", create=create)
 
 
 def _remove_stale_tmp(b: Build) -> None:
@@ -1240,6 +1241,14 @@ def release_ref(image: str, build_id: str) -> str:
     return f"imagebuild/{image}:release-{build_id}"
 
 
+def _extends(image: dict, stage_diff_ids: list[str]) -> bool:
+    """Whether the engine image ``image`` (``docker image inspect``) holds the layers ``stage_diff_ids``,
+    in order, below its own (a release adds one layer to its final stage)."""
+    layers = list(((image.get("RootFS") or {}).get("Layers")) or [])
+    return bool(stage_diff_ids) and layers[:len(stage_diff_ids)] == stage_diff_ids and \
+        len(layers) > len(stage_diff_ids)
+
+
 def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
     final = b.plan.stages[-1]
     labels, doc = _provenance(b)
@@ -1253,10 +1262,16 @@ def _release(b: Build, tmp: Path, progress: Progress, started: str) -> dict:
     labels[FINAL_MANIFEST_LABEL] = final_manifest
     have = engine_mod.existing_tags(ref.split(":", 1)[0])
     if ref in have and not rebuild:
-        made_from = ((_inspect(ref).get("Config") or {}).get("Labels") or {}).get(FINAL_MANIFEST_LABEL)
+        found = _inspect(ref)
+        made_from = ((found.get("Config") or {}).get("Labels") or {}).get(FINAL_MANIFEST_LABEL)
         if made_from != final_manifest:
             log.warning("warning: release: %s was made from another final stage (%s, this build's is %s): "
                         "made again", ref, (made_from or "not recorded")[:19], final_manifest[:19])
+            rebuild = True
+        elif not _extends(found, b.store.diff_ids(final_manifest)):
+            # a label is only a claim: an image made elsewhere can carry the right one
+            log.warning("warning: release: %s says it was made from the final stage %s, but its layers do not "
+                        "extend that stage's: made again", ref, final_manifest[:19])
             rebuild = True
     if ref in have and not rebuild:
         progress.info("release: %s exists (made from the final stage %s)", ref, final_manifest[:19])
@@ -1345,6 +1360,7 @@ def _gate_and_promote(b: Build, release: dict, started: str) -> dict:
 def dry_run(ctx: context_mod.Context | Path, image: str, opts: Options) -> dict:
     """What ``build`` would do, with every docker command it would run (nothing is built)."""
     guards.min_free_gib()
+    _check_folders(context_mod.of(ctx), create=False)  # what the build would refuse, the dry run refuses too
     b = prepare(context_mod.of(ctx), image, opts)
     registry_cache.attach(b)
     _check_inputs(b)
@@ -1404,7 +1420,8 @@ def patch(ctx: context_mod.Context | Path, image: str, src: Path, *, check: bool
            "check": check, "patches": [r.as_dict() for r in results]}
     failed = [r for r in results if r.outcome == patching.FAILED]
     if failed:
-        raise PatchFailed(doc, failed[0].message)
+        raise PatchFailed(doc, failed[0].message if len(failed) == 1 else
+                          f"{len(failed)} patches failed: {', '.join(r.patch for r in failed)} (each one's reason above)")
     return doc
 
 

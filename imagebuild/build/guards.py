@@ -422,14 +422,14 @@ def lock_top() -> Path:
     return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "imagebuild-locks")
 
 
-def usable_lock_dir(path: Path) -> Path:
+def usable_lock_dir(path: Path, create: bool = True) -> Path:
     """``path`` (the lock folder or one of its engine folders) made and writable, else a UsageError
-    naming IMAGEBUILD_LOCK_DIR."""
+    naming IMAGEBUILD_LOCK_DIR (``create`` False: checked, not made)."""
     from imagebuild.core.fsutil import usable_dir
 
     return usable_dir(path, LOCK_DIR_ENV if os.environ.get(LOCK_DIR_ENV) else "the build lock folder",
                       hint=f"{LOCK_DIR_ENV} names a folder every user of the engine can write (default "
-                      "<tmp>/imagebuild-locks)")
+                      "<tmp>/imagebuild-locks)", create=create)
 
 
 class BuildLock:

@@ -26,11 +26,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.core import fsutil, state
+from imagebuild.core import fsutil, lazy, state
 from imagebuild.core.fsutil import atomic_write_json
 
 REF_SCHEMA = "imagebuild.stage-ref"
+STAGE_KEY_LABEL = "io.imagebuild.stage-key"  # every stage carries the key it was built for (builder.py)
 REF_VERSION = 1
+log = lazy.logger()
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
 
@@ -123,6 +125,14 @@ class StageStore:
             return None
         manifest = data.get("manifest")
         if not isinstance(manifest, str) or not self.complete(manifest):
+            return None
+        # the stage's own label says which key it was built for: a ref edited to point at another stage
+        # (an older one) contradicts it, and is not taken
+        labels = ((self.config(manifest) or {}).get("config") or {}).get("Labels") or {}
+        built_for = labels.get(STAGE_KEY_LABEL) if isinstance(labels, dict) else None
+        if built_for is not None and built_for != key:
+            log.warning("warning: the stage store's ref %s names the manifest %s, which was built for another "
+                        "key (%s): not used, built again", self.ref_path(key).name, manifest[:19], str(built_for)[:19])
             return None
         patches = data.get("patches")
         return StageRef(key, str(data.get("stage")), manifest, patches if isinstance(patches, dict) else None)

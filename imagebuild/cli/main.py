@@ -1431,9 +1431,9 @@ def cmd_patch(args) -> int:
 
 
 def _print_patches(doc) -> None:
-    for p in doc["patches"]:
-        print(f"{p['outcome']:<16} {p['patch']}" + (f"  ({p['message']})" if p["message"] and
-                                                   p["outcome"] != "failed" else ""))
+    for p in doc["patches"]:  # every failing patch's reason, not the first one's alone (the error says that)
+        print(f"{p['outcome']:<16} {p['patch']}" + ((f"  ({p['message']})" if p["outcome"] != "failed" else
+                                                    f"\n  {p['message']}") if p["message"] else ""))
 
 
 def _cmd_gc_peer(args) -> int:

@@ -192,10 +192,16 @@ def cmd_history(args, ctx, rdir, image) -> int:
     rows = history_mod.last_nights(h, args.nights, image)
     if h.skipped:
         print(f"warning: {h.skipped} unreadable line(s) in {history_mod.path(ctx)} skipped", file=sys.stderr)
+        for why in h.bad[:10]:
+            print(f"  {why}", file=sys.stderr)
+        if len(h.bad) > 10:
+            print(f"  ... and {len(h.bad) - 10} more", file=sys.stderr)
     if args.html:
         tonight = kept[0] if kept else None
         if tonight is not None and image is not None:
-            tonight = {**tonight, "images": [i for i in tonight.get("images") or [] if i.get("image") == image]}
+            listed = tonight.get("images")
+            tonight = {**tonight, "images": [i for i in (listed if isinstance(listed, list) else [])
+                                             if isinstance(i, dict) and i.get("image") == image]}
         # the page goes to stdout: its links to reports and logs are relative to the current folder
         links = htmlpage.night_links(rows, pairs, ctx.root, Path.cwd())
         sys.stdout.write(htmlpage.render(rows, tonight, links=links))

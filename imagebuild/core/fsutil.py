@@ -138,10 +138,11 @@ def sha256_tree(path: Path) -> str:
         for name in sorted(files):
             full = Path(root) / name
             rel = full.relative_to(path).as_posix()
+            # a name that is not UTF-8 is hashed as its bytes (os.fsencode), never an internal error
             if full.is_symlink():
-                h.update(f"L {rel} {os.readlink(full)}\n".encode())
+                h.update(os.fsencode(f"L {rel} {os.readlink(full)}\n"))
                 continue
-            h.update(f"F {rel} {_xbit(full)} {sha256_file(full)}\n".encode())
+            h.update(os.fsencode(f"F {rel} {_xbit(full)} {sha256_file(full)}\n"))
     return h.hexdigest()
 
 
@@ -149,12 +150,25 @@ def _xbit(path: Path) -> str:
     return "x" if os.stat(path).st_mode & 0o111 else "-"
 
 
+def is_loop(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link that never ends in a file (a loop, or too many links)."""
+    try:
+        Path(path).resolve(strict=True)
+    except RuntimeError:  # Python before 3.13
+        return True
+    except OSError as exc:
+        import errno
+
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def inside(path: Path, folder: Path) -> bool:
     """Whether ``path``, symlinks followed, is in ``folder`` (also resolved): a link may point
     within the folder, never out of it."""
     try:
         real, top = Path(path).resolve(), Path(folder).resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python before 3.13)
         return False
     return top in real.parents
 
@@ -164,14 +178,25 @@ def canonical_json(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def usable_dir(path: Path, what: str, *, hint: str | None = None) -> Path:
+def usable_dir(path: Path, what: str, *, hint: str | None = None, create: bool = True) -> Path:
     """``path`` as a folder this process can write in, made if missing; else a UsageError (exit 2)
-    naming ``what`` (the setting it came from, e.g. ``IMAGEBUILD_STATE_DIR``) and why."""
+    naming ``what`` (the setting it came from, e.g. ``IMAGEBUILD_STATE_DIR``) and why. ``create``
+    False (a dry run): nothing is made; a missing folder is checked as its nearest existing parent,
+    which must be a folder this process can write in."""
     from imagebuild.core.errors import UsageError
 
-    path = Path(path)
+    path = orig = Path(path)
+    if not create:
+        top = path
+        while not os.path.lexists(top) and top != top.parent:
+            top = top.parent
+        if top != path:
+            if not top.is_dir():
+                raise UsageError(f"{what}: cannot make the folder {path}: {top} is not a folder", hint=hint)
+            path = top
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise UsageError(f"{what}: {path} is not a folder", hint=hint) from None
     except OSError as exc:
@@ -183,8 +208,9 @@ def usable_dir(path: Path, what: str, *, hint: str | None = None) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise UsageError(f"{what}: cannot write in {path}: {exc.strerror or exc}", hint=hint) from None
-    return path
+        made = "" if path == orig else f"cannot make the folder {orig}: "
+        raise UsageError(f"{what}: {made}cannot write in {path}: {exc.strerror or exc}", hint=hint) from None
+    return orig
 
 
 def check_output_file(path: str | Path, flag: str) -> Path:

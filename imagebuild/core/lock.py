@@ -68,13 +68,23 @@ def _batch(image_dir: Path, image: str) -> Iterator[None]:
         if k in _batches:  # nested: the outer batch writes
             yield
             return
-        _batches[k] = {"data": None, "image": image, "after": [], "dirty": False}
+        _batches[k] = {"data": None, "image": image, "after": [], "dirty": False, "abort": []}
     try:
-        yield
-        with _batch_lock:
-            b = _batches[k]
-        if b["dirty"]:
-            atomic_write_text(lock_path(image_dir), serialise(b["data"]))
+        try:
+            yield
+            with _batch_lock:
+                b = _batches[k]
+            if b["dirty"]:
+                atomic_write_text(lock_path(image_dir), serialise(b["data"]))
+        except BaseException:  # the lock was not written: what was made for it goes
+            with _batch_lock:
+                undo = list(_batches[k]["abort"])
+            for fn in undo:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
+            raise
         for fn in b["after"]:
             fn()
     finally:
@@ -90,6 +100,15 @@ def after_write(image_dir: Path, fn: Callable[[], None]) -> None:
             b["after"].append(fn)
             return
     fn()
+
+
+def on_abort(image_dir: Path, fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the batch of ``image_dir`` ends without writing the lock (an error, an interrupt);
+    outside a batch the lock is written at once, and ``fn`` is never run."""
+    with _batch_lock:
+        b = _batches.get(_key(image_dir))
+        if b is not None:
+            b["abort"].append(fn)
 
 
 def read(image_dir: Path, display: str | None = None) -> dict | None:

@@ -67,15 +67,32 @@ def _environ(env: Mapping[str, str] | None) -> dict[str, str] | None:
     return {k: v for k, v in merged.items() if v is not None}
 
 
+_SETPRIV: list[str | None] = []
+
+
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when the thread that started it dies, even by ``kill -9``
+    (util-linux ``setpriv --pdeathsig``, when installed; else ``argv`` as it is). Only for a child
+    waited for where it was started: a killed ``gc`` must not leave its ``docker image rm`` running
+    with the lock released."""
+    if not _SETPRIV:
+        _SETPRIV.append(which("setpriv"))
+    if _SETPRIV[0] is None or which(argv[0]) is None:  # a missing command is said as one, not by setpriv
+        return argv
+    return [_SETPRIV[0], "--pdeathsig", "KILL", "--", *argv]
+
+
 def run(argv: Sequence[str], *, check: bool = True, capture: bool = True, timeout: float | None = None,
         env: Mapping[str, str] | None = None, cwd: Path | str | None = None, input: bytes | None = None,
         hint: str | None = None, pass_fds: Sequence[int] = ()) -> subprocess.CompletedProcess:
     """Run ``argv``; with ``capture`` stdout and stderr are returned (combined in ``.stdout``).
-    ``pass_fds``: descriptors the child inherits (as ``subprocess`` keeps them)."""
+    ``pass_fds``: descriptors the child inherits (as ``subprocess`` keeps them). The child dies with
+    this process (``_dying_with_parent``)."""
     argv = _announce(argv)
     try:
         proc = subprocess.run(
-            argv, cwd=cwd, env=_environ(env), input=input, timeout=timeout, pass_fds=tuple(pass_fds),
+            _dying_with_parent(argv), cwd=cwd, env=_environ(env), input=input, timeout=timeout,
+            pass_fds=tuple(pass_fds),
             stdout=subprocess.PIPE if capture else None,
             stderr=subprocess.STDOUT if capture else None,
         )
@@ -215,6 +232,38 @@ def check_popen(proc: subprocess.Popen, *, hint: str | None = None) -> None:
 KILL_GRACE_S = 10.0
 
 
+def _read_until_exit(proc, on_line, split_cr: bool) -> None:
+    """Call ``on_line`` for each line ``proc`` writes, until its pipe closes or, once ``proc`` has
+    ended, nothing more is there to read."""
+    import select
+
+    fd = proc.stdout.fileno()
+    buf = b""
+
+    def lines(data: bytes) -> bytes:
+        if split_cr:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *whole, rest = data.split(b"\n")
+        for raw in whole:
+            on_line(raw.decode("utf-8", "replace") + "\n")
+        return rest
+
+    ended = False
+    while True:
+        if select.select([fd], [], [], 0 if ended else 0.2)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf = lines(buf + chunk)
+            continue
+        if ended:  # the child ended and what it wrote is read: whoever else holds the pipe is not waited for
+            break
+        # what the child wrote before it ended is in the pipe by now: one more look, without waiting
+        ended = proc.poll() is not None
+    if buf:
+        on_line(buf.decode("utf-8", "replace"))
+
+
 def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None,
            cwd: Path | str | None = None, hint: str | None = None, split_cr: bool = False,
            die_with_parent: bool = False, timeout: float | None = None) -> int:
@@ -230,6 +279,10 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
     ``die_with_parent``: the child gets SIGKILL when this process dies, even by ``kill -9`` (through
     util-linux ``setpriv --pdeathsig``, when installed): a killed sync leaves no rsync sending on.
     ``timeout``: the group is killed after that many seconds, silent or not (OperationFailed).
+
+    The output is read until the child has ended, not until its pipe closes: a pipe something else
+    still holds (an ssh ControlMaster holds the stdio of every mux client, rsync's ssh included, until
+    the peer closes the channel) never ends the call late.
     """
     import signal
     import time
@@ -258,19 +311,7 @@ def stream(argv: Sequence[str], on_line, *, env: Mapping[str, str] | None = None
         timer.start()
     try:
         assert proc.stdout is not None
-        if not split_cr:
-            for raw in iter(proc.stdout.readline, b""):
-                on_line(raw.decode("utf-8", "replace"))
-        else:
-            buf = b""
-            fd = proc.stdout.fileno()
-            while chunk := os.read(fd, 65536):
-                buf += chunk
-                *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-                for raw in lines:
-                    on_line(raw.decode("utf-8", "replace") + "\n")
-            if buf:
-                on_line(buf.decode("utf-8", "replace"))
+        _read_until_exit(proc, on_line, split_cr)
         rc = proc.wait()
         if timer is not None and timer.expired:
             raise OperationFailed(f"command timed out after {timeout:g} s: {shlex.join(argv)}", hint=hint)

@@ -73,7 +73,7 @@ class Run:
 
     def logs(self) -> list[Path]:
         d = self.dir / "logs"
-        return sorted(d.glob("*.log")) if d.is_dir() else []
+        return sorted(p for p in d.glob("*.log") if not p.is_symlink()) if d.is_dir() and not d.is_symlink() else []
 
     def summary(self) -> dict:
         r = self.record
@@ -128,6 +128,8 @@ RECORD_MAX_BYTES = 16 << 20  # a build writes well under 1 MiB; a larger record.
 def _read(d: Path) -> dict:
     path = d / "record.json"
     try:
+        if path.is_symlink():  # a link (out of the state folder) is not followed
+            return {}
         # never read whole past the bound (a 300 MB one took 615 MB in log), nor a FIFO or device
         data = json.loads(fsutil.read_text(path, RECORD_MAX_BYTES))
     except (OSError, ValueError):
@@ -138,14 +140,17 @@ def _read(d: Path) -> dict:
 def list_runs(ctx: Context | Path, image: str | None = None) -> list[Run]:
     """Runs, newest first (of one image, or of every image)."""
     top = builds_dir(ctx)
-    images = [image] if image else sorted(p.name for p in top.iterdir() if p.is_dir()) if top.is_dir() else []
+    # a folder that is a symbolic link (to somewhere out of the state folder) is no run of ours: never
+    # followed, so nothing is read through it, nor written (mark_abandoned), nor removed
+    images = [image] if image else sorted(p.name for p in top.iterdir() if p.is_dir() and not p.is_symlink()) \
+        if top.is_dir() and not top.is_symlink() else []
     out = []
     for img in images:
         d = top / img
-        if not d.is_dir():
+        if not d.is_dir() or d.is_symlink():
             continue
         for rd in d.iterdir():
-            if rd.is_dir() and not rd.name.startswith("."):
+            if rd.is_dir() and not rd.is_symlink() and not rd.name.startswith("."):
                 out.append(Run(img, rd.name, rd, _read(rd)))
     return sorted(out, key=lambda r: r.run_id, reverse=True)
 

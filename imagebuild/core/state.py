@@ -45,3 +45,9 @@ def stages_dir() -> Path:
 def deps_dir(root: Path, image: str) -> Path:
     """Prefetch output for one image: ``deps-src/<image>/`` (contents ignored by git)."""
     return Path(root) / "deps-src" / image
+
+
+# A gate's temporary folder ($TMPDIR/imagebuild-gate-*) holds this flock while the gate runs: gc removes
+# one whose lock is free (a gate killed with kill -9 leaves its folder)
+GATE_TMP_PREFIX = "imagebuild-gate-"
+GATE_TMP_LOCK = ".imagebuild-gate.lock"

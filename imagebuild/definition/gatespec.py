@@ -196,9 +196,13 @@ def _parse(text: str, file: str, path: Path | None) -> GateSpec:
                                        line=root.line if root else 1, hint="see docs/gate.md")])
     m: dict[str, yamlread.Node] = root.value
     kl = root.key_lines or {}
+    if not any(key in TOP_KEYS for key in m):  # some other file (a password file, a config): quote nothing of it
+        raise SpecError([Problem(file, f"not a gate spec: none of its {len(m)} top-level key(s) is one of "
+                                       f"{', '.join(TOP_KEYS)} (nothing of the file is quoted)",
+                                 hint="see docs/gate.md; --spec names a gate spec (gate.yaml)")])
     for key in m:
         if key not in TOP_KEYS:
-            _unknown(p, kl.get(key), key, key, TOP_KEYS)
+            _unknown(p, kl.get(key), key if len(key) <= 32 and key.isprintable() else excerpt(key), key, TOP_KEYS)
 
     if "version" in m and m["version"].value != SPEC_VERSION:
         p.err(m["version"].line, "version", f"unsupported gate spec version {m['version'].value!r}",

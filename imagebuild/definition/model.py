@@ -293,6 +293,9 @@ def safe_rel_path(value, base: Path, file: str, line: int, key: str, c: Collecto
     full = base / p
     try:
         real = full.resolve()
+    except RuntimeError:  # a symlink loop (Python before 3.13; 3.13 resolves it as far as it goes)
+        c.err(file, f"path {value!r} is a symlink loop (its links never reach a file)", line=line, key=key)
+        return None
     except OSError:
         real = full
     if c.resolved(base) not in (real, *real.parents):

@@ -9,10 +9,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-from imagebuild.core import fsutil
+from imagebuild.core import fsutil, lazy
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
 from imagebuild.definition import patching
+
+log = lazy.logger()
+
+
+NO_NAMESPACE = 97  # the exit of _read_only's wrapper when it could not make the folders read-only
+
+
+def _read_only(folders: list[str], argv: list[str]) -> list[str]:
+    """``argv`` run in a mount namespace of its own where each of ``folders`` is bind-mounted read-only
+    onto itself (util-linux unshare and mount; root). ``argv`` when there is nothing to guard or no
+    unshare; the wrapper exits NO_NAMESPACE when it cannot."""
+    if not folders or run_mod.which("unshare") is None:
+        return argv
+    script = ('while [ "$1" != -- ]; do mount --bind "$1" "$1" 2>/dev/null && '
+              'mount -o remount,bind,ro "$1" "$1" 2>/dev/null || exit 97; shift; done; shift; exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh", *folders, "--",
+            *argv]
 
 
 def check(paths: list, src: Path, *, copy: bool = True) -> list:
@@ -26,7 +43,10 @@ def check(paths: list, src: Path, *, copy: bool = True) -> list:
             shutil.copytree(src, scratch, symlinks=True, ignore=shutil.ignore_patterns(".git"))
         else:
             scratch = Path(src)
-        runs = _run_twice(paths, scratch, Path(tmp), [], ())
+        # the checkout and the patches' folders are read-only to the patch process (its own mount
+        # namespace): a patch that writes to an absolute path at import changes neither
+        guard = sorted({str(Path(src).resolve()), *(str(Path(x).resolve().parent) for x in paths)}) if copy else []
+        runs = _run_twice(paths, scratch, Path(tmp), [], (), guard)
     return _outcomes(paths, runs)
 
 
@@ -100,18 +120,26 @@ def _manifest(by_mirror: dict, git_dirs: list) -> tuple[dict, dict]:
     return files, links
 
 
-def _run_twice(paths: list, scratch: Path, tmp: Path, runner: list, pass_fds) -> list | str:
+def _run_twice(paths: list, scratch: Path, tmp: Path, runner: list, pass_fds, guard: list[str] = ()) -> list | str:
     """The patch set applied twice to ``scratch``: each run's record, or (lazy runner) the reason it
-    could not follow a patch."""
+    could not follow a patch. ``guard``: folders the patch process sees read-only (``_read_only``)."""
     from imagebuild.definition import lazytree
 
     runs = []
+    guard = list(guard)
     for i in (1, 2):
         record = tmp / f"run{i}.json"
-        res = run_mod.run([*(runner or [sys.executable]), patching.__file__, "apply", "--src", str(scratch),
-                           "--keep-going", "--record", str(record), *map(str, paths)],
-                          check=False, timeout=600, pass_fds=pass_fds,
-                          cwd=scratch)  # what a patch does at import, relative to where it runs, stays there
+        argv = [*(runner or [sys.executable]), patching.__file__, "apply", "--src", str(scratch),
+                "--keep-going", "--record", str(record), *map(str, paths)]
+        # what a patch does at import, relative to where it runs, stays there (cwd)
+        res = run_mod.run(_read_only(guard, argv), check=False, timeout=600, pass_fds=pass_fds, cwd=scratch)
+        if guard and res.returncode == NO_NAMESPACE and not record.exists():
+            if i == 1:
+                log.warning("warning: patch --check could not make %s read-only to the patches (a mount "
+                            "namespace needs root): a patch that writes to an absolute path at import is not "
+                            "contained", ", ".join(guard))
+            guard = []
+            res = run_mod.run(argv, check=False, timeout=600, pass_fds=pass_fds, cwd=scratch)
         if runner and res.returncode == lazytree.FALLBACK:
             out = res.stdout.decode("utf-8", "replace") if res.stdout else ""
             why = next((ln.split(lazytree.FALLBACK_TAG, 1)[1].strip() for ln in out.splitlines()

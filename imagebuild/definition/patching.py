@@ -245,7 +245,11 @@ def apply_edits(patch: str, edits: list, src: Path, *, write: bool = True,
             return PatchOutcome(patch, NOT_APPLICABLE, [EditOutcome(e.file, NOT_APPLICABLE, why) for e, why in absent],
                                 f"not applicable: {reason}")
         for edit in edits:
-            outcome, texts[edit.file] = plan_edit(patch, edit, texts[edit.file])
+            try:
+                outcome, texts[edit.file] = plan_edit(patch, edit, texts[edit.file])
+            except PatchError as exc:  # the failing edit is one of the outcomes too (patch --json)
+                outcomes.append(EditOutcome(edit.file, FAILED, str(exc)))
+                raise
             outcomes.append(outcome)
     except PatchError as exc:
         return PatchOutcome(patch, FAILED, outcomes, str(exc))

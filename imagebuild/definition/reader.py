@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from imagebuild.core import yamlread
 from imagebuild.core.errors import DefinitionError, Problem
-from imagebuild.core.fsutil import inside
+from imagebuild.core.fsutil import inside, is_loop
 from imagebuild.definition import envfile, pkgspec
 from imagebuild.definition import source_options as source_options_mod
 from imagebuild.definition.model import *  # noqa: F403  (the records, names and rules: imported from here)
@@ -191,6 +191,10 @@ def _build_metadata(node, yfile: str, c: Collector) -> str | None:
 def _inside(path: Path, display: str, c: Collector) -> bool:
     """Whether ``path`` stays inside its definition folder (a symlink may point within it, never
     out of it: its target is then not read, and nothing of it is quoted)."""
+    if is_loop(path):
+        c.err(display, "is a symlink loop (its links never reach a file): not read",
+              hint="point it at a file in the definition folder, or make it a file")
+        return False
     if not inside(path, path.parent):
         c.err(display, "is a symlink that leads outside its definition folder: not read",
               hint="definition files live in the definition folder (a symlink to another file in it is fine)")

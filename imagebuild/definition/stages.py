@@ -237,6 +237,33 @@ def _packages(e: _Entry):
     return reqs, apt, ok
 
 
+def _folder_trouble(folder: Path, shown: str) -> str | None:
+    """What in the declared folder ``folder`` (``shown``: as declared) a build context cannot hold, said
+    with its escaped path: a FIFO, a socket or a device (a read would hang), a name that is not UTF-8."""
+    import stat
+
+    from imagebuild.core.errors import excerpt
+
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for n in sorted(dirnames + filenames):
+            full = Path(dirpath) / n
+            rel = f"{shown}/{full.relative_to(folder).as_posix()}"
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{excerpt(rel, 80)} has a name that is not UTF-8"
+            try:
+                mode = os.lstat(full).st_mode
+            except OSError:
+                continue
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a device" if stat.S_ISBLK(mode) or stat.S_ISCHR(mode) else None)
+            if kind:
+                return f"{excerpt(rel, 80)} is {kind}: a build context holds files, folders and symbolic links only"
+    return None
+
+
 def _input(item, kind, root: Path, d: Path, yfile: str, key: str, c: Collector) -> InputFile | None:
     value = item.value
     if isinstance(value, str) and value.startswith(SHARED_PATCHES_DIR + "/"):
@@ -254,6 +281,11 @@ def _input(item, kind, root: Path, d: Path, yfile: str, key: str, c: Collector) 
     if kind_of:  # plan and build would refuse it (context_stream.py); validate says so too
         c.err(yfile, f"{value!r} is {kind_of}: a build context holds files, folders and symbolic links only",
               line=item.line, key=key, hint="remove it from the declared files")
+        return None
+    trouble = _folder_trouble(full, str(value).rstrip("/")) if full.is_dir() else None
+    if trouble:  # plan and build would refuse it (context_stream.py); validate says so too
+        c.err(yfile, trouble, line=item.line, key=key,
+              hint="a build context holds files, folders and symbolic links with UTF-8 names only")
         return None
     if not os.access(full, os.R_OK) or (full.is_dir() and not os.access(full, os.X_OK)):
         c.err(yfile, f"{value!r} is not readable", line=item.line, key=key, hint="check its permissions")

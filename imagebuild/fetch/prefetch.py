@@ -405,25 +405,38 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
             "cargo": crates,
         }
 
-    entries = _pmap(do_pack, pins.values(), jobs)
-    sources = {p.name: e for p, e in zip(pins.values(), entries, strict=True)}
+    # a run that fails before the lock is written (the commit point) takes its new tarballs with it:
+    # deps-src holds what the lock names, and what the previous lock named, nothing else
+    before = {f.name for f in srcdir.iterdir()}
 
-    # 8. commit: versions.env, the lock (the commit point), then SHA256SUMS and pruning
-    updates = _ref_updates(defn, pins, rep)
-    for p in pins.values():
-        if p.opts.cargo_switch:  # 1 when the composed tree has Rust crates (vendored), else 0
-            want = "1" if sources[p.name]["cargo"] else "0"
-            have = defn.env.get(p.opts.cargo_switch)
-            if have != want:
-                updates[p.opts.cargo_switch] = want
-                rep.pinned.append({"key": p.opts.cargo_switch, "from": have or "", "to": want})
-    if updates:
-        defn.env.update(updates)
-        for u in rep.pinned:
-            log.info("  pinned %s=%s in %s", u["key"], u["to"], defn.env.display)
-    for name, per_stage in _check_patches(defn, sources, rep, packed_entries).items():
-        sources[name]["patch_check"] = per_stage
-    lock.update_sections(defn.dir, defn.name, {"sources": sources})
+    def drop_new() -> None:
+        for f in srcdir.iterdir():
+            if f.name not in before and f.is_file() and not f.is_symlink():
+                f.unlink(missing_ok=True)
+    lock.on_abort(defn.dir, drop_new)  # a later step of this image fails: the lock is not written either
+    try:
+        entries = _pmap(do_pack, pins.values(), jobs)
+        sources = {p.name: e for p, e in zip(pins.values(), entries, strict=True)}
+
+        # 8. commit: versions.env, the lock (the commit point), then SHA256SUMS and pruning
+        updates = _ref_updates(defn, pins, rep)
+        for p in pins.values():
+            if p.opts.cargo_switch:  # 1 when the composed tree has Rust crates (vendored), else 0
+                want = "1" if sources[p.name]["cargo"] else "0"
+                have = defn.env.get(p.opts.cargo_switch)
+                if have != want:
+                    updates[p.opts.cargo_switch] = want
+                    rep.pinned.append({"key": p.opts.cargo_switch, "from": have or "", "to": want})
+        if updates:
+            defn.env.update(updates)
+            for u in rep.pinned:
+                log.info("  pinned %s=%s in %s", u["key"], u["to"], defn.env.display)
+        for name, per_stage in _check_patches(defn, sources, rep, packed_entries).items():
+            sources[name]["patch_check"] = per_stage
+        lock.update_sections(defn.dir, defn.name, {"sources": sources})
+    except BaseException:
+        drop_new()
+        raise
     packed = {Path(x["tarball"]).name: x["sha256"] for e in sources.values()
               for x in (e, e.get("cargo")) if isinstance(x, dict)}
     packed.update({Path(tb).name: sha for e in sources.values() for tb, sha in rust_dist.lock_files(e.get("cargo"))})

@@ -34,7 +34,7 @@ import pytest
 from imagebuild import __version__
 from imagebuild.core import context as context_mod
 from imagebuild.core import identity as identity_mod
-from imagebuild.core import interrupts, runs
+from imagebuild.core import interrupts, runs, state
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
 from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
@@ -47,6 +47,15 @@ log = logging.getLogger("imagebuild")
 
 CANDIDATE_TAG = "candidate"
 CONTAINER_PREFIX = "imagebuild-gate-"
+
+
+@contextlib.contextmanager
+def _held(path: Path):
+    import fcntl
+
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 CONTAINER_LABEL = leftovers.CONTAINER_LABEL
 # Works with busybox ash and dash/bash; keeps PID 1 alive and stops on TERM/INT.
 KEEPALIVE = 'trap "exit 0" TERM INT; sleep 2147483647 & wait'
@@ -427,7 +436,8 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
             with _sigterm_as_interrupt():
                 log.info("starting container %s (entrypoint overridden, --network none%s)", name,
                          ", --gpus all" if gpu else "")
-                with tempfile.TemporaryDirectory(prefix="imagebuild-gate-") as tmp, _clean_pytest_env():
+                with tempfile.TemporaryDirectory(prefix=state.GATE_TMP_PREFIX) as tmp, _clean_pytest_env(), \
+                        _held(Path(tmp) / state.GATE_TMP_LOCK):
                     _start_container(name, target.ref, ident.digest, gpu, emulated, Path(tmp))
                     watchdog.start()
                     ini = Path(tmp) / "pytest.ini"

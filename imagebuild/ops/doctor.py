@@ -16,7 +16,7 @@ from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
-from imagebuild.core.remote import check_destination, ssh_argv
+from imagebuild.core.remote import check_destination, host_key_trouble, ssh_argv
 
 GIB = 1 << 30
 # Real images need ~40 GB of build cache and layers; a stage build fails late when the disk fills.
@@ -211,15 +211,9 @@ def check_peer(host: str) -> list[Check]:
         return [Check(f"peer {host}", "fail", exc.message, "check the host name and that sshd runs there")]
     text = proc.stdout.decode("utf-8", "replace").strip()
     if proc.returncode == 255:
-        if "IDENTIFICATION HAS CHANGED" in text:
-            return [Check(f"peer {host}", "fail", "ssh refused it: its host key has CHANGED since it was "
-                          "recorded in known_hosts (a reinstalled node, or someone in between)",
-                          f"check the key with the node's admin, then `ssh-keygen -R {host}` and connect once")]
-        if "Host key verification failed" in text or "No ED25519 host key is known" in text or \
-                "host key is known" in text:
-            return [Check(f"peer {host}", "fail", "ssh refused it: its host key is not in known_hosts",
-                          f"verify the key and add it: `ssh {host} true` once interactively, or "
-                          f"`ssh-keyscan {host} >> ~/.ssh/known_hosts` after checking the fingerprint")]
+        key = host_key_trouble(text, host)
+        if key is not None:
+            return [Check(f"peer {host}", "fail", f"ssh refused it: {key[0]}", key[1])]
         return [Check(f"peer {host}", "fail", f"ssh failed: {text.splitlines()[-1] if text else 'exit 255'}",
                       f"make `ssh {host} true` work without a password (ssh-copy-id {host}; check ~/.ssh/config)")]
     if proc.returncode != 0:
@@ -261,6 +255,16 @@ def check_peer_sync(host: str) -> list[Check]:
             out.append(Check(f"peer {host} leases", "warn", "ctr not found: gc --peer cannot remove the leases a "
                              "docker load interrupted on the peer leaves",
                              f"install containerd's ctr on {host} (it ships with containerd)"))
+    if st.signers == "none":
+        out.append(Check(f"peer {host} receipts", "warn", "the peer has no allowed-signers file: it takes any receipt "
+                         "that holds together, signed or not (docs/gate.md#what-an-unsigned-receipt-proves)",
+                         f"put the builders' keys in ~/.config/imagebuild/allowed_signers on {host} "
+                         "(docs/sync.md#signed-receipts-on-the-peer)"))
+    elif st.signers == "broken":
+        out.append(Check(f"peer {host} receipts", "fail", "IMAGEBUILD_ALLOWED_SIGNERS on the peer names no file: "
+                         "it refuses every sync", f"fix IMAGEBUILD_ALLOWED_SIGNERS on {host}"))
+    elif st.signers == "file":
+        out.append(Check(f"peer {host} receipts", "ok", "the peer verifies receipts' signatures"))
     cache_ok = st.df_cache is not None
     free = st.df_cache.available if st.df_cache else 0
     detail = f"{st.cache or '?'}: {free / GIB:.1f} GiB free" + ("" if cache_ok else " (cannot check)")
@@ -268,6 +272,36 @@ def check_peer_sync(host: str) -> list[Check]:
     out.append(Check(f"peer {host} sync cache", status, detail,
                      None if status == "ok" else f"free disk on {host}: sync needs room for the layers it sends "
                      "and for the load"))
+    return out
+
+
+def check_receipts(cfg) -> list[Check]:
+    """Whether receipts are signed here and whether this host verifies them: without both, a receipt
+    proves only that whoever could write the state folder wrote one that holds together."""
+    from imagebuild.core.errors import UsageError
+    from imagebuild.gate import signing
+
+    out = []
+    try:
+        key = signing.signing_key(cfg)
+        out.append(Check("receipt signing", "ok", f"the gate signs receipts with {key}") if key is not None else
+                   Check("receipt signing", "warn", "receipts are written unsigned: a peer or a later check can "
+                         "tell them from a forgery only by their consistency (docs/gate.md#what-an-unsigned-"
+                         "receipt-proves)", "create ~/.ssh/id_ed25519 or set IMAGEBUILD_SIGNING_KEY "
+                         "(docs/gate.md#signed-receipts)"))
+    except UsageError as exc:
+        out.append(Check("receipt signing", "fail", exc.message, exc.hint))
+    try:
+        allowed = signing.allowed_signers(cfg)
+        out.append(Check("receipt verification", "ok", f"receipts must verify against {allowed}")
+                   if allowed is not None else
+                   Check("receipt verification", "warn", "no allowed-signers file: a receipt that holds together is "
+                         "taken, signed or not; anyone who can write the state folder can forge one "
+                         "(docs/gate.md#what-an-unsigned-receipt-proves)",
+                         "list the builders' keys in ~/.config/imagebuild/allowed_signers "
+                         "(docs/gate.md#signed-receipts)"))
+    except UsageError as exc:
+        out.append(Check("receipt verification", "fail", exc.message, exc.hint))
     return out
 
 
@@ -291,6 +325,7 @@ def run_checks(ctx: context_mod.Context | Path | None, peers: list[str]) -> list
     checks.append(check_skopeo(ctx.config.registry if ctx is not None else None))
     if info.reachable:
         checks.append(check_nvidia_runtime())
+    checks += check_receipts(ctx.config if ctx is not None else None)
     configured = list(ctx.config.peers) if ctx is not None else []
     for host in dict.fromkeys([*configured, *peers]):
         checks += check_peer(host)

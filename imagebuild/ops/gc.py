@@ -72,7 +72,7 @@ _UNITS = {"B": 1, "kB": 1000, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB"
 @dataclass
 class Item:
     # release | tag | legacy-stage | stage-ref | blob | ingest | tarball | package-dir | run | tmp | mirror-tmp
-    # | parse-cache | compiler-cache-tmp
+    # | parse-cache | compiler-cache-tmp | gate-tmp
     kind: str
     what: str  # a reference or a path, as shown
     bytes: int
@@ -525,6 +525,30 @@ def plan_compiler_cache() -> list[Item]:
                  "cache back", path=str(d)) for d in compilecache.leftovers()]
 
 
+def plan_gate_tmp() -> list[Item]:
+    """Temporary folders of gates that were killed (``$TMPDIR/imagebuild-gate-*`` of this user whose lock
+    is free; a folder without one, from an older version, once it is a day old)."""
+    import tempfile
+    import time
+
+    out = []
+    for d in sorted(Path(tempfile.gettempdir()).glob(state.GATE_TMP_PREFIX + "*")):
+        try:
+            st = d.lstat()
+        except OSError:
+            continue
+        if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid():
+            continue
+        lock = d / state.GATE_TMP_LOCK
+        if lock.is_file() and not lock.is_symlink():
+            dead = _lock_free(lock)
+        else:
+            dead = time.time() - st.st_mtime > 86400
+        if dead:
+            out.append(Item("gate-tmp", str(d), tree_bytes(d), "left by a gate that was killed", path=str(d)))
+    return out
+
+
 def plan_parse_cache() -> list[Item]:
     """The parse cache of earlier versions (``$XDG_CACHE_HOME/imagebuild/parse``): nothing reads it now."""
     d = state.cache_home() / "imagebuild" / "parse"
@@ -582,7 +606,7 @@ def collect(ctx: Context | Path, image: str | None = None, keep_n: int = DEFAULT
             held.append(guards.BuildLock.held(info.id, name, f"imagebuild gc {name}"))
         in_use = container_image_ids()
         plan = GcPlan(keep_n, [plan_image(ctx, name, keep_n, info.id, in_use) for name in names],
-                      plan_mirror_cache() + plan_parse_cache() + plan_compiler_cache())
+                      plan_mirror_cache() + plan_parse_cache() + plan_compiler_cache() + plan_gate_tmp())
         if not dry_run:
             apply(plan, ctx)
         return plan

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from imagebuild.core import context as context_mod
 from imagebuild.core import fsutil
+from imagebuild.core.errors import excerpt
 from imagebuild.core.fsutil import atomic_write_bytes
 from imagebuild.ops.imagediff import human
 
@@ -117,10 +118,97 @@ def rows_of(doc: dict) -> list[dict]:
     return out
 
 
+# What a history line holds, checked key by key before any line is used (a hand-edited or corrupted
+# line is skipped and named, never an internal error): a tuple of the types a value may have (NUM: a
+# number, not a bool), or ("list", spec), ("map", spec: the values of a dict with string keys),
+# ("dict", {key: spec}, required keys). A key that is missing is None (older lines lack newer keys).
+NUM = "num"
+SCALAR = (str, int, float, bool, type(None))
+OPT_STR, OPT_INT, OPT_NUM = (str, type(None)), (int, type(None)), (NUM, type(None))
+ROW_SPEC = ("dict", {
+    "schema": (str,), "version": (int, type(None)), "run_id": (str,), "started": OPT_STR, "image": (str,),
+    "status": OPT_STR, "exit_code": OPT_INT, "seconds": OPT_NUM, "build_id": OPT_STR, "identity": OPT_STR,
+    "size": OPT_NUM, "steps": ("map", OPT_NUM),
+    "stages": ("list", ("dict", {"name": (str,), "cache": OPT_STR, "status": OPT_STR, "seconds": OPT_NUM}, {"name"})),
+    "cache": ("dict", {"hits": OPT_INT, "misses": OPT_INT, "rate": OPT_NUM}, set(), "or-none"),
+    "gate": ("dict", {"result": OPT_STR, "ran": (bool, type(None)), "passed": OPT_INT, "failed": OPT_INT,
+                      "skipped": OPT_INT, "gpu_checks_skipped": (bool, type(None)),
+                      "failed_checks": ("list", ("dict", {"id": SCALAR, "detail": OPT_STR}, set()))},
+             set(), "or-none"),
+    "promotion": OPT_STR, "sync": OPT_STR,
+    "moved": ("list", ("dict", {"source": SCALAR, "what": SCALAR, "from": SCALAR, "to": SCALAR, "repo": OPT_STR},
+                       {"source", "what", "from", "to"})),
+    "pull_requests": ("list", ("dict", {"source": SCALAR, "number": SCALAR, "head": SCALAR, "state": SCALAR,
+                                        "merged": SCALAR, "repo": OPT_STR}, {"source", "number"})),
+    "failure": ("dict", {"step": OPT_STR, "stage": OPT_STR, "exit_code": OPT_INT, "command": SCALAR,
+                         "log": OPT_STR}, set(), "or-none"),
+    "changed": ("dict", {"same_image": (bool, type(None)),
+                         **{part: ("dict", {"n": (int,), "items": ("list", (str,))}, {"n"}, "or-none")
+                            for part in ("pins", "patches", "pip", "dpkg")}}, set(), "or-none"),
+}, {"schema", "run_id", "image"})
+
+
+def _wrong(value, spec, where: str) -> str | None:
+    """Why ``value`` is not what ``spec`` says (naming its key), or None."""
+    if isinstance(spec, tuple) and spec and spec[0] in ("list", "map", "dict"):
+        kind = spec[0]
+        if kind == "dict" and len(spec) > 3 and value is None:
+            return None
+        if kind == "list":
+            if value is None:
+                return None
+            if not isinstance(value, list):
+                return f"{where}: expected a list"
+            for i, v in enumerate(value):
+                why = _wrong(v, spec[1], f"{where}[{i}]")
+                if why:
+                    return why
+            return None
+        if value is None and kind == "map":
+            return None
+        if not isinstance(value, dict):
+            return f"{where}: expected an object"
+        if kind == "map":
+            for k, v in value.items():
+                why = _wrong(v, spec[1], f"{where}.{k}")
+                if why:
+                    return why
+            return None
+        for k in spec[2]:
+            if k not in value:
+                return f"{where + '.' if where else ''}{k}: missing"
+        for k, sub in spec[1].items():
+            if k in value:
+                why = _wrong(value[k], sub, f"{where + '.' if where else ''}{k}")
+                if why:
+                    return why
+        return None
+    for t in spec:
+        if t == NUM:  # finite, and not beyond any real size or time (a chart scales by it)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e18:
+                return None
+        elif t is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return None
+        elif isinstance(value, t):
+            return None
+    return f"{where}: unexpected {type(value).__name__} {excerpt(json.dumps(value, default=str))}"
+
+
+def check_row(row) -> str | None:
+    """Why ``row`` is not a history line this version can show, or None."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    if row.get("schema") != SCHEMA:
+        return f"schema: expected {SCHEMA!r}"
+    return _wrong(row, ROW_SPEC, "")
+
+
 @dataclass
 class History:
     rows: list[dict] = field(default_factory=list)  # oldest first
     skipped: int = 0  # lines that could not be read
+    bad: list[str] = field(default_factory=list)  # which, and why ("line 12: gate.passed: unexpected str ...")
 
     def images(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -142,22 +230,24 @@ def read(file: Path) -> History:
         data = fsutil.read_text(file, HISTORY_MAX, errors="replace")
     except FileNotFoundError:
         return h
-    except OSError:
+    except OSError as exc:
         h.skipped += 1
+        h.bad.append(f"cannot read it: {exc.strerror or exc}")
         return h
-    for line in data.splitlines():
+    for n, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except ValueError:
-            h.skipped += 1
-            continue
-        if isinstance(row, dict) and row.get("schema") == SCHEMA and isinstance(row.get("image"), str) \
-                and isinstance(row.get("run_id"), str):
-            h.rows.append(redact(row, secrets))  # a line written before a URL's userinfo was removed: not shown
+        except (ValueError, RecursionError):
+            why = "not JSON"
         else:
+            why = check_row(row)
+        if why:
             h.skipped += 1
+            h.bad.append(f"line {n}: {why}")
+        else:
+            h.rows.append(redact(row, secrets))  # a line written before a URL's userinfo was removed: not shown
     h.rows.sort(key=lambda r: r["run_id"])
     return h
 
@@ -185,7 +275,22 @@ def load(file: Path, reports: list[dict] = ()) -> History:
     h = read(file)
     have = {(r["run_id"], r["image"]) for r in h.rows}
     for doc in reports:
-        h.rows += [r for r in rows_of(doc) if (r["run_id"], r["image"]) not in have]
+        name = doc.get("run_id") if isinstance(doc, dict) else None
+        name = f"kept report {excerpt(name)}" if isinstance(name, str) else "a kept report"
+        try:
+            rows = rows_of(doc)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:  # a hand-edited report
+            h.skipped += 1
+            h.bad.append(f"{name}: not a nightly report this version can read ({type(exc).__name__}: "
+                         f"{excerpt(str(exc))})")
+            continue
+        for r in rows:
+            why = check_row(r)
+            if why:
+                h.skipped += 1
+                h.bad.append(f"{name}: {why}")
+            elif (r["run_id"], r["image"]) not in have:
+                h.rows.append(r)
     h.rows.sort(key=lambda r: r["run_id"])
     return h
 
@@ -205,7 +310,12 @@ def last_nights(h: History, n: int | None, image: str | None = None) -> list[dic
 def secs(v) -> str:
     if v is None:
         return "-"
-    v = float(v)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return "?"
+    if not abs(v) < 1e18:  # inf, nan
+        return "?"
     if v < 60:
         return f"{v:.1f}s"
     if v < 3600:

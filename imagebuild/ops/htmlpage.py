@@ -22,6 +22,7 @@ import re
 import urllib.parse
 from pathlib import Path
 
+from imagebuild.core.errors import excerpt
 from imagebuild.ops import history as hist
 from imagebuild.ops.imagediff import human
 
@@ -327,7 +328,9 @@ def night_links(rows: list[dict], reports: list[tuple[Path, dict]], root: Path, 
         return ("./" if ":" in r.split("/")[0] else "") + urllib.parse.quote(r, safe="/:@-._~!$&'()*+,;=")
 
     out: dict[str, dict] = {}
-    docs = {doc.get("run_id"): (Path(jp), doc) for jp, doc in reports}
+    # a kept report is read as it is (a hand-edited one too): only the values of the right type count
+    docs = {doc.get("run_id"): (Path(jp), doc) for jp, doc in reports
+            if isinstance(doc, dict) and isinstance(doc.get("run_id"), str)}
     for r in rows:
         run = r["run_id"]
         d = out.setdefault(run, {"report": {}, "logs": {}})
@@ -337,12 +340,20 @@ def night_links(rows: list[dict], reports: list[tuple[Path, dict]], root: Path, 
                 if jp.with_suffix("." + ext).is_file():
                     d["report"][ext] = rel(jp.with_suffix("." + ext))
         logs = [(r.get("failure") or {}).get("log")]
-        logs += [(i.get("failure") or {}).get("log") for i in (doc or {}).get("images") or []
-                 if i.get("image") == r["image"]]
+        images = (doc or {}).get("images")
+        logs += [(i.get("failure") or {}).get("log") for i in (images if isinstance(images, list) else [])
+                 if isinstance(i, dict) and i.get("image") == r["image"] and isinstance(i.get("failure"), dict)]
         for log in logs:
-            if log and (Path(root) / log).is_file():
+            if isinstance(log, str) and log and _is_file(Path(root) / log):
                 d["logs"].setdefault(r["image"], rel(Path(root) / log))
     return out
+
+
+def _is_file(p: Path) -> bool:
+    try:  # a hand-edited path may be too long, or hold a NUL
+        return p.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def found_expected(detail: str | None) -> list[tuple[str, str]]:
@@ -454,7 +465,12 @@ def _image_section(image: str, rows: list[dict], tonight: dict | None, links: di
                  f'<td>{_changed_cell(r.get("changed"))}</td><td>{prs or "-"}</td></tr>')
     L.append("</table></div>")
     if tonight is not None:
-        L += _tonight(tonight, ((links or {}).get(tonight.get("run_id") or "") or {}).get("logs", {}).get(image))
+        try:
+            logs = (((links or {}).get(tonight.get("run_id") or "") or {}).get("logs") or {}).get(image)
+            L += _tonight(tonight, logs)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError) as exc:  # hand-edited
+            L.append(f'<p class="bad">Tonight\'s details of {esc(image)} are not shown: the report is not one this '
+                     f"version can read ({esc(type(exc).__name__)}: {esc(excerpt(str(exc)))}).</p>")
     return L + ["</section>"]
 
 
@@ -510,7 +526,11 @@ def render(rows: list[dict], tonight: dict | None = None, *, title: str = "image
     """The page for ``rows`` (history lines, oldest first) and, when given, a report's details;
     ``links``: per run id, relative links to its report and failed logs (``night_links``)."""
     images = list(dict.fromkeys(r["image"] for r in rows))
-    by_image = {i.get("image"): i for i in (tonight or {}).get("images") or []}
+    if not isinstance(tonight, dict):
+        tonight = None
+    listed = (tonight or {}).get("images")
+    by_image = {i.get("image"): i for i in (listed if isinstance(listed, list) else [])
+                if isinstance(i, dict) and isinstance(i.get("image"), str)}
     L = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
          '<meta name="viewport" content="width=device-width, initial-scale=1">',
          # nothing is loaded from anywhere: no script, no remote style, font or image

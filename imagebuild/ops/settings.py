@@ -68,6 +68,7 @@ VARIABLES: tuple[tuple[str, str], ...] = (
     ("IMAGEBUILD_REGISTRY_INSECURE", "1: plain HTTP to a registry that is not on loopback"),
     ("IMAGEBUILD_SYNC_PAUSE", "test hook: sync stops before the named phases (transfer, load, ...)"),
     ("IMAGEBUILD_SYNC_STREAM", "sync: 0 waits for every blob before a containerd peer's load starts (default 1: it starts with the transfer)"),
+    ("IMAGEBUILD_SYNC_WAIT_SHARED", "sync: 0 does not wait for another image's sync that sends blobs this one needs too (default 1: it waits, then sends only what is missing)"),
     ("IMAGEBUILD_REGISTRY_HOLD", "test hook: before-pull:STAGE:FILE waits while FILE exists"),
     ("DOCKER_HOST", "the engine (as for the docker CLI); build --engine overrides it"),
     ("DOCKER_CONTEXT", "the docker context (as for the docker CLI)"),

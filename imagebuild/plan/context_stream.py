@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from imagebuild.core.errors import DefinitionError, Problem
+from imagebuild.core.errors import DefinitionError, Problem, excerpt
 
 FORMAT = "imagebuild-context-1"  # what decides the stream's bytes; part of every stage key
 DIR_MODE, FILE_MODE, EXEC_MODE, LINK_MODE = 0o755, 0o644, 0o755, 0o777
@@ -80,6 +80,12 @@ def entries(inputs: Iterable[tuple[Path, str, str]]) -> list[Entry]:
                 for n in sorted(dirnames + filenames):
                     full = base / n
                     name = str(rel_base / n)
+                    try:
+                        name.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise DefinitionError([Problem(f"{display}/{excerpt(full.relative_to(path).as_posix())}",
+                                                       "has a name that is not UTF-8: a build context holds "
+                                                       "UTF-8 names only", hint="rename it")]) from None
                     st = os.lstat(full)
                     if stat.S_ISLNK(st.st_mode):
                         out[name] = Entry(name, "link", LINK_MODE, target=os.readlink(full))

@@ -83,6 +83,46 @@ def parse_sections(text: str) -> tuple[dict[str, str], tuple[str, str] | None]:
     return {k: "\n".join(v) for k, v in sections.items()}, error
 
 
+def _start_time(pid: int | str) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, /proc/PID/stat field 22), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def sender_token() -> str:
+    """Who holds a peer's sync lock, from this side: this machine's boot id, this process's pid and
+    start time (``BOOT:PID:START``): a later sync from this machine can tell whether that process is
+    gone (``dead_sender``)."""
+    return f"{_boot_id() or '-'}:{os.getpid()}:{_start_time(os.getpid()) or '-'}"
+
+
+def dead_sender(holder: str) -> str:
+    """The sender token of the holder record ``holder`` (``... sender BOOT:PID:START``) when that sender
+    ran on this machine, since its last boot, and is gone: its ssh connection is gone with it (after a
+    cut link the peer's sshd may not notice for minutes, or ever, and its session holds the lock). ''
+    when it lives, ran elsewhere, or the record says no sender."""
+    words = holder.split()
+    if "sender" not in words[:-1]:
+        return ""
+    token = words[words.index("sender") + 1]
+    boot, _, rest = token.partition(":")
+    pid, _, start = rest.partition(":")
+    if not boot or boot != _boot_id() or not pid.isdigit() or not start.isdigit():
+        return ""
+    return token if _start_time(pid) != start else ""
+
+
 class Connection:
     """One ssh session to a peer that runs the agent for the whole conversation: the library is sent
     once, then each call is a frame (``@@call ID N`` + N bytes of script) answered by its output and
@@ -216,6 +256,9 @@ class Connection:
             return line
 
     def _unreachable(self, text: str, rc: int) -> PeerUnreachable:
+        key = remote.host_key_trouble(text, self.host)
+        if key is not None:  # not a password problem: say what ssh refused
+            return PeerUnreachable(f"cannot reach {self.host} over ssh: ssh refused it: {key[0]}", hint=key[1])
         lines = [ln for ln in text.strip().splitlines() if ln.strip() and "Warning: Permanently added" not in ln]
         why = lines[-1] if lines else f"ssh exit {rc}"
         return PeerUnreachable(f"cannot reach {self.host} over ssh: {why}",
@@ -226,27 +269,35 @@ class Connection:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+            # a call that waits for an answer hears at once that the session ended: the session's output
+            # pipe may stay open long after (the ssh ControlMaster holds a mux client's stdio)
+            self._lines.put(None)
 
-    def close(self) -> None:
+    def close(self, wait: float = 10) -> None:
+        """End the session: the agent exits when its stdin closes; ssh is waited for ``wait`` seconds,
+        then killed (the peer's step, if one still runs, finishes)."""
         if self.proc is None:
             return
         try:
             self.proc.stdin.close()
         except OSError:
             pass
-        if run_mod.wait(self.proc, 10) is None:
+        if run_mod.wait(self.proc, wait) is None:
             self._kill()
         self.proc = None
 
-    def hold(self, name: str, wait: int, run_id: str = "", on_wait=None) -> tuple[bool, str]:
+    def hold(self, name: str, wait: int, run_id: str = "", on_wait=None, dead: str = "") -> tuple[bool, str]:
         """Take the peer's lock ``name`` (hex) for the rest of this session (the agent's ``ib_hold``):
         waits up to ``wait`` seconds for another session that holds it (``on_wait(holder)`` is told
-        once), then AgentFailed with code ``busy``. Returns (whether it waited, the holder before)."""
+        once), then AgentFailed with code ``busy``. Returns (whether it waited, the holder before).
+        The holder record names this process (``sender_token``); ``dead``: the token of a holder's
+        sender known to be gone (``dead_sender``): the peer ends that holder's idle session first."""
         if self.proc is None:
             self.open()
         waited, previous = False, ""
         try:
-            self.proc.stdin.write(f"@@hold {name} {int(wait)} {run_id}\n".encode())
+            self.proc.stdin.write(f"@@hold {name} {int(wait)} {run_id or '-'} {sender_token()} {dead or '-'}\n"
+                                  .encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise PeerUnreachable(f"the ssh session to {self.host} ended", hint="rerun imagebuild sync") from None
@@ -261,6 +312,11 @@ class Connection:
                 waited = True
                 if on_wait is not None:
                     on_wait(line[len("@@waiting"):].strip())
+                continue
+            if line.startswith("@@ended"):
+                log.info("%s: the sync that held this lock is gone (its process no longer runs here), and so is "
+                         "its ssh connection: ended its session on the peer (%s)", self.host,
+                         line[len("@@ended"):].strip())
                 continue
             if line.startswith("@@previous"):
                 previous = line[len("@@previous"):].strip()
@@ -371,6 +427,7 @@ class PeerState:
     host: str
     cache: str = ""
     tools: dict[str, str] = field(default_factory=dict)
+    signers: str = ""  # whether the peer verifies receipts' signatures: file | none | broken ('' unknown)
     rsync_version: str = ""
     rsync_zstd: bool = False
     dd_bytes: bool = False  # GNU dd with iflag=skip_bytes,count_bytes: the streamed load can follow a blob
@@ -465,6 +522,8 @@ def parse_probe(host: str, res: AgentResult, target_ref: str | None = None,
             st.cache = v.strip()
         elif k == "dd-bytes":
             st.dd_bytes = v.strip() == "yes"
+        elif k == "signers":
+            st.signers = v.strip()
         elif k == "tool":
             name, _, path = v.partition(" ")
             if path.strip():

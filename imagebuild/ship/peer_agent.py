@@ -53,17 +53,43 @@ ib_lock() {
   mkdir -p "$CACHE/incoming" "$CACHE/stage" "$CACHE/tmp" "$CACHE/pending" "$CACHE/records" \
            "$CACHE/receipts" "$CACHE/attempts" || ib_fail io "cannot create folders under $CACHE"
 }
-ib_hold() {  # $1 lock name (hex), $2 seconds to wait, $3 run id. Run by the session's own shell (LOOP's
+ib_start_time() {  # the start time of process $1 (clock ticks since boot: /proc/PID/stat field 22), or nothing
+  [ -r "/proc/$1/stat" ] && sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f20
+}
+ib_end_dead_holder() {  # $1 lock name, $2 the sender token of a holder whose sender is gone (the sender's
+                        # machine says so: its process no longer runs). When the holder record still names
+                        # that sender, its session's shell (pid and start time from the record) is ended:
+                        # it waits for a call that never comes. A step it runs keeps the lock (fd 8) until
+                        # it ends, as when the sender dies with the connection up.
+  ib_h=$(cat "$CACHE/locks/$1.holder" 2>/dev/null) || return 0
+  case " $ib_h " in *" sender $2 "*) ;; *) return 0 ;; esac
+  ib_p=$(printf '%s\n' "$ib_h" | sed -n 's/^.* pid \([0-9][0-9]*\) start \([0-9][0-9]*\) .*$/\1/p')
+  ib_s=$(printf '%s\n' "$ib_h" | sed -n 's/^.* pid \([0-9][0-9]*\) start \([0-9][0-9]*\) .*$/\2/p')
+  [ -n "$ib_p" ] && [ -n "$ib_s" ] && [ "$(ib_start_time "$ib_p")" = "$ib_s" ] || return 0
+  printf '@@ended %s\n' "$ib_h"
+  kill -TERM "$ib_p" 2>/dev/null
+  return 0
+}
+ib_hold() {  # $1 lock name (hex), $2 seconds to wait, $3 run id, $4 the sender's token (BOOT:PID:START),
+             # $5 the token of a holder's sender that is gone, or -. Run by the session's own shell (LOOP's
              # @@hold), not a call: fd 8 of the session holds $CACHE/locks/$1.lock until the session ends
              # (the sender gone, the step that runs finished). One sync of one image to this peer at a time.
              # Says the holder before this one (@@previous): the probe saw it too if nothing ran between.
   case "$1" in ''|*[!0-9a-f]*) printf '@@error usage bad lock name\n'; return 3 ;; esac
   case "$2" in ''|*[!0-9]*) printf '@@error usage bad lock wait\n'; return 3 ;; esac
+  case "${4:--}" in *[!0-9a-f:-]*) printf '@@error usage bad sender\n'; return 3 ;; esac
+  case "${5:--}" in *[!0-9a-f:-]*) printf '@@error usage bad sender\n'; return 3 ;; esac
   command -v flock >/dev/null 2>&1 || { printf '@@error tools flock not found on the peer (util-linux)\n'; return 3; }
   mkdir -p "$CACHE/locks" 2>/dev/null
   ( : >> "$CACHE/locks/$1.lock" ) 2>/dev/null || { printf '@@error io cannot open %s\n' "$CACHE/locks/$1.lock"; return 3; }
   exec 8>>"$CACHE/locks/$1.lock"
-  if ! flock -n 8; then
+  ib_got=
+  flock -n 8 && ib_got=1
+  if [ -z "$ib_got" ] && [ "${5:--}" != - ]; then
+    ib_end_dead_holder "$1" "$5"
+    flock -w 2 8 && ib_got=1
+  fi
+  if [ -z "$ib_got" ]; then
     printf '@@waiting %s\n' "$(cat "$CACHE/locks/$1.holder" 2>/dev/null)"
     if ! flock -w "$2" 8; then
       printf '@@error busy another imagebuild sync of this image to this peer still runs after %s s (%s)\n' \
@@ -73,8 +99,8 @@ ib_hold() {  # $1 lock name (hex), $2 seconds to wait, $3 run id. Run by the ses
     fi
   fi
   printf '@@previous %s\n' "$(cat "$CACHE/locks/$1.holder" 2>/dev/null)"
-  printf '%s pid %s since %s run %s\n' "$(hostname 2>/dev/null)" "$$" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${3:-}" \
-    > "$CACHE/locks/$1.holder" 2>/dev/null
+  printf '%s pid %s start %s since %s run %s sender %s\n' "$(hostname 2>/dev/null)" "$$" "$(ib_start_time $$)" \
+    "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${3:--}" "${4:--}" > "$CACHE/locks/$1.holder" 2>/dev/null
   printf '@@held %s\n' "$1"
   return 0
 }
@@ -147,6 +173,12 @@ ib_probe() {  # read only. $1 target ref, $2 staging ref, $3 identity hex, $4 sp
   printf 'agent %s\ncache %s\nhost %s\n' "1" "$CACHE" "$(hostname 2>/dev/null)"
   for t in docker rsync flock tar stat df sha256sum ctr; do printf 'tool %s %s\n' "$t" "$(command -v "$t" 2>/dev/null)"; done
   [ -d "$CACHE" ] && [ -w "$CACHE" ] && echo "cache-writable yes"
+  # whether receipts must verify here (ib_signers' rule, said without failing): file | none | broken
+  ib_s=${IMAGEBUILD_ALLOWED_SIGNERS:-}
+  if [ "$ib_s" = none ]; then echo "signers none"
+  elif [ -n "$ib_s" ]; then if [ -f "$ib_s" ]; then echo "signers file"; else echo "signers broken"; fi
+  elif [ -f "${XDG_CONFIG_HOME:-$HOME/.config}/imagebuild/allowed_signers" ]; then echo "signers file"
+  else echo "signers none"; fi
   # the streamed load reads a growing file by byte offsets (ib_follow): GNU dd's skip_bytes,count_bytes
   dd if=/dev/null iflag=skip_bytes,count_bytes count=0 status=none 2>/dev/null && echo "dd-bytes yes"
   ib_sect receipt
@@ -297,6 +329,40 @@ ib_prepare() {  # $1 run id, $2 the image's sync lock name (after ib_lock and th
     [ -f "$p/$hex" ] && [ "$(stat -c %s "$p/$hex")" -gt "$size" ] && rm -f "$p/$hex"
   done < "$CACHE/pending/$1.blobs"
   return 0
+}
+
+ib_others() {  # $1 this image's sync lock name, then blob hexes. Says "busy HEX LOCK" for each blob a sync of
+               # another image is sending here now (partial/LOCK/HEX while that sync holds its lock). Read only.
+  case "$1" in ''|*[!0-9a-f]*) ib_fail usage "bad lock name" ;; esac
+  ib_own=$1; shift
+  ib_sect others
+  for hex in "$@"; do
+    case "$hex" in ''|*[!0-9a-f]*) continue ;; esac
+    for f in "$CACHE"/partial/*/"$hex"; do
+      [ -f "$f" ] || continue
+      n=$(basename "$(dirname "$f")")
+      [ "$n" = "$ib_own" ] && continue
+      if [ -f "$CACHE/locks/$n.lock" ] && ! flock -n "$CACHE/locks/$n.lock" true 2>/dev/null; then
+        echo "busy $hex $n"; break
+      fi
+    done
+  done
+  return 0
+}
+ib_wait_locks() {  # $1 seconds, then sync lock names: waits (up to $1 s) until no session holds any of them
+                   # (that sync has ended: its blobs are loaded and recorded, or it failed). Read only.
+  case "$1" in ''|*[!0-9]*) ib_fail usage "bad wait" ;; esac
+  ib_end=$(( $(date +%s) + $1 )); shift
+  while :; do
+    ib_held=
+    for n in "$@"; do
+      case "$n" in ''|*[!0-9a-f]*) continue ;; esac
+      flock -n "$CACHE/locks/$n.lock" true 2>/dev/null || ib_held=1
+    done
+    [ -z "$ib_held" ] && { ib_sect waited; echo ended; return 0; }
+    [ "$(date +%s)" -ge "$ib_end" ] && { ib_sect waited; echo timeout; return 0; }
+    sleep 1
+  done
 }
 
 ib_settle() {  # $1 run id, $2 lock name: each blob rsync wrote to partial/$2/ is hashed (outside the cache
@@ -493,7 +559,12 @@ ib_finish() {  # $1 run id: forget the run (pending record) and the blobs no oth
       [ $other = no ] && rm -f "$CACHE/incoming/$hex"
     done < "$CACHE/pending/$1.blobs"
   fi
-  rm -f "$CACHE/pending/$1.json" "$CACHE/pending/$1.blobs" "$CACHE/attempts/$1.json"
+  rm -f "$CACHE/pending/$1.json" "$CACHE/pending/$1.blobs"
+  # a load attempt that did not end well stays on record: gc --peer matches the engine's leases against
+  # it (a load cut on the peer, its engine killed, leaves one); gc --peer removes the record then
+  if [ -f "$CACHE/attempts/$1.json" ] && ! grep -q '"status":"ok"' "$CACHE/attempts/$1.json"; then :; else
+    rm -f "$CACHE/attempts/$1.json"
+  fi
 }
 
 ib_promote() {  # $1 run id, $2 verified image id, $3 target ref, $4 previous ref or -, $5 staging ref or -,
@@ -615,8 +686,8 @@ LOOP = r"""
 printf '@@ready %s\n' 1
 while IFS=' ' read -r ib_tag ib_id ib_n; do
   if [ "$ib_tag" = "@@hold" ]; then  # @@hold NAME WAIT: in this shell, so that the lock lasts the session
-    ib_w=${ib_n%% *}; ib_r=${ib_n#* }; [ "$ib_r" = "$ib_n" ] && ib_r=
-    ib_hold "$ib_id" "$ib_w" "$ib_r" </dev/null 2>&1
+    set -f; set -- $ib_n; set +f
+    ib_hold "$ib_id" "${1:-}" "${2:--}" "${3:--}" "${4:--}" </dev/null 2>&1
     printf '@@done hold %s\n' "$?"
     continue
   fi

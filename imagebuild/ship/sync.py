@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import threading
 import time
@@ -59,6 +60,7 @@ RECORD_SCHEMA = "imagebuild.peer-record"
 STATUSES = ("synced", "unchanged", "failed", "refused", "dry-run")
 DEFAULT_MIN_FREE_GIB = 1.0
 PROGRESS_EVERY_S = 2.0
+FULL_DISK_BYTES = 4 << 20  # after rsync's "error in file IO", a peer cache with less free than this is full
 INLINE_LAYERS_MAX = 4 << 20  # missing layers up to this much travel inside the load call (no rsync)
 # every remote step is bounded (a frozen peer engine must not hang a sync): the quick steps by
 # STEP_TIMEOUT_S, the load (and a pull) by LOAD_BASE_S plus what it moves at LOAD_MIN_RATE;
@@ -187,6 +189,7 @@ def resolve_peers(ctx: context_mod.Context | Path | None, peers: list[str]) -> l
                          hint="name one (imagebuild sync dgx4) or list them in imagebuild.yaml (peers: [dgx4])")
     for p in out:
         remote_mod.check_destination(p)
+    remote_mod.ssh_command()  # $IMAGEBUILD_SSH splits (exit 2 naming it), before any peer's step
     return list(dict.fromkeys(out))
 
 
@@ -609,13 +612,13 @@ class _Session:
             raise self.error
         return self.conn
 
-    def close(self) -> None:
+    def close(self, wait: float = 10) -> None:
         with self._lock:
             self._closed = True
             opening = self.thread is not None and self.thread.is_alive()
         if not opening:
             try:
-                self.conn.close()
+                self.conn.close(wait)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -659,7 +662,9 @@ def _sync_peer(shared: _Shared, host: str) -> PeerResult:
         log.debug("sync to %s", host, exc_info=True)
         res.status, res.message = "failed", f"internal error: {type(exc).__name__}: {exc}"
     finally:
-        sess.close()
+        # a failed sync does not wait for its session's end: over a cut link it never comes, and the
+        # sync must end within its bound (IMAGEBUILD_SYNC_TIMEOUT)
+        sess.close(1 if res.status == "failed" else 10)
         res.bytes_sent += conn.bytes_sent
         if res.status != "refused" or conn.timings:
             res.details["timings"] = conn.timings
@@ -709,7 +714,10 @@ class _PeerSync:
             self.say("another sync of %s to this peer runs (%s): waiting for it (up to %d s)", self.s.ref,
                      holder or "holder unknown", wait)
         try:
-            waited, previous = self.conn.hold(self.lock_name, wait, self.run_id, waiting)
+            # a holder whose sender ran here and is gone (a cut link ended it; the peer's sshd may not
+            # notice for minutes): the peer ends its session instead of waiting for it
+            dead = peer_mod.dead_sender(st.synclock[1]) if st.synclock[0] == "held" else ""
+            waited, previous = self.conn.hold(self.lock_name, wait, self.run_id, waiting, dead=dead)
         except peer_mod.AgentFailed as exc:
             if exc.code == "busy":
                 raise GuardRefused(f"busy: {exc.detail}",
@@ -756,6 +764,11 @@ class _PeerSync:
             if planned is None:
                 return
             st, need = planned
+        if not s.dry_run and self._wait_for_others(need):  # another image's sync sent shared blobs meanwhile
+            planned = self._plan(quick=False)
+            if planned is None:
+                return
+            st, need = planned
         # an earlier run (killed after its load) may have left the verified image under the staging name
         if st.staging is not None and identity_mod.from_inspect(st.staging).digest == s.identity:
             got = self._verify_existing()
@@ -765,6 +778,31 @@ class _PeerSync:
         got = self._deliver(st, need)
         s.pause("promote", self.host)
         self._promote(st, got, need)
+
+    def _wait_for_others(self, need) -> bool:
+        """When a sync of another image to this peer is sending some of these blobs right now (they share
+        layers), wait until it has ended (bounded as a load of those blobs) instead of sending them a second
+        time; True when it waited (the plan is then made again: what it loaded is not sent)."""
+        if sum(la.size for la in need) <= INLINE_LAYERS_MAX or os.environ.get("IMAGEBUILD_SYNC_WAIT_SHARED", "1") == "0":
+            return False
+        hexes = [_hexof(la.digest) for la in need]
+        r = self.conn.agent(peer_agent.call("ib_others", self.lock_name, *hexes), timeout=step_timeout(),
+                            what="looking for other syncs")
+        rows = [ln.split() for ln in r.lines("others") if ln.startswith("busy ")]
+        busy = {row[1] for row in rows if len(row) == 3}
+        locks = sorted({row[2] for row in rows if len(row) == 3})
+        if not busy:
+            return False
+        size = sum(la.size for la in need if _hexof(la.digest) in busy)
+        wait = int(load_timeout(size))
+        self.say("another sync to this peer is sending %d of these blob(s) (%s): waiting for it (up to %d s), then "
+                 "sending only what is still missing", len(busy), human(size), wait)
+        t0 = time.monotonic()
+        # until that sync has ended (its session: the load done and recorded, or failed), not only its transfer
+        self.conn.agent(peer_agent.call("ib_wait_locks", str(wait), *locks), timeout=wait + 60,
+                        what="waiting for another sync", heartbeat=self.heartbeat("waiting for another sync"))
+        self.res.details["waited_for_other_sync_s"] = round(time.monotonic() - t0, 1)
+        return True
 
     def _plan(self, quick: bool):
         """Probe, and decide: None when the peer is done with (unchanged, dry-run), else (state, the
@@ -777,6 +815,9 @@ class _PeerSync:
         if st.quick and not self._unchanged(st):
             st = peer_mod.probe(self.conn, s.ref, s.staging, _hexof(s.identity), spec_hex, timeout=step_timeout(120),
                                 lock=self.lock_name)
+        if st.quick and st.target:  # the quick probe asks no `docker info`: the tag's id says the store (a
+            # classic store names an image by its config digest, the containerd store by its manifest or index)
+            st.containerd_store = st.target.get("Id") != img.config_digest
         res.store = st.store if st.docker_error is None else None
         res.layers_total = len(img.layers)
         if self._unchanged(st):
@@ -1120,8 +1161,29 @@ class _PeerSync:
         if rc != 0:
             msg = "\n".join(ln for ln in tail if not ln.startswith(("Number of", "Total", "Literal", "Matched",
                                                                     "File list", "sent ", "total size")))[-800:]
+            full = next((ln for ln in tail if "No space left on device" in ln or "Disk quota exceeded" in ln), None)
+            if full is None and rc == 11:  # "error in file IO": the receiver's own words may not reach us
+                free = self._cache_free(st)
+                if free is not None and free < FULL_DISK_BYTES:
+                    full = f"{human(free)} free there"
+            if full is not None:  # rsync says "error in file IO (code 11)": say what it is
+                raise OperationFailed(f"the peer's disk is full: rsync could not write into {st.cache}/partial/"
+                                      f"{self.lock_name}/ ({full.strip()[-300:]})",
+                                      hint=f"free space on {self.host} (imagebuild gc --peer {self.host}; docker "
+                                      "image prune there), then rerun: the transfer resumes where it stopped")
             raise OperationFailed(f"rsync to {st.cache}/partial/{self.lock_name}/ failed (exit {rc}): {msg}",
                                   hint="rerun: the transfer resumes where it stopped")
+
+    def _cache_free(self, st: peer_mod.PeerState) -> int | None:
+        """The bytes free on the filesystem of the peer's sync cache now (one short ssh command of its
+        own: a streamed load may hold the session), or None when it cannot be told within 15 s."""
+        try:
+            out = run_mod.run(self.conn.ssh_argv(f"df -Pk -- {shlex.quote(st.cache)}"), check=False,
+                              timeout=min(15, step_timeout())).stdout.decode("utf-8", "replace")
+        except OperationFailed:
+            return None
+        df = peer_mod._df((out.strip().splitlines() or [""])[-1])
+        return df.available if df else None
 
     def _load_lines(self, need, inline: bool, call: tuple[str, ...] = ()) -> list[str]:
         s, img = self.s, self.s.img

@@ -303,7 +303,9 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
         a = sync_proc(imgs, peer, peer.addr)
         ea = _Stderr(a)
         time.sleep(0.1)
-        b = sync_proc(imgs, peer, peer.addr, "--image", imgs.big2, "--force")
+        # both send the layer (the second does not wait for the first: test_sync_corpus.py has that case)
+        b = sync_proc(imgs, peer, peer.addr, "--image", imgs.big2, "--force",
+                      extra_env={"IMAGEBUILD_SYNC_WAIT_SHARED": "0"})
         eb = _Stderr(b)
         # the second sync's rsync, once it sends the layer's bytes (so the peer's side of it has chosen
         # the file it writes and from where): stopped
