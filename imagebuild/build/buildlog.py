@@ -45,12 +45,19 @@ def clean(line: str) -> str:
 
 def read_end(path: Path) -> str | None:
     """The last READ_BYTES of ``path`` as text; None when it cannot be read."""
-    try:
-        with open(path, "rb") as f:
+    import os
+
+    from imagebuild.core.fsutil import special_kind
+
+    try:  # regular files only: a FIFO planted as a log would wait for a writer, /dev/zero never end
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if special_kind(os.fstat(fd).st_mode) is not None:
+                return None
             f.seek(0, 2)
             size = f.tell()
             f.seek(max(size - READ_BYTES, 0))
-            data = f.read()
+            data = f.read(READ_BYTES)
     except OSError:
         return None
     text = data.decode("utf-8", "replace")

@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from imagebuild.core import lazy
+from imagebuild.core import fsutil, lazy
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.secrets import without_userinfo
 
@@ -119,9 +119,8 @@ def local_socket() -> str | None:
         return None
     config = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
     try:
-        with open(config, encoding="utf-8") as f:
-            current = json.load(f).get("currentContext")
-    except (OSError, ValueError, AttributeError):
+        current = json.loads(fsutil.read_bytes(config, 1 << 20)).get("currentContext")
+    except (OSError, ValueError, AttributeError):  # a FIFO or /dev/zero there is fsutil.UnfitFile, an OSError
         current = None
     return None if current and current != "default" else "/var/run/docker.sock"
 

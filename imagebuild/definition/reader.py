@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from imagebuild.core import yamlread
 from imagebuild.core.errors import DefinitionError, Problem
-from imagebuild.core.fsutil import inside, is_loop
+from imagebuild.core.fsutil import inside, is_loop, special_kind
 from imagebuild.definition import envfile, pkgspec
 from imagebuild.definition import source_options as source_options_mod
 from imagebuild.definition.model import *  # noqa: F403  (the records, names and rules: imported from here)
@@ -266,7 +266,9 @@ def _top_level(spec: yamlread.Node, yfile: str, d: Path, c: Collector):
         gp = safe_rel_path(g, d, yfile, m["gate"].line, "gate", c)
         if gp is not None:
             if not gp.is_file():
-                c.err(yfile, f"gate spec {g!r} not found", line=m["gate"].line, key="gate")
+                kind = special_kind(gp.stat().st_mode) if gp.exists() else None
+                c.err(yfile, f"gate spec {g!r} is {kind}, expected a gate spec file" if kind else
+                      f"gate spec {g!r} not found", line=m["gate"].line, key="gate")
             else:
                 gate = gp
     elif (d / DEFAULT_GATE_FILE).is_file():

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from imagebuild.core import fsutil
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_bytes
 from imagebuild.fetch import gitcache, tarball
@@ -53,6 +54,8 @@ DIR_PLACEHOLDER = "@IMAGEBUILD_CARGO_VENDOR_DIR@"
 CRATES_IO_SOURCE = "registry+https://github.com/rust-lang/crates.io-index"
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 JOBS = 8
+# the bound of a cargo config file or a directory source's .cargo-checksum.json (fsutil.read_bytes)
+CONFIG_MAX = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,9 @@ def registry_for(source: str) -> Registry:
     doc: dict = {}
     if cfg is not None:
         try:
-            doc = tomllib.loads(cfg.read_text("utf-8"))
+            doc = tomllib.loads(fsutil.read_text(cfg, CONFIG_MAX))
+        except UnicodeDecodeError as exc:
+            raise OperationFailed(f"{cfg}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except OSError as exc:
             raise OperationFailed(f"{CONFIG_ENV}={cfg}: cannot read it ({exc.strerror})",
                                   hint="point it at a cargo config file (config.toml)") from None
@@ -276,8 +281,8 @@ def _registry_crate(c: Crate, out: Path, cache_dir: Path, offline: bool, dl: _Dl
             raise OperationFailed(f"{where}: not in the directory source {reg.where} ({reg.origin})")
         recorded = None
         try:
-            recorded = json.loads((src / ".cargo-checksum.json").read_text()).get("package")
-        except (OSError, ValueError, AttributeError):
+            recorded = json.loads(fsutil.read_text(src / ".cargo-checksum.json", CONFIG_MAX)).get("package")
+        except (OSError, ValueError, AttributeError):  # absent, unreadable, special (fsutil.UnfitFile): no record
             pass
         if c.checksum and recorded and recorded != c.checksum:
             raise OperationFailed(f"{where}: the directory source's package checksum {recorded} is not the "

@@ -158,3 +158,61 @@ def test_a_special_run_record_or_lock_is_not_read(project, tmp_path, kind):
     _special(rec, kind)
     r = _child(f"from imagebuild.core import runs; from pathlib import Path; print(runs._read(Path({str(rec.parent)!r})))")
     assert r.returncode == 0 and r.stdout.strip() == "{}", (r.stdout, r.stderr[-2000:])
+
+
+# ------------------------------------------------------------------------------- round three, second pass
+# files read outside the state folder: the machine's cargo and docker configuration, a directory
+# source's checksum record, a stage log's tail, a definition's gate spec
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_special_cargo_config_is_named_not_read(tmp_path, kind):
+    cfg = _special(tmp_path / "config.toml", kind)
+    r = _child("from imagebuild.fetch import crates\n"
+               "try:\n    crates.registry_for(crates.CRATES_IO_SOURCE)\n"
+               "except crates.OperationFailed as exc:\n    print(exc.message)", {"IMAGEBUILD_CARGO_CONFIG": str(cfg)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert str(cfg) in r.stdout and "not a regular file" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_special_docker_config_does_not_hold_the_engine_query(tmp_path, kind):
+    _special(tmp_path / "config.json", kind)
+    r = _child("from imagebuild.core import engine; print(engine.local_socket())",
+               {"DOCKER_CONFIG": str(tmp_path), "DOCKER_HOST": "", "DOCKER_CONTEXT": "default"})
+    assert r.returncode == 0 and r.stdout.strip() == "/var/run/docker.sock", (r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_special_stage_log_has_no_tail(tmp_path, kind):
+    log = _special(tmp_path / "logs" / "app.log", kind)
+    r = _child(f"from imagebuild.build import buildlog; print(buildlog.read_end({str(log)!r}))")
+    assert r.returncode == 0 and r.stdout.strip() == "None", (r.stdout, r.stderr[-2000:])
+
+
+def test_a_special_directory_source_checksum_is_no_record(tmp_path):
+    """A FIFO where a vendored directory source keeps ``.cargo-checksum.json``: read as no record."""
+    src = tmp_path / "vendor" / "foo-1.0.0"
+    src.mkdir(parents=True)
+    (src / "Cargo.toml").write_text('[package]\nname = "foo"\nversion = "1.0.0"\n')
+    _special(src / ".cargo-checksum.json", "fifo")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[source.crates-io]\nreplace-with = "v"\n[source.v]\ndirectory = "%s"\n' % (tmp_path / "vendor"))
+    c = ("crates.Crate('foo', '1.0.0', crates.CRATES_IO_SOURCE, 'ab' * 32, 'Cargo.lock')")
+    r = _child("from imagebuild.fetch import crates; from pathlib import Path\n"
+               f"crates._registry_crate({c}, Path({str(tmp_path / 'out')!r}), Path({str(tmp_path / 'cache')!r}), "
+               "True, None, 'src')\n"
+               f"print(sorted(p.name for p in Path({str(tmp_path / 'out' / 'foo-1.0.0')!r}).iterdir()))",
+               {"IMAGEBUILD_CARGO_CONFIG": str(cfg)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "['.cargo-checksum.json', 'Cargo.toml']", r.stdout
+
+
+def test_a_special_gate_spec_is_named_for_what_it_is(tmp_path):
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "docker-images" / "example", project / "docker-images" / "example")
+    _special(project / "docker-images" / "example" / "gate.yaml", "fifo")
+    r = _cli("--root", str(project), "validate", "example", env={"IMAGEBUILD_STATE_DIR": str(tmp_path / "s")})
+    assert r.returncode != 0 and "is a FIFO, expected a gate spec file" in r.stderr, r.stderr[-2000:]
