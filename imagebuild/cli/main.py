@@ -122,7 +122,7 @@ def _json_lines(args) -> bool:
     (its notes, warnings and the final error), so a tool can read every line."""
     if not hasattr(args, "progress"):
         return False
-    from imagebuild.build import progress as progress_mod
+    from imagebuild.buildstep import progress as progress_mod
 
     return progress_mod.resolve_mode(args.progress, isatty=False) == "rawjson"
 

@@ -42,7 +42,7 @@ def jobs(sp, *, help: str) -> None:
     deprecated(sp, "-j", dest="jobs", type=count(1, 256), use="--jobs (-j is build's MAX_JOBS)")
 
 
-PROGRESS_MODES = ("auto", "tty", "plain", "quiet", "rawjson")  # build/progress.py MODES (not imported: start-up)
+PROGRESS_MODES = ("auto", "tty", "plain", "quiet", "rawjson")  # buildstep/progress.py MODES (not imported: start-up)
 
 
 def progress(sp, *, help: str) -> None:

@@ -21,7 +21,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "imagebuild"
 
 # lowest first: a subpackage may import its own modules and those of the subpackages before it
-LAYERS = ("core", "definition", "plan", "fetch", "gate", "build", "ship", "ops", "cli")
+LAYERS = ("core", "definition", "plan", "fetch", "gate", "buildstep", "ship", "ops", "cli")
 TOP_LEVEL = {"__init__", "__main__"}
 
 
@@ -251,3 +251,4 @@ def test_subprocesses_start_only_in_core_run():
             if hit:
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {hit}")
     assert bad == [], "subprocesses start only through imagebuild/core/run.py:\n" + "\n".join(bad)
+

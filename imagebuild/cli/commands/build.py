@@ -1,4 +1,4 @@
-"""imagebuild build: an image's stages built offline up to :candidate, gated, promoted (build/builder.py)."""
+"""imagebuild build: an image's stages built offline up to :candidate, gated, promoted (buildstep/builder.py)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def _overrides(values: list[str]) -> dict[str, str]:
 
 
 def _cmd_build(args) -> int:
-    from imagebuild.build import builder as build_mod
+    from imagebuild.buildstep import builder as build_mod
 
     ctx = common.ctx(args)
     if args.cache_registry and args.no_cache_registry:

@@ -127,7 +127,7 @@ def _check_receipt(args) -> int:
     among those ``imagebuild sync`` carried to this node (receipts.synced_dir())."""
     from pathlib import Path
 
-    from imagebuild.build import promote as promote_mod
+    from imagebuild.buildstep import promote as promote_mod
     from imagebuild.core import identity as identity_mod
     from imagebuild.definition import gatespec
     from imagebuild.gate import receipts, signing

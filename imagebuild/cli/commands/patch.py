@@ -1,4 +1,4 @@
-"""imagebuild patch: an image's patch set applied to, or checked on, a checkout (build/builder.py)."""
+"""imagebuild patch: an image's patch set applied to, or checked on, a checkout (buildstep/builder.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from imagebuild.build import builder as build_mod
+    from imagebuild.buildstep import builder as build_mod
 
     ctx = common.ctx(args)
     try:

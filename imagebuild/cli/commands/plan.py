@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from imagebuild.build.stagestore import StageStore
+    from imagebuild.buildstep.stagestore import StageStore
 
     root = common.root(args)
     # the engine is asked first and answers while the definition is read (engine.EngineQuery)

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from imagebuild.build import promote as promote_mod
+    from imagebuild.buildstep import promote as promote_mod
 
     ctx = common.ctx(args)
     _rollback_target(args.image, ctx)
@@ -69,7 +69,7 @@ def _rollback_target(image: str, ctx) -> None:
 
 
 def _rollback_registry(args, ctx) -> int:
-    from imagebuild.build import registry_release
+    from imagebuild.buildstep import registry_release
     from imagebuild.core import registry as registry_mod
 
     value = args.registry or ctx.config.registry

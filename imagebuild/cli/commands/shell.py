@@ -1,4 +1,4 @@
-"""imagebuild shell: a shell (or a command) where a stage's RUN steps run (build/shell.py)."""
+"""imagebuild shell: a shell (or a command) where a stage's RUN steps run (buildstep/shell.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from imagebuild.build import shell as shell_mod
+    from imagebuild.buildstep import shell as shell_mod
 
     command = args.run_argv[1:] if args.run_argv[:1] == ["--"] else args.run_argv
     return shell_mod.shell(common.ctx(args), args.image, args.stage, command or None)

@@ -139,7 +139,7 @@ def test_a_special_gc_owners_file_claims_nothing_and_is_not_read(tmp_path, kind)
     (store / "owners" / "good.json").write_text(json.dumps(
         {"schema": "imagebuild.store-owner", "version": 1, "root": str(tmp_path), "builds": {"b1": ["k"]}}))
     _special(store / "owners" / "bad.json", kind)
-    r = _child(f"from imagebuild.build import owners; print([c.root for c in owners.claims({str(store)!r})])")
+    r = _child(f"from imagebuild.buildstep import owners; print([c.root for c in owners.claims({str(store)!r})])")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == repr([str(tmp_path)])
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep.stagestore import StageStore
 from tests.buildfixtures import IMAGE, cat, image_id, labels, remove_images, staged_project
 from tests.conftest import BUSYBOX, run_cli
 
@@ -320,7 +320,7 @@ def test_gate_pass_promotes_previous_and_rollback(built, tmp_path):
 def test_one_build_per_image_at_a_time(built):
     root = built[0]
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from imagebuild.build import guards; from pathlib import Path; "
+        [sys.executable, "-c", "import sys, time; from imagebuild.buildstep import guards; from pathlib import Path; "
          "from imagebuild.core import engine; "
          f"lk = guards.BuildLock(guards.build_lock_path(engine.probe().id, {IMAGE!r}), {IMAGE!r}); "
          "lk.acquire('holder'); "

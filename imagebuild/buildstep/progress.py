@@ -400,7 +400,7 @@ class Progress:
         self.t0 = time.monotonic()
         self.rows = [StageRow(n) for n in stages] + [StageRow(n, extra=True) for n in extra]
         if self.mode == "tty" and self._live is None:
-            from imagebuild.build import live  # rich: only when a live view is drawn
+            from imagebuild.buildstep import live  # rich: only when a live view is drawn
 
             self._live = live.LiveView(self, clock=clock, tail=TAIL_LINES)
             self._live.start()

@@ -1,5 +1,5 @@
 """BuildKit's rawjson progress -> the stage log, the plain lines, the heartbeat and the live view
-(build/progress.py, build/live.py), read from output recorded from the real engine
+(buildstep/progress.py, buildstep/live.py), read from output recorded from the real engine
 (tests/fixtures/rawjson/record.sh: `docker buildx build --progress=rawjson` of two small Dockerfiles)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from imagebuild.build import progress as progress_mod
+from imagebuild.buildstep import progress as progress_mod
 from imagebuild.core.errors import UsageError
 from tests.conftest import FIXTURES
 
@@ -254,7 +254,7 @@ def test_rawjson_wraps_buildxs_own_text_lines_so_every_line_is_json(capsys):
 def _render(p, width=120) -> str:
     from rich.console import Console
 
-    from imagebuild.build import live
+    from imagebuild.buildstep import live
 
     view = live.LiveView(p, clock=progress_mod.clock)
     view.console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)

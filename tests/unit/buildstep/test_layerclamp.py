@@ -12,8 +12,8 @@ import tarfile
 import pytest
 import zstandard
 
-from imagebuild.build import layerclamp
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import layerclamp
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core.errors import OperationFailed
 
 EPOCH = 1_700_000_000

@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.build.stagestore import MANIFEST_TYPES, StageStore
+from imagebuild.buildstep.stagestore import MANIFEST_TYPES, StageStore
 from imagebuild.core import fsutil
 from imagebuild.core import registry as reg_mod
 

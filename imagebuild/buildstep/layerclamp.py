@@ -39,8 +39,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.build.reproducible import DROPPED, normalized
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep.reproducible import DROPPED, normalized
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core import fsutil
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.fsutil import atomic_write_bytes

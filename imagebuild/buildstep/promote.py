@@ -171,10 +171,10 @@ def promote(ctx, image: str, candidate: str | None = None, *, spec_digest: str |
 
 def _promoted_elsewhere(ctx, image: str, local_data: dict) -> tuple[str, str] | None:
     """(checkout root, build id) when ``:local`` holds a build that another live checkout claims in the
-    shared stage store (build/owners.py) and this one does not: that checkout promoted it. None when
+    shared stage store (buildstep/owners.py) and this one does not: that checkout promoted it. None when
     this checkout made it too (the same content: the same build id), or nobody claims it."""
-    from imagebuild.build import owners
-    from imagebuild.build.stagestore import StageStore
+    from imagebuild.buildstep import owners
+    from imagebuild.buildstep.stagestore import StageStore
     from imagebuild.core.context import maybe
 
     c = maybe(ctx)
@@ -198,7 +198,7 @@ def rollback(image: str, ctx=None, *, dry_run: bool = False) -> dict:
     move ``:local`` over the rollback without a word."""
     if ctx is None or dry_run:
         return _rollback(image, ctx, dry_run=dry_run)
-    from imagebuild.build import guards
+    from imagebuild.buildstep import guards
 
     lk = guards.BuildLock.held(ctx.engine.id, image, f"imagebuild rollback {image}")
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep.stagestore import StageStore
 from tests import reprocheck
 from tests.conftest import BUSYBOX, DEBIAN, FIXTURES, run_cli
 
@@ -121,7 +121,7 @@ print(json.dumps({"pyc": pyc, "zip": times}))
 
     t = datetime.datetime.fromtimestamp(epoch, datetime.UTC)
     assert facts["zip"] == [[t.year, t.month, t.day, t.hour, t.minute, t.second]]
-    # the run's log names what was left out, from the one list (build/reproducible.py)
+    # the run's log names what was left out, from the one list (buildstep/reproducible.py)
     log = (root_a.parent / "state" / "builds" / IMG / a["run_id"] / "logs" / "apt.log").read_text()
     assert "left out (records of when a tool ran): " in log and "var/log/dpkg.log" in log
     df = (root_a.parent / "state" / "builds" / IMG / a["run_id"] / "logs" / "apt.Dockerfile").read_text()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from imagebuild.build import compilecache
+from imagebuild.buildstep import compilecache
 
 REPO = Path(__file__).resolve().parents[3]
 GLM = REPO / "docker-images" / "glm53-jovian-r12"

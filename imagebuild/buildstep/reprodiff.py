@@ -18,8 +18,8 @@ import hashlib
 import tarfile
 from dataclasses import dataclass
 
-from imagebuild.build import layerclamp
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import layerclamp
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core.errors import OperationFailed
 
 

@@ -1,7 +1,7 @@
-"""build/reproducible.py and what uses it (issue 30): every stage's RUN gets SOURCE_DATE_EPOCH
+"""buildstep/reproducible.py and what uses it (issue 30): every stage's RUN gets SOURCE_DATE_EPOCH
 (``ARG SOURCE_DATE_EPOCH`` after each FROM of the Dockerfile as built), and the records of when a
 tool ran (RECORDS_OF_WHEN, one list) are left out of a stage's layers by the clamp, with nothing
-else changed. The builds themselves: tests/integration/build/test_reproducible.py."""
+else changed. The builds themselves: tests/integration/buildstep/test_reproducible.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from imagebuild.build import layerclamp, reproducible
-from imagebuild.build.reproducible import dockerfile_for_build
+from imagebuild.buildstep import layerclamp, reproducible
+from imagebuild.buildstep.reproducible import dockerfile_for_build
 from imagebuild.definition import dockerfile
 
 EPOCH = 1_700_000_000

@@ -44,7 +44,7 @@ def test_a_release_that_carries_the_right_label_but_other_layers_is_made_again(e
 
 
 def test_a_stage_ref_edited_to_point_at_an_older_stage_is_not_used(engine_info, tmp_path, monkeypatch):
-    from imagebuild.build import stagestore
+    from imagebuild.buildstep import stagestore
     from tests.buildfixtures import cat
 
     name = unique_name()

@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from imagebuild.build import guards
+from imagebuild.buildstep import guards
 from imagebuild.core.errors import DefinitionError
 from imagebuild.definition import reader as definition
 from tests.conftest import tree_state

@@ -4,8 +4,8 @@ line numbers are not the operator's."""
 
 from __future__ import annotations
 
-from imagebuild.build import builder
-from imagebuild.build.reproducible import dockerfile_for_build
+from imagebuild.buildstep import builder
+from imagebuild.buildstep.reproducible import dockerfile_for_build
 
 OWN = "ARG PARENT\nFROM ${PARENT} AS a\nRUN one\nFROM ${PARENT}\nCOPY --from=a /x /x\nRUN two && exit 3\n"
 

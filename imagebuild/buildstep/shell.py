@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from imagebuild.build import builder
+from imagebuild.buildstep import builder
 from imagebuild.core import context as context_mod
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed, UsageError

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from imagebuild.build import guards
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import guards
+from imagebuild.buildstep.stagestore import StageStore
 from tests.buildfixtures import image_id
 from tests.fleetfixtures import (  # noqa: F401 - fixtures
     BUSYBOX,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from imagebuild.build import guards
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import guards
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core.errors import GuardRefused
 
 

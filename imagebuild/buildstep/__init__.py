@@ -15,6 +15,9 @@ Entry points:
 - ``stagestore``: where built stages live; ``owners``: which checkout made which builds of it (gc
   of one clone leaves the others' alone); ``registry_release``: release tags in a shared registry
   (the registry stage cache, ``registry_cache``, is the builder's own).
+
+Named ``buildstep``, not ``build``: tools take a folder named build for build output and skip it
+(pytest's default norecursedirs, GitHub's Python .gitignore, code maps; docs/design.md).
 """
 
 

@@ -42,10 +42,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from imagebuild.build import compilecache, guards, layerclamp, owners, registry_cache, reprodiff, reproducible
-from imagebuild.build import progress as progress_mod
-from imagebuild.build import promote as promote_mod
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import (
+    compilecache,
+    guards,
+    layerclamp,
+    owners,
+    registry_cache,
+    reprodiff,
+    reproducible,
+)
+from imagebuild.buildstep import progress as progress_mod
+from imagebuild.buildstep import promote as promote_mod
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import fsutil, remote_engine, state
@@ -458,11 +466,11 @@ def _source_place(where: str, built: Path, source: Path, shown: str) -> str:
 
 
 def _failure(what: str, log_path: Path, code: int, place=None) -> str:
-    """A failed ``docker buildx build`` said once, as the nightly report says it (build/buildlog.py):
+    """A failed ``docker buildx build`` said once, as the nightly report says it (buildstep/buildlog.py):
     where (``Dockerfile.check:4``), the RUN's own exit code (``RUN exit 3``: docker buildx itself
     exits 1), the step, and that step's own output lines; without a failing RUN (the engine, a
     missing base), the end of the log. The log's path goes in the hint."""
-    from imagebuild.build import buildlog
+    from imagebuild.buildstep import buildlog
 
     info = buildlog.explain_file(log_path)
     if info is None or info["exit_code"] is None:
@@ -1460,7 +1468,7 @@ def _pull_stage(b, r, st, tmp: Path, progress, head: str) -> bool:
 def _publish_release(b, release: dict, promotion: dict, started: str) -> dict | None:
     """After the gate: the release tags in the registry (registry_release.publish), only when the gate
     passed (``:local`` moved here, or already held this image). The record's ``publish``."""
-    from imagebuild.build import registry_release
+    from imagebuild.buildstep import registry_release
     from imagebuild.core.errors import GuardRefused
 
     if b.cache is None:

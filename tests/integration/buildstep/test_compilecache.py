@@ -1,4 +1,4 @@
-"""The compiler cache is imagebuild's (build/compilecache.py): kept on the host, given to the stage,
+"""The compiler cache is imagebuild's (buildstep/compilecache.py): kept on the host, given to the stage,
 taken back after it, and so it outlives BuildKit's cache mounts; its figures reach the build record."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from imagebuild.build import compilecache
+from imagebuild.buildstep import compilecache
 from tests.buildfixtures import remove_images
 from tests.conftest import run_cli
 

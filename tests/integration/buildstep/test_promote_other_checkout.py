@@ -1,6 +1,6 @@
 """The engine's ``:local`` of an image is shared by every checkout on the node (issue 35, section 4):
 when a promotion replaces a ``:local`` that another checkout promoted (a build it claims in the shared
-stage store, build/owners.py, and this one does not), the promotion says so, and the build record
+stage store, buildstep/owners.py, and this one does not), the promotion says so, and the build record
 names that checkout; replacing this checkout's own ``:local`` says nothing of the kind."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import re
 
-from imagebuild.build import promote as promote_mod
+from imagebuild.buildstep import promote as promote_mod
 from imagebuild.core import identity as identity_mod
 from imagebuild.core import registry as reg_mod
 from imagebuild.core import run as run_mod
