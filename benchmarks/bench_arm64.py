@@ -17,7 +17,7 @@ from harness import Benchmark, sh
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from imagebuild.build import builder as build_mod  # noqa: E402
+from imagebuild.buildstep import builder as build_mod  # noqa: E402
 from imagebuild.core import emulation  # noqa: E402
 from imagebuild.definition import reader as definition  # noqa: E402
 from imagebuild.fetch import packages  # noqa: E402

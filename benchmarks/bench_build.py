@@ -18,7 +18,7 @@ from harness import Benchmark, sh
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from imagebuild.build import builder as build_mod  # noqa: E402
+from imagebuild.buildstep import builder as build_mod  # noqa: E402
 from imagebuild.definition import reader as definition  # noqa: E402
 from imagebuild.plan import planner as plan  # noqa: E402
 from tests.buildfixtures import IMAGE, remove_images, staged_project  # noqa: E402

@@ -65,7 +65,7 @@ def _make_project(root: Path, variant: str, cache_id: str) -> None:
     df = df.replace(f"echo {STATS_END};", f"echo {STATS_END}; echo substeps-begin; "
                     "sort /tmp/nvcc-substeps 2>/dev/null | uniq -c; echo substeps-end; rm -f /tmp/nvcc-substeps;")
     if variant == "plain":  # BuildKit's cache mount alone: the same set-up, written inline; no host copy
-        from imagebuild.build import compilecache
+        from imagebuild.buildstep import compilecache
 
         df = df.replace("    --mount=type=bind,from=imagebuild-ccache,target=/imagebuild/ccache \\\n", "")
         env = " ".join(f"{k}={v}" for k, v in compilecache.CONFIG.items())
@@ -105,7 +105,7 @@ def _prefetch(root: Path, env: dict) -> None:
 
 
 def _stats_from_log(root: Path) -> dict:
-    from imagebuild.build import compilecache
+    from imagebuild.buildstep import compilecache
 
     logs = sorted((root / ".imagebuild" / "builds" / IMAGE).glob("*/logs/compile.log"), key=lambda p: p.stat().st_mtime)
     text = logs[-1].read_text(errors="replace")

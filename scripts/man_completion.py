@@ -42,12 +42,12 @@ def man(out: Path) -> Path:
     from argparse_manpage.manpage import Manpage
 
     from imagebuild import __version__
-    from imagebuild.cli import main as cli
+    from imagebuild.cli import parser as cli
     from imagebuild.ops.settings import VARIABLES
 
-    parser = cli.build_parser()
-    parser.epilog = None  # its exit codes, environment and docs path: the sections below
-    page = Manpage(parser)
+    top = cli.build_parser()
+    top.epilog = None  # its exit codes, environment and docs path: the sections below
+    page = Manpage(top)
     page.source = f"imagebuild {__version__}"
     page.manual = "imagebuild manual"
     page.description = NAME_LINE
@@ -55,8 +55,9 @@ def man(out: Path) -> Path:
     page.add_section("exit status", ">", "".join(tp(f"\\fB{code}\\fR", what) for code, what in cli.EXIT_CODES))
     page.add_section("environment", ">", "".join(tp(f"\\fB{_roff(name)}\\fR", what) for name, what in VARIABLES))
     examples = []
-    for name in cli._command_parsers(parser):
-        lines = cli.EXAMPLES.get(name, ())
+    examples_of = cli.examples()
+    for name in cli.command_parsers(top):
+        lines = examples_of.get(name, ())
         if lines:
             examples.append(f".SS imagebuild {_roff(name)}\n.nf\n" + "\n".join(_roff(e) for e in lines) + "\n.fi\n")
     page.add_section("examples", ">", "".join(examples))
@@ -119,10 +120,10 @@ PEERS = {"bash": "_imagebuild_peers", "zsh": "_imagebuild_peers"}
 def _completing_parser():
     """The parser, with what each argument completes to: IMAGE arguments the project's images, PEER
     arguments its peers, ``help COMMAND`` the command names."""
-    from imagebuild.cli.main import _command_parsers, build_parser
+    from imagebuild.cli.parser import build_parser, command_parsers
 
     parser = build_parser()
-    commands = _command_parsers(parser)
+    commands = command_parsers(parser)
     for name, sp in commands.items():
         for a in sp._actions:
             meta = str(a.metavar or "")

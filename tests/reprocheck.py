@@ -1,8 +1,8 @@
 """Compare two build records of one image: the same identity, or the files that differ, by stage.
 
-Used by the tests that build a definition twice with --no-cache (tests/integration/build/
+Used by the tests that build a definition twice with --no-cache (tests/integration/buildstep/
 test_reproducible.py, the smoke lane): a new source of non-determinism fails with the paths that
-differ (imagebuild/build/reprodiff.py), not with two digests.
+differ (imagebuild/buildstep/reprodiff.py), not with two digests.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from imagebuild.build import reprodiff
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import reprodiff
+from imagebuild.buildstep.stagestore import StageStore
 
 
 def base_layers(base: str) -> int:

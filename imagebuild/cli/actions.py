@@ -55,7 +55,7 @@ def failed_logs(doc: dict, root: Path) -> list[Path]:
 
 def commands(doc: dict, root: Path) -> list[str]:
     """The ``::group::`` folds (one per stage that ran) and ``::error`` lines of a nightly report."""
-    from imagebuild.build import buildlog
+    from imagebuild.buildstep import buildlog
 
     out = []
     for im in doc.get("images") or []:

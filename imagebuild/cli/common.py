@@ -1,7 +1,9 @@
-"""What every command's code in cli/ shares: the project root, the command's context, JSON output."""
+"""What every command's run function (cli/commands/) shares: the project root, the command's context,
+JSON output, verdict colours, imagebuild's own lines on stderr. The options they share: cli/options.py."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from imagebuild.core import lazy
@@ -39,19 +41,44 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def count(lo: int, hi: int):
-    """An argparse ``type`` for a whole number in [lo, hi]: anything else (``-1``, ``10**20``, ``abc``)
-    is a usage error (exit 2) naming the flag, before any work starts."""
-    def parse(text: str) -> int:
-        import argparse
+def shown_name(name: str) -> str:
+    """An image name as a line can show it: itself, or an excerpt of an odd one (a folder name)."""
+    from imagebuild.core.errors import excerpt
 
-        try:
-            n = int(text, 10)
-        except ValueError:
-            n = None
-        if n is None or not lo <= n <= hi:
-            raise argparse.ArgumentTypeError(f"expected a whole number from {lo} to {hi}, got {text[:32]!r}")
-        return n
+    return name if name.isprintable() and name.isascii() and len(name) <= 32 else excerpt(name)
 
-    parse.__name__ = "count"
-    return parse
+
+def red(text: str, stream=None) -> str:
+    """``text`` in red when ``stream`` (stdout) is a terminal and NO_COLOR is not set."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
+        return text
+    return f"\033[31m{text}\033[0m"
+
+
+_VERDICT_COLOURS = {"PASS": "32", "PASSED": "32", "FAIL": "31", "FAILED": "31", "error:": "31"}
+
+
+def verdicts(text: str, stream=None) -> str:
+    """``text`` with each line's leading PASS/PASSED (green), FAIL/FAILED or ``error:`` (red) coloured,
+    only when ``stream`` is a terminal and NO_COLOR is not set (a pipe or a log gets plain text)."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
+        return text
+    out = []
+    for ln in text.split("\n"):
+        word = ln.split(" ", 1)[0].rstrip(":") if ln.startswith(("PASS", "FAIL", "error:")) else ""
+        word = "error:" if ln.startswith("error:") else word
+        code = _VERDICT_COLOURS.get(word)
+        out.append(f"\033[{code}m{word}\033[0m{ln[len(word):]}" if code else ln)
+    return "\n".join(out)
+
+
+def json_line(level: str, message: str) -> str:
+    """One line of imagebuild's own as the JSON line ``--progress rawjson`` puts on stderr."""
+    return json.dumps({"imagebuild": {"level": level, "message": message}}, ensure_ascii=False)
+
+
+def say(args, level: str, text: str) -> None:
+    """A line of imagebuild's own on stderr (an error, 'interrupted'): a JSON line under rawjson."""
+    print(json_line(level, text) if getattr(args, "json_lines", False) else text, file=sys.stderr)

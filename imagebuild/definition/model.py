@@ -64,7 +64,7 @@ BUILD_CONTEXT_PREFIX = "imagebuild-"
 # earlier stage's imagebuild-stage-<name> (plan/planner.stage_context). A name that merely starts
 # with imagebuild- is no context of ours: an image of that name would be pulled into the build.
 NAMED_CONTEXTS = frozenset({"imagebuild-src", "imagebuild-wheels", "imagebuild-apt", "imagebuild-parent",
-                            "imagebuild-ccache"})  # the compiler cache (build/compilecache.py)
+                            "imagebuild-ccache"})  # the compiler cache (buildstep/compilecache.py)
 STAGE_CONTEXT_PREFIX = "imagebuild-stage-"
 # Filled in by BuildKit itself from the platform (which is part of every key).
 BUILDKIT_ARGS = frozenset(

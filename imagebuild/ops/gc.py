@@ -20,7 +20,7 @@ folders a killed prefetch left in the git mirror cache. A prefetch's mirror ``*.
 left alone while the prefetch holds the mirror's lock.
 
 **One project's builds only.** The stage store and the engine are shared by every clone on the
-node; each build claims its build id and stage keys for its checkout (``build/owners.py``). gc
+node; each build claims its build id and stage keys for its checkout (``buildstep/owners.py``). gc
 never removes a build, release or stage another live checkout claims, and while another checkout
 claims builds of the image it leaves alone what no checkout claims (made before claims were
 recorded). An image this project has neither a definition nor run records of is refused (exit 2).
@@ -49,9 +49,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagebuild.build import guards, owners
-from imagebuild.build import promote as promote_mod
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import guards, owners
+from imagebuild.buildstep import promote as promote_mod
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core import fsutil, runs, state
 from imagebuild.core import lock as lock_mod
 from imagebuild.core import run as run_mod
@@ -517,9 +517,9 @@ def plan_mirror_cache() -> list[Item]:
 
 
 def plan_compiler_cache() -> list[Item]:
-    """Folders a killed take-back of the compiler cache left (build/compilecache.py). The caches
+    """Folders a killed take-back of the compiler cache left (buildstep/compilecache.py). The caches
     themselves are bounded by ccache's max_size, which every compile applies before they come back."""
-    from imagebuild.build import compilecache
+    from imagebuild.buildstep import compilecache
 
     return [Item("compiler-cache-tmp", str(d), tree_bytes(d), "left by a build killed while taking its compiler "
                  "cache back", path=str(d)) for d in compilecache.leftovers()]
@@ -712,9 +712,9 @@ def disk_usage(ctx: Context | Path, image: str | None = None) -> dict:
     from imagebuild.fetch.gitcache import default_cache_dir
 
     mirrors = default_cache_dir()
-    from imagebuild.build import compilecache
+    from imagebuild.buildstep import compilecache
 
     return {"schema": "imagebuild.df", "version": 1, "images": rows, "buildkit_cache": cache,
             "git_mirrors": {"path": str(mirrors), "bytes": tree_bytes(mirrors) if mirrors.is_dir() else 0},
-            # imagebuild's own compiler caches (build/compilecache.py), shared by the clones on this host
+            # imagebuild's own compiler caches (buildstep/compilecache.py), shared by the clones on this host
             "compiler_caches": compilecache.usage()}

@@ -68,7 +68,7 @@ def changed_of(ch: dict | None) -> dict | None:
 
 
 def compiler_cache_of(stages: list[dict]) -> dict | None:
-    """The night's compiler-cache figures, over its compile stages (build/compilecache.py); None: no
+    """The night's compiler-cache figures, over its compile stages (buildstep/compilecache.py); None: no
     stage compiled through it."""
     ccs = [st["compiler_cache"] for st in stages if st.get("compiler_cache")]
     if not ccs:

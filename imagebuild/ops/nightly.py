@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuild import __version__
-from imagebuild.build import guards
-from imagebuild.build import promote as promote_mod
+from imagebuild.buildstep import guards
+from imagebuild.buildstep import promote as promote_mod
 from imagebuild.core import context as context_mod
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import fsutil, state, units
@@ -168,7 +168,7 @@ def _check_report_dir(opts: Options, report_dir: Path) -> None:
 
 
 def _run(ctx: context_mod.Context, images: list[str], opts: Options, report_dir: Path) -> tuple[dict, report_mod.Stored]:
-    from imagebuild.build.builder import new_run_id
+    from imagebuild.buildstep.builder import new_run_id
 
     t0 = time.monotonic()
     doc: dict = {
@@ -342,8 +342,8 @@ def _one_line(exc: ImagebuildError) -> str:
 
 def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: ImagebuildError) -> dict:
     """Why the build failed, from the failed stage's own log: the RUN step's exit code (not docker
-    buildx's 1), its command and the last lines of its output (build/buildlog.py), redacted."""
-    from imagebuild.build import buildlog
+    buildx's 1), its command and the last lines of its output (buildstep/buildlog.py), redacted."""
+    from imagebuild.buildstep import buildlog
     from imagebuild.core import runs as runs_mod
 
     stage = (rec or {}).get("failed_stage")
@@ -372,7 +372,7 @@ def _build_failure(ctx: context_mod.Context, name: str, rec: dict | None, exc: I
 
 def _message_tail(exc: ImagebuildError) -> list[str]:
     """The lines after an error's first one (a step's quoted output), cleaned and redacted."""
-    from imagebuild.build import buildlog
+    from imagebuild.buildstep import buildlog
 
     lines = exc.message.strip().splitlines()[1:]
     return [buildlog.clean(ln[4:] if ln.startswith("  | ") else ln) for ln in lines][-buildlog.TAIL_LINES:]
@@ -403,7 +403,7 @@ def _fail(res: dict, code: int, reason: str) -> None:
 
 
 def _chain(ctx: context_mod.Context, name: str, opts: Options, res: dict) -> None:
-    from imagebuild.build import builder as build_mod
+    from imagebuild.buildstep import builder as build_mod
     from imagebuild.fetch import packages
     from imagebuild.fetch import prefetch as prefetch_mod
 
@@ -747,7 +747,7 @@ def _disk(ctx: context_mod.Context, images: list[str]) -> dict:
     if info.root_dir and Path(info.root_dir).exists():
         out["docker_free_bytes"] = shutil.disk_usage(info.root_dir).free
     try:
-        from imagebuild.build.stagestore import StageStore
+        from imagebuild.buildstep.stagestore import StageStore
         from imagebuild.core import runs as runs_mod
 
         for name in images:  # what `imagebuild df IMAGE` counts, without its shared caches (the git mirrors' walk)

@@ -188,8 +188,8 @@ def summary_lines(doc: dict) -> list[str]:
 
 
 def compilecache_line(cc: dict | None) -> str:
-    """A compile stage's compiler-cache figures (build/compilecache.py), in one line."""
-    from imagebuild.build import compilecache
+    """A compile stage's compiler-cache figures (buildstep/compilecache.py), in one line."""
+    from imagebuild.buildstep import compilecache
 
     return compilecache.line(cc)
 

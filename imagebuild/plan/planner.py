@@ -40,7 +40,7 @@ def _without_userinfo(value: str) -> str:
 
 PLAN_SCHEMA = "imagebuild.plan"
 PLAN_VERSION = 2
-KEY_VERSION = 5  # 5: ARG SOURCE_DATE_EPOCH in every stage, records of when a tool ran left out (build/reproducible.py); 4: the context is hashed as the stream BuildKit gets (context_stream.py); 3: layerclamp
+KEY_VERSION = 5  # 5: ARG SOURCE_DATE_EPOCH in every stage, records of when a tool ran left out (buildstep/reproducible.py); 4: the context is hashed as the stream BuildKit gets (context_stream.py); 3: layerclamp
 BUILD_ID_VERSION = 2
 DEFAULT_SOURCE_DATE_EPOCH = 315532800  # 1980-01-01T00:00:00Z: zip (wheels) cannot hold older times
 PARENT_CONTEXT = "imagebuild-parent"  # the named build context holding a stage's parent stage

@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagebuild.build.stagestore import digest_hex as _hex
+from imagebuild.buildstep.stagestore import digest_hex as _hex
 from imagebuild.core import engine as engine_mod
 from imagebuild.core import fsutil, state
 from imagebuild.core import identity as identity_mod

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from imagebuild.build import registry_release
+from imagebuild.buildstep import registry_release
 from imagebuild.core import registry as reg_mod
 from imagebuild.core import remote
 from imagebuild.core import run as run_mod

@@ -221,7 +221,7 @@ def promoted(ctx: context_mod.Context | Path) -> list[tuple[str, str | None]]:
     """Every definition of the project, in name order, with None when its ``:local`` is a promoted image
     (it holds a trusted passing receipt of the definition's current gate spec here, as promotion asked),
     else why it is not sent: what ``imagebuild sync PEER`` alone does (docs/cli.md)."""
-    from imagebuild.build import promote as promote_mod
+    from imagebuild.buildstep import promote as promote_mod
     from imagebuild.gate import receipts as receipts_mod
 
     ctx = context_mod.of(ctx)
@@ -498,7 +498,7 @@ def sync(ctx: context_mod.Context | Path | None, peers: list[str], *, image: str
     ``delivery``: how the peers get it other than over ssh, made once the image is known:
     ``registry_sync.delivery(registry, tunnel)`` has the peers pull it from a registry (``--via
     registry``; the tunnel: None means when the registry is this host's loopback)."""
-    from imagebuild.build import promote as promote_mod
+    from imagebuild.buildstep import promote as promote_mod
     from imagebuild.gate import receipts as receipts_mod
 
     if jobs < 1:

@@ -21,7 +21,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "imagebuild"
 
 # lowest first: a subpackage may import its own modules and those of the subpackages before it
-LAYERS = ("core", "definition", "plan", "fetch", "gate", "build", "ship", "ops", "cli")
+LAYERS = ("core", "definition", "plan", "fetch", "gate", "buildstep", "ship", "ops", "cli")
 TOP_LEVEL = {"__init__", "__main__"}
 
 
@@ -251,3 +251,43 @@ def test_subprocesses_start_only_in_core_run():
             if hit:
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {hit}")
     assert bad == [], "subprocesses start only through imagebuild/core/run.py:\n" + "\n".join(bad)
+
+
+# pytest's default norecursedirs and the build-output folders of common .gitignore files (GitHub's
+# Python one: build/, dist/): a package or a test folder so named goes unseen by those tools
+BUILD_OUTPUT_NAMES = ("*.egg", ".*", "_darcs", "build", "CVS", "dist", "node_modules", "venv", "{arch}")
+
+
+def test_no_package_or_test_folder_is_named_like_build_output():
+    from fnmatch import fnmatch
+
+    tests = PACKAGE.parent / "tests"
+    folders = [d for top in (PACKAGE, tests) for d in [top, *top.rglob("*")] if d.is_dir()
+               and d.name != "__pycache__" and (any(d.glob("*.py")) or (d == top))]
+    assert len(folders) > 10
+    bad = [str(d.relative_to(PACKAGE.parent)) for d in folders
+           if any(fnmatch(d.name, pat) for pat in BUILD_OUTPUT_NAMES)]
+    assert bad == [], f"named like build output (pytest and .gitignore files skip them): {bad}"
+
+
+CLI_MODULE_MAX_LINES = 500
+
+
+def test_the_cli_is_split_one_module_per_command():
+    """cli/main.py is the entry point; each command is declared and run by cli/commands/COMMAND.py
+    (docs/design.md, "The command line's own house"), and no module of cli/ is a second main.py."""
+    from imagebuild.cli import parser
+
+    cli = PACKAGE / "cli"
+    long = {str(p.relative_to(PACKAGE)): n for p in sorted(cli.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > CLI_MODULE_MAX_LINES}
+    assert long == {}, f"over {CLI_MODULE_MAX_LINES} lines: split them"
+    listed = list(parser.command_parsers(parser.build_parser()))
+    assert listed == list(parser.COMMANDS)
+    modules = sorted(p.stem for p in (cli / "commands").glob("*.py") if p.stem != "__init__")
+    assert modules == sorted(listed), "a command without its module, or a module of no command"
+    for name in listed:
+        mod = parser.command_module(name)
+        assert callable(mod.add_parser) and callable(mod.run) and mod.EXAMPLES, name
+        only = parser.command_parsers(parser.build_parser(only=name))[name]
+        assert only.get_default("func") is mod.run, f"{name}: its parser runs another module's code"

@@ -319,7 +319,7 @@ def test_gate_by_definition_name(gate_image, project, tmp_path, monkeypatch):
 def test_a_trivial_ad_hoc_spec_cannot_promote_a_failing_image(gate_image, project, tmp_path, monkeypatch):
     """Issue 9, item 4: gate IMAGE --spec trivial.yaml on an image that fails its own gate, then
     promotion: the trivial pass is ad hoc, and the definition's spec has no pass, so :local stays."""
-    from imagebuild.build import promote
+    from imagebuild.buildstep import promote
 
     monkeypatch.delenv("IMAGEBUILD_STATE_DIR", raising=False)
     own = project / "docker-images" / "tiny" / "gate.yaml"
@@ -485,7 +485,7 @@ def test_example_definition_gate_passes_on_the_built_example(engine_ready, tmp_p
 
 def test_gate_failure_never_moves_local(gate_image, state, tmp_path):
     """Promotion (build issue) trusts only a passing receipt for exactly the candidate's identity."""
-    from imagebuild.build import promote
+    from imagebuild.buildstep import promote
     from imagebuild.core.errors import GateFailed
 
     name = f"imagebuild-test/gatepromo-{os.getpid()}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build import promote
+from imagebuild.buildstep import promote
 from imagebuild.core import identity
 from imagebuild.core.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, GateFailed
 from imagebuild.definition import gatespec

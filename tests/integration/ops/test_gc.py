@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep.stagestore import StageStore
 from tests.buildfixtures import IMAGE, image_id, remove_images, staged_project
 from tests.conftest import run_cli, tree_state
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build import guards
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import guards
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core import engine
 from tests.buildfixtures import image_id, put_blob
 from tests.conftest import run_cli, tree_state
@@ -48,7 +48,7 @@ def _tags(name: str) -> list[str]:
 def _hold_lock(name: str) -> subprocess.Popen:
     """Another process holding the image's build lock, as a running build does."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; from imagebuild.build import guards; from imagebuild.core import engine; "
+        [sys.executable, "-c", "import time; from imagebuild.buildstep import guards; from imagebuild.core import engine; "
          f"lk = guards.BuildLock(guards.build_lock_path(engine.probe().id, {name!r}), {name!r}); "
          f"lk.acquire('imagebuild build {name}'); print('held', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

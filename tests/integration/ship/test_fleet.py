@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build import registry_cache
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import registry_cache
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core import registry as registry_mod
 from tests.conftest import run_cli
 from tests.fleetfixtures import (  # noqa: F401 - fixtures

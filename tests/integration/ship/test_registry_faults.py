@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep.stagestore import StageStore
 from tests.conftest import run_cli
 from tests.fleetfixtures import (  # noqa: F401 - fixtures
     build,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.cli import main as cli
+from imagebuild.cli import parser as cli
 from tests.conftest import run_cli, tree_state
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
@@ -17,7 +17,7 @@ PLANNED: tuple[str, ...] = ()  # sync (issue 12) and nightly (issue 13) landed; 
 
 
 def _commands() -> dict:
-    return cli._command_parsers(cli.build_parser())
+    return cli.command_parsers(cli.build_parser())
 
 
 @pytest.mark.parametrize("argv, meant", [
@@ -64,9 +64,9 @@ def test_global_options_after_the_command(project, argv):
 
 
 def test_global_options_before_the_command_are_kept(project):
-    args = cli._parse(cli.build_parser(), ["--root", str(project), "--debug", "plan", "tiny"])
+    args = cli.parse(cli.build_parser(), ["--root", str(project), "--debug", "plan", "tiny"])
     assert args.root == str(project) and args.debug is True and args.verbose is False
-    args = cli._parse(cli.build_parser(), ["plan", "tiny", "--debug", "--root", str(project)])
+    args = cli.parse(cli.build_parser(), ["plan", "tiny", "--debug", "--root", str(project)])
     assert args.root == str(project) and args.debug is True
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.cli import main as cli
+from imagebuild.cli import common as cli
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURE = REPO / "tests" / "fixtures" / "project"
@@ -68,7 +68,7 @@ class _Stream:
 ])
 def test_verdicts_are_coloured_on_a_terminal_only(monkeypatch, line, coloured):
     monkeypatch.delenv("NO_COLOR", raising=False)
-    assert cli._verdicts(line, _Stream(True)) == coloured
-    assert cli._verdicts(line, _Stream(False)) == line
+    assert cli.verdicts(line, _Stream(True)) == coloured
+    assert cli.verdicts(line, _Stream(False)) == line
     monkeypatch.setenv("NO_COLOR", "1")
-    assert cli._verdicts(line, _Stream(True)) == line
+    assert cli.verdicts(line, _Stream(True)) == line

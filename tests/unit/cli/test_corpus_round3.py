@@ -135,7 +135,7 @@ def test_gate_spec_that_is_some_other_file_quotes_nothing_of_it(project, tmp_pat
 
 
 def _two_failing_patches(tmp_path):
-    from tests.unit.build.test_patch_check_scratch import PATCH, _project
+    from tests.unit.buildstep.test_patch_check_scratch import PATCH, _project
 
     ok = PATCH.format(extra="", anchor="x = 1\n", replacement="x = 2  # patched: p0\n", marker="patched: p0")
     bad = [PATCH.format(extra="", anchor=f"missing {i}\n", replacement=f"y  # patched: q{i}\n",
@@ -216,7 +216,7 @@ def test_a_run_folder_that_is_a_link_out_of_the_state_folder_is_not_followed(pro
 
 
 def test_a_patch_that_writes_to_an_absolute_path_at_import_leaves_the_checkout_alone(tmp_path):
-    from tests.unit.build.test_patch_check_scratch import PATCH, _project
+    from tests.unit.buildstep.test_patch_check_scratch import PATCH, _project
 
     target = (tmp_path / "src" / "app.py").resolve()
     side = PATCH.format(extra=f"import pathlib\ntry:\n    pathlib.Path({str(target)!r}).write_text('clobbered\\n')\n"

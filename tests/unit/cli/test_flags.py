@@ -7,14 +7,14 @@ import shlex
 
 import pytest
 
-from imagebuild.cli import main as cli
-from imagebuild.cli import nightly as cli_nightly
+from imagebuild.cli import parser as cli
+from imagebuild.cli.commands import nightly as cli_nightly
 from imagebuild.core.errors import UsageError
 from imagebuild.core.units import human_bytes, short_digest
 
 
 def parse(*argv: str):
-    return cli._parse(cli.build_parser(only=cli._command_in(list(argv))), list(argv))
+    return cli.parse(cli.build_parser(only=cli.command_in(list(argv))), list(argv))
 
 
 @pytest.mark.parametrize("argv, images, peers", [
@@ -65,8 +65,8 @@ def test_j_means_build_jobs(capsys):
     import re
 
     for name in ("prefetch", "sync"):  # the help lists -j only for build
-        assert not re.search(r"(?<!-)-j\b", cli._command_parsers(cli.build_parser())[name].format_help()), name
-    assert "-j N" in cli._command_parsers(cli.build_parser())["build"].format_help()
+        assert not re.search(r"(?<!-)-j\b", cli.command_parsers(cli.build_parser())[name].format_help()), name
+    assert "-j N" in cli.command_parsers(cli.build_parser())["build"].format_help()
 
 
 def test_log_limit_and_dry_runs_parse():
@@ -75,9 +75,9 @@ def test_log_limit_and_dry_runs_parse():
     assert parse("prefetch", "example", "--dry-run").dry_run is True
 
 
-@pytest.mark.parametrize("name", sorted(cli.EXAMPLES))
+@pytest.mark.parametrize("name", sorted(cli.examples()))
 def test_every_example_parses(name):
-    for example in cli.EXAMPLES[name]:
+    for example in cli.examples()[name]:
         words = shlex.split(example)
         while "=" in words[0]:  # VAR=value prefixes
             words.pop(0)

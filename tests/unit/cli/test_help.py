@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.cli import main as cli
+from imagebuild.cli import parser as cli
 from tests.conftest import run_cli
 
 PACKAGE = Path(__file__).resolve().parents[3] / "imagebuild"
 
 
 def _commands() -> dict:
-    return cli._command_parsers(cli.build_parser())
+    return cli.command_parsers(cli.build_parser())
 
 
 def test_bare_imagebuild_prints_the_help_and_exits_2(tmp_path):
@@ -79,7 +79,7 @@ def test_examples_in_every_command_and_the_long_epilog_only_at_the_top():
 
 def test_descriptions_are_wrapped(monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
-    for name, sp in cli._command_parsers(cli.build_parser()).items():
+    for name, sp in cli.command_parsers(cli.build_parser()).items():
         for line in sp.format_help().splitlines():
             if line and not line.startswith(" "):
                 assert len(line) <= 80, f"{name}: {line}"

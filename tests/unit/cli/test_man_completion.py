@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.cli import main as cli
+from imagebuild.cli import parser as cli
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "scripts" / "man_completion.py"
@@ -34,7 +34,7 @@ def test_the_man_page_has_every_command(tmp_path):
     shown = subprocess.run(["groff", "-man", "-Tutf8", str(page)], capture_output=True, text=True, check=True,
                            timeout=60).stdout
     shown = re.sub(r".\x08", "", shown).replace("\u2010", "-")  # bold and underline by overstriking
-    for name in cli._command_parsers(cli.build_parser()):
+    for name in cli.command_parsers(cli.build_parser()):
         assert f"imagebuild {name}" in shown, name
     assert _gen("man", tmp_path).returncode == 0 and page.read_text() == text  # same page again
 
@@ -55,7 +55,7 @@ def test_the_man_page_has_a_name_line_its_own_sections_examples_and_no_build_pat
     env = text.split(".SH ENVIRONMENT\n", 1)[1].split(".SH ", 1)[0]
     assert env.count(".TP") == len(VARIABLES) and "\\fBIMAGEBUILD_HEARTBEAT_S\\fR" in env
     examples = text.split(".SH EXAMPLES\n", 1)[1].split(".SH ", 1)[0]
-    for name, lines in cli.EXAMPLES.items():
+    for name, lines in cli.examples().items():
         assert f".SS imagebuild {name}" in examples, name
         assert all(e.replace("-", "\\-") in examples for e in lines), name
     assert str(ROOT) not in text and "/docs/" not in text  # no path of this build tree

@@ -17,7 +17,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "project"
 # never on these paths: the docker/test stack, and what only building, gating or logging needs
 HEAVY = {"python_on_whales", "docker", "testinfra", "pytest", "git", "requests", "pydantic", "rich",
          "typing", "packaging", "logging", "subprocess", "tempfile", "shutil",
-         "socket", "threading", "platform", "difflib", "imagebuild.core.run", "imagebuild.build.builder", "imagebuild.gate.runner",
+         "socket", "threading", "platform", "difflib", "imagebuild.core.run", "imagebuild.buildstep.builder", "imagebuild.gate.runner",
          "imagebuild.fetch.prefetch", "imagebuild.ops.doctor"}
 # what a command may add, because it uses it
 USES = {
@@ -75,30 +75,30 @@ def test_everyday_commands_import_only_what_they_use(argv):
 def test_python_on_whales_and_pytest_only_where_used():
     """They are imported by the modules that use them, when those run (build, gate), not before."""
     for module in ("imagebuild.cli.main", "imagebuild.definition.reader", "imagebuild.plan.planner", "imagebuild.core.engine",
-                   "imagebuild.fetch.packages", "imagebuild.fetch.prefetch", "imagebuild.build.builder", "imagebuild.gate.receipts"):
+                   "imagebuild.fetch.packages", "imagebuild.fetch.prefetch", "imagebuild.buildstep.builder", "imagebuild.gate.receipts"):
         loaded = _run(f"import sys, {module}; print(sorted(sys.modules))")
         assert not loaded & {"python_on_whales", "docker", "testinfra", "pytest"}, (module, loaded)
 
 
 def test_a_command_parser_alone_knows_every_command_name():
-    """build_parser(only=...) registers the other commands by name only (cli_nightly not imported),
+    """build_parser(only=...) registers the other commands by name only (their modules not imported),
     so a typo still lists every command."""
-    from imagebuild.cli import main as cli
+    from imagebuild.cli import parser as cli
 
     def choices(parser):
-        return set(cli._command_parsers(parser))
+        return set(cli.command_parsers(parser))
 
     everything = choices(cli.build_parser())
-    assert set(cli.NIGHTLY_COMMANDS) <= everything
+    assert set(cli.COMMANDS) == everything
     for command in ("plan", "list", "nightly", "report"):
         assert choices(cli.build_parser(only=command)) == everything, command
 
 
 def test_rich_only_where_the_live_view_is_drawn():
-    """rich (build/live.py) is imported when a build draws on a terminal, not by the builder itself."""
-    for module in ("imagebuild.cli.main", "imagebuild.build.builder", "imagebuild.build.progress",
+    """rich (buildstep/live.py) is imported when a build draws on a terminal, not by the builder itself."""
+    for module in ("imagebuild.cli.main", "imagebuild.buildstep.builder", "imagebuild.buildstep.progress",
                    "imagebuild.ops.nightly"):
         loaded = _run(f"import sys, {module}; print(sorted(sys.modules))")
         assert not {m for m in loaded if m == "rich" or m.startswith("rich.")}, module
-    loaded = _run("import sys, imagebuild.build.live; print(sorted(sys.modules))")
+    loaded = _run("import sys, imagebuild.buildstep.live; print(sorted(sys.modules))")
     assert "rich.live" in loaded  # the check can fail

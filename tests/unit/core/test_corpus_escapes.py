@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from imagebuild.build import buildlog
-from imagebuild.build import progress as progress_mod
+from imagebuild.buildstep import buildlog
+from imagebuild.buildstep import progress as progress_mod
 from imagebuild.core.errors import OperationFailed
 from imagebuild.core.printable import one_line, printable
 from imagebuild.core.secrets import without_userinfo

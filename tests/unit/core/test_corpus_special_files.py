@@ -139,7 +139,7 @@ def test_a_special_gc_owners_file_claims_nothing_and_is_not_read(tmp_path, kind)
     (store / "owners" / "good.json").write_text(json.dumps(
         {"schema": "imagebuild.store-owner", "version": 1, "root": str(tmp_path), "builds": {"b1": ["k"]}}))
     _special(store / "owners" / "bad.json", kind)
-    r = _child(f"from imagebuild.build import owners; print([c.root for c in owners.claims({str(store)!r})])")
+    r = _child(f"from imagebuild.buildstep import owners; print([c.root for c in owners.claims({str(store)!r})])")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == repr([str(tmp_path)])
 
@@ -186,7 +186,7 @@ def test_a_special_docker_config_does_not_hold_the_engine_query(tmp_path, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_special_stage_log_has_no_tail(tmp_path, kind):
     log = _special(tmp_path / "logs" / "app.log", kind)
-    r = _child(f"from imagebuild.build import buildlog; print(buildlog.read_end({str(log)!r}))")
+    r = _child(f"from imagebuild.buildstep import buildlog; print(buildlog.read_end({str(log)!r}))")
     assert r.returncode == 0 and r.stdout.strip() == "None", (r.stdout, r.stderr[-2000:])
 
 

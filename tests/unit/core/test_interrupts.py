@@ -1,7 +1,7 @@
 """core/interrupts.py: the first of SIGINT, SIGTERM, SIGHUP raises KeyboardInterrupt; those that follow
 while its cleanup runs are swallowed (issue 22). Real signals, sent to this process (the main thread:
 Python runs signal handlers only there). The real-process runs are in
-tests/integration/build/test_build_signals.py and tests/integration/gate/test_gate.py."""
+tests/integration/buildstep/test_build_signals.py and tests/integration/gate/test_gate.py."""
 
 from __future__ import annotations
 

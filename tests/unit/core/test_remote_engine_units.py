@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from imagebuild.build import guards
+from imagebuild.buildstep import guards
 from imagebuild.core import remote_engine
 from imagebuild.core.errors import UsageError
 from tests.conftest import run_cli

@@ -62,7 +62,7 @@ def test_word_split_fast_path_matches_shlex():
 
 def test_the_named_contexts_a_dockerfile_may_use_are_those_the_build_passes():
     """definition/model.py's list (what validate accepts) is the build's own list (what it passes)."""
-    from imagebuild.build import builder, compilecache
+    from imagebuild.buildstep import builder, compilecache
     from imagebuild.definition import model
     from imagebuild.fetch import packages
     from imagebuild.plan import planner, source_mounts

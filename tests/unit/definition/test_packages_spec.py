@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.cli import main as cli
+from imagebuild.cli import common as cli
 from imagebuild.core.errors import DefinitionError
 from imagebuild.definition import pkgspec
 from imagebuild.definition import reader as d
@@ -195,10 +195,10 @@ class _Tty(io.StringIO):
 
 def test_network_stage_is_red_only_on_a_terminal_without_no_color(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
-    assert cli._red("x", _Tty()) == "\033[31mx\033[0m"
-    assert cli._red("x", io.StringIO()) == "x"
+    assert cli.red("x", _Tty()) == "\033[31mx\033[0m"
+    assert cli.red("x", io.StringIO()) == "x"
     monkeypatch.setenv("NO_COLOR", "1")
-    assert cli._red("x", _Tty()) == "x"
+    assert cli.red("x", _Tty()) == "x"
 
 
 def test_plan_prints_declared_network_stage(pkproject):

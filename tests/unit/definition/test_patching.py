@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build import guards
+from imagebuild.buildstep import guards
 from imagebuild.definition import patching
 from tests.conftest import run_cli, tree_state
 

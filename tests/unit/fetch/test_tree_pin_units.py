@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
-from imagebuild.build import builder
+from imagebuild.buildstep import builder
 from imagebuild.fetch import compose, gitcache
 from imagebuild.plan import planner
 from tests.gitfixtures import git

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from imagebuild.build import owners
-from imagebuild.build.stagestore import StageStore
+from imagebuild.buildstep import owners
+from imagebuild.buildstep.stagestore import StageStore
 from imagebuild.core.context import Context
 from imagebuild.ops import gc
 from tests.buildfixtures import put_blob

@@ -4,7 +4,7 @@ history file (added once, atomically, read past a bad line), the Actions command
 
 from __future__ import annotations
 
-from imagebuild.build import buildlog
+from imagebuild.buildstep import buildlog
 from imagebuild.cli import actions
 from imagebuild.ops import history, htmlpage, nightly, report
 from tests.unit.ops.test_nightly_report import full_doc, validate

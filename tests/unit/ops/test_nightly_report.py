@@ -227,7 +227,7 @@ def test_nightly_bad_input_is_exit_2_before_anything(project):
 
 
 def test_two_nightlies_never_overlap(project):
-    from imagebuild.build import guards
+    from imagebuild.buildstep import guards
     from imagebuild.core import state
 
     held = guards.BuildLock(state.state_dir(project) / nightly.LOCK_NAME, "nightly")
@@ -254,7 +254,7 @@ def test_layer_sizes_from_history_rows():
 
 
 def test_compiler_cache_figures_reach_the_report():
-    """A compile stage's compiler-cache figures (build record, build/compilecache.py) reach the nightly
+    """A compile stage's compiler-cache figures (build record, buildstep/compilecache.py) reach the nightly
     report: its JSON stage entry, the terminal summary and the markdown stage table."""
     cc = {"tool": "ccache version 4.14.2", "hits": 19, "direct_hits": 18, "preprocessed_hits": 1, "misses": 1,
           "uncacheable": 0, "uncacheable_by_reason": {}, "hit_rate": 0.95, "cache_bytes": 64 << 20, "files": 40}

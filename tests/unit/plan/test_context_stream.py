@@ -92,7 +92,7 @@ def test_another_clone_at_another_path_has_the_same_key(root, tmp_path):
 
 def test_the_context_built_is_the_stream_hashed(root, tmp_path):
     """Extracted as the build does: normalized modes, the empty folder and both links are there."""
-    from imagebuild.build import builder
+    from imagebuild.buildstep import builder
 
     (src(root) / "empty").mkdir()
     for p in src(root).rglob("*"):

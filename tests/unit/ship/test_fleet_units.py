@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from imagebuild.build import registry_cache, registry_release
+from imagebuild.buildstep import registry_cache, registry_release
 from imagebuild.core import config, identity, registry
 from imagebuild.core.errors import DefinitionError, UsageError
 from tests.conftest import run_cli

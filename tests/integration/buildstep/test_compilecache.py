@@ -1,0 +1,109 @@
+"""The compiler cache is imagebuild's (buildstep/compilecache.py): kept on the host, given to the stage,
+taken back after it, and so it outlives BuildKit's cache mounts; its figures reach the build record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+
+import pytest
+
+from imagebuild.buildstep import compilecache
+from tests.buildfixtures import remove_images
+from tests.conftest import run_cli
+
+DOCKERFILE = """\
+ARG PARENT
+FROM ${PARENT}
+COPY src/ /src/
+RUN --mount=type=bind,from=imagebuild-src,target=/imagebuild/src \\
+    --mount=type=bind,from=imagebuild-ccache,target=/imagebuild/ccache \\
+    --mount=type=cache,id=CACHE_ID,target=/root/.ccache \\
+    . /imagebuild/src/imagebuild-ccache.sh \\
+    && for f in /src/*.cpp; do ccache g++ -O1 -c "$f" -o "/tmp/$(basename "$f" .cpp).o"; done
+"""
+
+
+def _drop_cache_mount(cache_id: str) -> None:
+    """Drop this test's cache mount only (the engine is shared: never anything else)."""
+    out = subprocess.run(["docker", "buildx", "du", "--verbose", "--filter", "type=exec.cachemount"],
+                         capture_output=True, text=True, check=True).stdout
+    ids, cur = [], None
+    for ln in out.splitlines():
+        if ln.startswith("ID:"):
+            cur = ln.split(":", 1)[1].strip()
+        elif ln.startswith("Description:") and cache_id in ln and cur:
+            ids.append(cur)
+    assert ids, f"no cache mount {cache_id} in the builder:\n{out}"
+    for i in ids:
+        subprocess.run(["docker", "buildx", "prune", "-f", "--filter", "type=exec.cachemount", "--filter", f"id={i}"],
+                       capture_output=True, text=True, check=True)
+    out = subprocess.run(["docker", "buildx", "du", "--verbose", "--filter", "type=exec.cachemount"],
+                         capture_output=True, text=True, check=True).stdout
+    assert cache_id not in out, out
+
+
+def test_compiler_cache_outlives_cache_mounts(engine_info, tmp_path, monkeypatch):
+    root = tmp_path / "p"
+    monkeypatch.setenv(compilecache.ENV_DIR, str(tmp_path / "ccache-host"))
+    cache_id = f"imagebuild-test-ccache-{uuid.uuid4().hex[:12]}"
+    d = root / "docker-images" / "ccown"
+    (d / "src").mkdir(parents=True)
+    (d / "versions.env").write_text("BASE_IMAGE=imagebuild-test/debian:bookworm\n")
+    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: compile\n    from: BASE_IMAGE\n"
+                                  "    files: [src]\n")
+    (d / "Dockerfile.compile").write_text(DOCKERFILE.replace("CACHE_ID", cache_id))
+    for i in range(4):
+        (d / "src" / f"f{i}.cpp").write_text(f"#include <vector>\nint f{i}() {{ std::vector<int> v({i}); "
+                                             "return (int)v.size(); }\n")
+
+    def build(*args) -> dict:
+        res = run_cli("--root", str(root), "build", "ccown", "--json", "--no-gate", *args)
+        assert res.code == 0, res.err
+        rec = json.loads(res.out)
+        st = next(s for s in rec["stages"] if s["name"] == "compile")
+        return st
+
+    try:
+        # --dry-run shows the context the build will pass
+        res = run_cli("--root", str(root), "build", "ccown", "--json", "--dry-run")
+        assert res.code == 0, res.err
+        cmd = json.loads(res.out)["stages"][0]["command"]
+        assert f"{compilecache.NAMED_CCACHE}={compilecache.host_dir(cache_id)}" in cmd, cmd
+        st = build("--no-cache")
+        cc = st["compiler_cache"]
+        assert (cc["hits"], cc["misses"]) == (0, 4), cc
+        host = compilecache.host_dir(cache_id)
+        assert (host / compilecache.STATS_FILE).is_file() and cc["cache_bytes"] > 0
+        key = st["key"]
+        # the loss of BuildKit's cache mounts: the next build seeds the mount from the host copy
+        _drop_cache_mount(cache_id)
+        st = build("--no-cache")
+        cc = st["compiler_cache"]
+        assert (cc["hits"], cc["misses"], cc["hit_rate"]) == (4, 0, 1.0), cc
+        assert st["key"] == key  # never part of the stage key
+        # never in a layer: the image holds no ccache folder and no seed
+        out = subprocess.run(["docker", "run", "--rm", "--network", "none", "ccown:candidate", "sh", "-c",
+                              "ls -A /root/.ccache /imagebuild/ccache 2>/dev/null | wc -l"],
+                             capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "0", out
+        # df shows it
+        res = run_cli("--root", str(root), "df", "ccown", "--json")
+        assert res.code == 0, res.err
+        rows = json.loads(res.out)["compiler_caches"]
+        assert any(r["id"] == cache_id and r["bytes"] > 0 for r in rows), rows
+    finally:
+        remove_images("imagebuild/ccown", "ccown")
+        try:
+            _drop_cache_mount(cache_id)
+        except (AssertionError, subprocess.CalledProcessError):
+            pass
+
+
+@pytest.mark.parametrize("text, want", [
+    (DOCKERFILE.replace("CACHE_ID", "x-ccache"), "x-ccache"),
+    (DOCKERFILE.replace("CACHE_ID", "x").replace("from=imagebuild-ccache", "from=other"), None),
+])
+def test_cache_id_of(text, want):
+    assert compilecache.cache_id_of(text) == want
