@@ -1,6 +1,8 @@
 """The docs' command examples are the commands' own output (issue 35, section 4): the block of
 docs/image-definition.md between its ``plan example --no-engine`` markers is what ``imagebuild plan
-example --no-engine`` prints in this repository (the revision line aside: it names the last commit).
+example --no-engine`` prints in this repository (the revision and the build id aside: they name the last
+commit and the checkout's ``origin`` remote, which a clone changes), with a state folder and stage
+store of its own (a build the checkout made, ``make demo``'s, would show its stages ``[built]``).
 ``IMAGEBUILD_DOCS_UPDATE=1`` rewrites the block instead of failing, after a change that moves it."""
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -16,12 +20,20 @@ DOC = ROOT / "docs" / "image-definition.md"
 BLOCK = re.compile(r"(<!-- plan example --no-engine: begin -->\n```text\n)(.*?)(```\n<!-- plan example --no-engine: end -->)",
                    re.S)
 REVISION = "<the last commit of docker-images/example>"
+BUILD_ID = "<16 hex digits>"
 
 
 def _shown() -> str:
     r = run_cli("--root", str(ROOT), "plan", "example", "--no-engine")
     assert r.code == 0, r.err
-    return re.sub(r"^(revision  )\S+", lambda m: m.group(1) + REVISION, r.out, flags=re.M)
+    out = re.sub(r"^(revision  )\S+", lambda m: m.group(1) + REVISION, r.out, flags=re.M)
+    return re.sub(r"^(build id  )[0-9a-f]{16}\b", lambda m: m.group(1) + BUILD_ID, out, flags=re.M)
+
+
+@pytest.fixture(autouse=True)
+def _own_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("IMAGEBUILD_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("IMAGEBUILD_STAGES", str(tmp_path / "stages"))
 
 
 def test_the_plan_example_in_the_docs_is_what_plan_prints():
