@@ -569,19 +569,24 @@ def _targets(p, node, label, rx, example):
     return vals or []
 
 
-def _p_cuda_targets(p, m, label):
-    out: dict = {"glob": ["*.so", "*.so.*"], "min_files": 1, "ptx": [], "tolerate": [], "kernels": []}
+def _path_or_module(p, m, label, out: dict, check: str, path_is: str, example: str) -> None:
+    """What a check reads in the image: exactly one of ``path`` and ``module``, into ``out``."""
     path, mod = m.get("path"), m.get("module")
     if (path is None) == (mod is None):
         p.err(None if not m else min(n.line for n in m.values()), label,
-              "a `cuda-targets` check needs exactly one of `path` (a folder or file in the image) "
-              "and `module` (an installed package, e.g. vllm)")
+              f"{check} needs exactly one of `path` ({path_is}) and `module` (an installed package, "
+              f"e.g. {example})")
     if path is not None:
         out["path"] = _image_path(p, path, label)
     if mod is not None:
         if not isinstance(mod.value, str) or not MODULE_RE.match(mod.value):
             p.err(mod.line, f"{label}.module", f"expected a module name, got {mod.plain()!r}")
         out["module"] = mod.value
+
+
+def _p_cuda_targets(p, m, label):
+    out: dict = {"glob": ["*.so", "*.so.*"], "min_files": 1, "ptx": [], "tolerate": [], "kernels": []}
+    _path_or_module(p, m, label, out, "a `cuda-targets` check", "a folder or file in the image", "vllm")
     if "sass" in m:
         out["sass"] = _targets(p, m["sass"], f"{label}.sass", SASS_RE, "[sm_121a] (sm_<major><minor>[a|f])")
         if not out["sass"]:
@@ -716,17 +721,7 @@ def _driver(p, node, label) -> dict:
 
 def _p_git_tree(p, m, label):
     out: dict = {"exclude": list(GIT_TREE_EXCLUDE)}
-    path, mod = m.get("path"), m.get("module")
-    if (path is None) == (mod is None):
-        p.err(None if not m else min(n.line for n in m.values()), label,
-              "a `git-tree` check needs exactly one of `path` (a folder in the image) and `module` (an "
-              "installed package, e.g. b12x)")
-    if path is not None:
-        out["path"] = _image_path(p, path, label)
-    if mod is not None:
-        if not isinstance(mod.value, str) or not MODULE_RE.match(mod.value):
-            p.err(mod.line, f"{label}.module", f"expected a module name, got {mod.plain()!r}")
-        out["module"] = mod.value
+    _path_or_module(p, m, label, out, "a `git-tree` check", "a folder in the image", "b12x")
     t = m.get("tree")
     if t is not None:
         if not isinstance(t.value, str) or not GIT_ID_RE.match(t.value):

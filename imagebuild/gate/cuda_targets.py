@@ -58,9 +58,10 @@ class Scan:
     unreadable: dict[str, str] = field(default_factory=dict)  # path -> cuobjdump's message
 
 
-def parse_listing(text: str) -> Fatbin:
-    """One file's ``cuobjdump [--dump-resource-usage]`` output."""
-    fb = Fatbin()
+def _sections(text: str):
+    """Walk ``cuobjdump`` output: (section, arch, line, new) for each line inside an arch's entry of
+    the ``Fatbin elf code:`` (``"sass"``) or ``Fatbin ptx code:`` (``"ptx"``) sections; ``new`` is
+    True on the line that names the arch (``arch = sm_XXX``)."""
     section, arch = None, None
     for line in text.splitlines():
         s = line.strip()
@@ -70,11 +71,21 @@ def parse_listing(text: str) -> Fatbin:
             section, arch = "ptx", None
         elif (m := _ARCH.match(s)) and section:
             arch = m.group(1)
+            yield section, arch, line, True
+        elif section and arch:
+            yield section, arch, line, False
+
+
+def parse_listing(text: str) -> Fatbin:
+    """One file's ``cuobjdump [--dump-resource-usage]`` output."""
+    fb = Fatbin()
+    for section, arch, line, new in _sections(text):
+        if new:
             if section == "sass":
                 fb.sass.add(arch)
             else:
                 fb.ptx.add("compute_" + arch[3:])
-        elif (m := _FUNC.match(line)) and section == "sass" and arch:
+        elif (m := _FUNC.match(line)) and section == "sass":
             fb.kernels.add(m.group(1))
     return fb
 
@@ -83,16 +94,8 @@ def parse_ptx_versions(text: str) -> set[tuple[str, str]]:
     """(compute_XXX, PTX ISA version) of each PTX in one file's ``cuobjdump -ptx`` output (or the
     lines of it that PTX_KEEP keeps)."""
     out: set[tuple[str, str]] = set()
-    section, arch = None, None
-    for line in text.splitlines():
-        s = line.strip()
-        if s == "Fatbin elf code:":
-            section, arch = "sass", None
-        elif s == "Fatbin ptx code:":
-            section, arch = "ptx", None
-        elif (m := _ARCH.match(s)) and section:
-            arch = m.group(1)
-        elif (m := _PTX_VERSION.match(s)) and section == "ptx" and arch:
+    for section, arch, line, new in _sections(text):
+        if not new and section == "ptx" and (m := _PTX_VERSION.match(line.strip())):
             out.add(("compute_" + arch[3:], m.group(1)))
     return out
 
