@@ -197,7 +197,7 @@ class GateItem(pytest.Item):
         return self.path, self.check.line - 1, f"{self.check.kind} check {self.check.id}"
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: pytest 9.0 keeps its plugins in a set
 class GatePlugin:
     spec: gatespec.GateSpec
     container: str
@@ -457,7 +457,10 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
                 watchdog.join(120)
             container_log = _container_log(name)
             _remove_container(name)
-        if exit_code == pytest.ExitCode.NO_TESTS_COLLECTED or plugin.collected == 0:
+        if exit_code == pytest.ExitCode.INTERNAL_ERROR:
+            reason = (f"pytest {pytest.__version__} failed internally (INTERNAL_ERROR, its traceback is in the "
+                      "log): no check ran")
+        elif exit_code == pytest.ExitCode.NO_TESTS_COLLECTED or plugin.collected == 0:
             reason = "no checks collected (a gate with zero checks fails)"
         elif exit_code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
             reason = f"pytest ended with {pytest.ExitCode(exit_code).name}"

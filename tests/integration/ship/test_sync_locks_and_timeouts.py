@@ -3,6 +3,7 @@ each against real peers (scripts/peer.sh: own sshd and Docker engine, containerd
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -322,7 +323,8 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
         # take longer than that (issue 34)
         stage = Path(peer.cache) / "stage"
         _hold_back(stopped, lambda: (ea.has("loading on the peer") and any(stage.glob("*.layers")))
-                   or a.poll() is not None, timeout=360, bound=sync_mod.stream_stall_s())
+                   or a.poll() is not None, timeout=360, bound=sync_mod.stream_stall_s(),
+                   read=lambda: _read_so_far(stopped, hexname))
         os.kill(stopped, signal.SIGCONT)
         stopped = None
         rc_a, doc_a = _finish(a, ea)
@@ -339,7 +341,8 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
         assert cache_files(peer) == []
     finally:
         if stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
         for p in (a, b):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -348,10 +351,12 @@ def test_syncs_of_two_images_that_share_a_layer_to_one_peer_never_write_the_same
         reset(peer)
 
 
-def _hold_back(pid: int, done, *, timeout: float, bound: float) -> None:
-    """Keep the stopped process ``pid`` stopped until ``done()`` (or ``timeout`` s), but let it run for a
-    moment every quarter of ``bound`` (the stall bound of what it feeds): it moves on a little, so what
-    waits on it never sees it still for ``bound`` s, however long ``done`` takes on a loaded machine."""
+def _hold_back(pid: int, done, *, timeout: float, bound: float, read) -> None:
+    """Keep the stopped process ``pid`` stopped until ``done()`` (or ``timeout`` s), but every quarter of
+    ``bound`` (the stall bound of what it feeds) let it read 2 MiB more (``read()``: how far it has read)
+    and stop it again: what waits on it never sees it still for ``bound`` s, however long ``done`` takes on
+    a loaded machine, and it never runs long enough to finish its transfer (a whole second of running did,
+    once: 300 MB under one second on a quiet peer, and the race this sets up was gone)."""
     end = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < end, "the first sync never started its load"
@@ -360,9 +365,15 @@ def _hold_back(pid: int, done, *, timeout: float, bound: float) -> None:
             time.sleep(0.005)
         if done():
             return
+        start = read()
         os.kill(pid, signal.SIGCONT)
-        time.sleep(min(1.0, bound / 20))
-        os.kill(pid, signal.SIGSTOP)
+        moving = time.monotonic()
+        while read() - start < 2 << 20 and time.monotonic() - moving < min(1.0, bound / 20):
+            time.sleep(0.001)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return  # it finished its transfer all the same: the outcome is still checked below
 
 
 def _ingested(peer) -> int:
