@@ -3,11 +3,19 @@ stage (--network none), through imagebuild's compiler cache, against the plain t
 BuildKit's cache mount alone (the same pinned ccache and set-up, no host copy), which dies with the mount.
 
 The test bed is benchmarks/compilecache/ (image.yaml, Dockerfile.compile, requirements-compile.txt); the
-scratch project gets the real files from ../shared/upstream:
+scratch project gets the real files from ../shared/upstream, and each its compile line in
+cu/compile-commands.txt (SOURCE|FLAGS, the flags its own CMake gives it):
 - vllm-28be48fa.tar.gz: csrc/cuda_utils_kernels.cu (+ cuda_utils.h) and
-  csrc/libtorch_stable/quantization/cutlass_w4a8/w4a8_utils.cu (+ w4a8_utils.cuh), the tree's .cu files
-  that need only CUDA and cutlass headers (the others include torch);
-- cutlass-62750a2b-include.tar.gz: include/ (what flash-attention's csrc/cutlass submodule pins).
+  csrc/libtorch_stable/quantization/cutlass_w4a8/w4a8_utils.cu (+ w4a8_utils.cuh), sm_121a;
+- flash-attention-bce29425-subset.tar.gz: one FA2 forward instantiation,
+  csrc/flash_attn/src/flash_fwd_hdim32_fp16_sm80.cu, with the headers of csrc/flash_attn and csrc/common,
+  compiled as flash-attention's CMake compiles it inside vLLM's build (C++20 from vLLM's CMake; its
+  VLLM_FA_GPU_FLAGS; FLASHATTENTION_DISABLE_BACKWARD/_DROPOUT/_PYBIND; FA2_ARCHS "8.0+PTX": sm_80 SASS and
+  compute_80 PTX) -- the object that makes most of a vLLM compile's time (scripts/kernels.py);
+- cutlass-62750a2b-include.tar.gz: include/ (what flash-attention's csrc/cutlass submodule pins);
+- torch's headers (torch/include) from glm53's torch wheel (torch==2.13.0, PyPI's aarch64 build, the
+  same headers on every platform), downloaded once by ``pip download --no-deps`` into the bench's work
+  folder (the machine's pip configuration names the index).
 
 ``python benchmarks/bench_compilecache.py`` runs the whole sequence once per variant and prints, per step,
 the wall time, the load average and ccache's counters (hits direct/preprocessed, misses, uncacheable):
@@ -43,6 +51,20 @@ REAL_CU = {
     "vllm/csrc/libtorch_stable/quantization/cutlass_w4a8/w4a8_utils.cu": "w4a8/w4a8_utils.cu",
     "vllm/csrc/libtorch_stable/quantization/cutlass_w4a8/w4a8_utils.cuh": "w4a8/w4a8_utils.cuh",
 }
+FA2_SOURCE = "csrc/flash_attn/src/flash_fwd_hdim32_fp16_sm80.cu"
+FA2_HEADER_DIRS = ("csrc/flash_attn/", "csrc/common/")
+TORCH = "torch==2.13.0"  # glm53-jovian-r12's requirements-torch.txt pin: its headers
+SM121A = "-gencode arch=compute_121a,code=sm_121a"
+# SOURCE|FLAGS, each as its CMake compiles it (nvcc adds -Xcompiler=-fPIC --threads=1 -MD -MT -MF: the RUN)
+COMMANDS = [
+    f"cuda_utils/cuda_utils_kernels.cu|-std=c++17 -O2 -Iinclude -Icuda_utils {SM121A}",
+    f"w4a8/w4a8_utils.cu|-std=c++17 -O2 -Iinclude -Iw4a8 {SM121A}",
+    f"fa2/{FA2_SOURCE}|-std=c++20 -O3 -DNDEBUG -DFLASHATTENTION_DISABLE_BACKWARD -DFLASHATTENTION_DISABLE_DROPOUT "
+    "-DFLASHATTENTION_DISABLE_PYBIND -DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL=1 --expt-relaxed-constexpr "
+    "--expt-extended-lambda --use_fast_math -Ifa2/csrc/flash_attn -Ifa2/csrc/flash_attn/src -Ifa2/csrc/common "
+    "-Iinclude -Itorch-include -Itorch-include/torch/csrc/api/include "
+    "-gencode arch=compute_80,code=sm_80 -gencode arch=compute_80,code=compute_80",
+]
 STATS_BEGIN, STATS_END = "imagebuild-bench-stats-begin", "imagebuild-bench-stats-end"
 
 
@@ -85,8 +107,35 @@ def _make_project(root: Path, variant: str, cache_id: str) -> None:
             (cu / dst).write_bytes(t.extractfile(src).read())
     with tarfile.open(UPSTREAM / "cutlass-62750a2b-include.tar.gz") as t:
         t.extractall(cu, filter="data")
+    with tarfile.open(UPSTREAM / "flash-attention-bce29425-subset.tar.gz") as t:
+        for m in t.getmembers():  # FA2's one source and its headers (not the other instantiations)
+            if m.isfile() and (m.name == FA2_SOURCE or (m.name.startswith(FA2_HEADER_DIRS)
+                                                        and m.name.endswith((".h", ".hpp", ".cuh")))):
+                (cu / "fa2" / m.name).parent.mkdir(parents=True, exist_ok=True)
+                (cu / "fa2" / m.name).write_bytes(t.extractfile(m).read())
+    _torch_headers(cu / "torch-include")
+    (cu / "compile-commands.txt").write_text("\n".join(COMMANDS) + "\n")
     (d / "py").mkdir()
     (d / "py" / "note.py").write_text("VERSION = 0\n")
+
+
+def _torch_headers(dest: Path) -> None:
+    """torch/include of glm53's torch wheel into ``dest`` (the wheel downloaded once into WORK)."""
+    import zipfile
+
+    wheels = WORK / "torch-wheel"
+    found = sorted(wheels.glob("torch-*.whl")) if wheels.is_dir() else []
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                        "--platform", "manylinux_2_28_aarch64", "--python-version", "3.12", "--dest", str(wheels),
+                        TORCH], check=True)
+        found = sorted(wheels.glob("torch-*.whl"))
+    with zipfile.ZipFile(found[-1]) as z:
+        for name in z.namelist():
+            if name.startswith("torch/include/") and not name.endswith("/"):
+                out = dest / name[len("torch/include/"):]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(z.read(name))
 
 
 def _imagebuild(root: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
