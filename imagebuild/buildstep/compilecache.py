@@ -10,9 +10,15 @@ host, like the stage store; ``$IMAGEBUILD_COMPILER_CACHE`` moves it), and:
   configures ccache for a build container and, when the stage's cache mount is empty (a fresh
   builder, or the cache mounts were pruned), seeds the mount from it;
 - takes it back after the stage is built: a second, small build (``--network none``) copies the
-  cache mount out through ``--output type=local`` into a temporary folder, which then replaces the
-  host folder (rename). The stage's figures (``ccache --print-stats``, written into the cache
-  mount at the end of the compile) come back with it and go into the build record.
+  cache mount out through ``--output type=local``. When the mount started as the host copy (its
+  generation file, written at each take-back into both, is the host copy's), only what the compile
+  changed comes out: files written after the compile began whose bytes the host copy does not hold
+  (ccache touches the entries it hits, which does not make them new), and the list of every file,
+  so entries ccache evicted go from the host copy too. They are applied file by file (rename) under
+  a lock, and the generation is written last: a take-back killed half-way leaves a host copy whose
+  generation matches no mount, so the next one copies the whole mount, replacing the host folder
+  (rename), as the first one does. The stage's figures (``ccache --print-stats``, written into the
+  cache mount at the end of the compile) come back with it and go into the build record.
 
 A stage opts in by binding ``imagebuild-ccache`` and mounting a cache at ``/root/.ccache``:
 
@@ -27,8 +33,10 @@ change it) and never in a layer (a cache mount and a bind mount leave nothing in
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -41,6 +49,10 @@ SEED_MOUNT = "/imagebuild/ccache"
 CCACHE_DIR = "/root/.ccache"
 SCRIPT = "imagebuild-ccache.sh"
 STATS_FILE = "imagebuild-stats.txt"  # in the cache folder: the last compile's figures
+GENERATION_FILE = "imagebuild-generation"  # the take-back that wrote it (host copy and mount alike)
+START_FILE = "imagebuild-start"  # in the mount: written as the compile begins (what is newer, it wrote)
+MODE_FILE = "imagebuild-export-mode"  # in the mount: delta (it started as the host copy) or full
+_OWN = (GENERATION_FILE, START_FILE, MODE_FILE)
 ENV_DIR = "IMAGEBUILD_COMPILER_CACHE"
 MAX_SIZE = "20G"  # ccache's max_size: the bound of one cache (ccache evicts the oldest beyond it)
 # ccache configuration for a build container: sources are extracted in the same RUN (new ctime and
@@ -91,6 +103,12 @@ def script() -> bytes:
         f"  cp -a {SEED_MOUNT}/. {CCACHE_DIR}/ && rm -f {CCACHE_DIR}/{STATS_FILE}\n"
         f'  echo "imagebuild-ccache: cache mount seeded from the host copy ($(du -sh {CCACHE_DIR} | cut -f1))"\n'
         "fi\n"
+        # the take-back copies out only what this compile changed when the mount is the host copy
+        # (a start file left behind: the last compile in this mount was never taken back, so it is not)
+        f'if [ ! -e {CCACHE_DIR}/{START_FILE} ] && [ -s {SEED_MOUNT}/{GENERATION_FILE} ] && cmp -s {SEED_MOUNT}/{GENERATION_FILE} '
+        f'{CCACHE_DIR}/{GENERATION_FILE} 2>/dev/null; then echo delta > {CCACHE_DIR}/{MODE_FILE}; '
+        f"else echo full > {CCACHE_DIR}/{MODE_FILE}; fi\n"
+        f"mkdir -p {CCACHE_DIR} && : > {CCACHE_DIR}/{START_FILE}\n"
         "ccache --version | head -n 1\n"
         "ccache --zero-stats >/dev/null\n"
         f"trap 'ccache --print-stats > {CCACHE_DIR}/{STATS_FILE} 2>/dev/null || true; "
@@ -146,42 +164,125 @@ EXPORT_DOCKERFILE = f"""\
 FROM stage AS dump
 ARG IMAGEBUILD_EXPORT
 RUN --mount=type=cache,id={{cache_id}},target={CCACHE_DIR} \\
-    echo "export $IMAGEBUILD_EXPORT" && mkdir /imagebuild-ccache-out && cp -a {CCACHE_DIR}/. /imagebuild-ccache-out/
+    --mount=type=bind,from={NAMED_CCACHE},target={SEED_MOUNT} \\
+    set -eu; echo "export $IMAGEBUILD_EXPORT"; out=/imagebuild-ccache-out; mkdir -p "$out/files"; \\
+    cd {CCACHE_DIR}; \\
+    if [ "$(cat {MODE_FILE} 2>/dev/null)" = delta ] && [ -f {START_FILE} ] && command -v cmp >/dev/null; then \\
+      find . -type f -newer {START_FILE} ! -name {GENERATION_FILE} ! -name {START_FILE} ! -name {MODE_FILE} \\
+        | while IFS= read -r f; do \\
+          if [ -f "{SEED_MOUNT}/$f" ] && cmp -s "$f" "{SEED_MOUNT}/$f"; then continue; fi; \\
+          mkdir -p "$out/files/${{f%/*}}" && cp -p "$f" "$out/files/$f"; \\
+        done; \\
+      find . -type f ! -name {GENERATION_FILE} ! -name {START_FILE} ! -name {MODE_FILE} > "$out/manifest"; \\
+      echo delta > "$out/mode"; \\
+    else \\
+      cp -a . "$out/files/" && rm -f "$out/files/{GENERATION_FILE}" "$out/files/{START_FILE}" "$out/files/{MODE_FILE}"; \\
+      echo full > "$out/mode"; \\
+    fi; \\
+    rm -f {START_FILE} {MODE_FILE}; echo "$IMAGEBUILD_EXPORT" > {GENERATION_FILE}; cp {GENERATION_FILE} "$out/generation"
 FROM scratch
 COPY --from=dump /imagebuild-ccache-out/ /
 """
 
 
 def take_back(cache_id: str, *, stage_context: str, platform: str, tmp: Path, run_id: str, log_path: Path) -> dict | None:
-    """Copy the stage's cache mount ``cache_id`` out of BuildKit into the host folder (replacing it);
-    returns the figures of the compile that just ran (None when it wrote none)."""
+    """Bring the stage's cache mount ``cache_id`` out of BuildKit into the host folder (what changed, or
+    all of it: the module's docstring); returns the figures of the compile that just ran (None when it
+    wrote none)."""
     dest = host_dir(cache_id)
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = tmp / "ccache-export"
     work.mkdir(parents=True, exist_ok=True)
     (work / "Dockerfile").write_text(EXPORT_DOCKERFILE.replace("{cache_id}", cache_id))
+    empty = work / "empty"
+    empty.mkdir(exist_ok=True)
     out = dest.parent / f".{cache_id}.tmp-{os.getpid()}"
     shutil.rmtree(out, ignore_errors=True)
+    generation = f"{run_id}-{secrets.token_hex(6)}"
     argv = ["docker", "buildx", "build", "--progress=plain", "--provenance=false", "--sbom=false",
             "--platform", platform, "--network", "none", "--file", str(work / "Dockerfile"),
-            "--build-context", f"stage={stage_context}", "--build-arg", f"IMAGEBUILD_EXPORT={run_id}",
+            "--build-context", f"stage={stage_context}",
+            "--build-context", f"{NAMED_CCACHE}={dest if dest.is_dir() else empty}",
+            "--build-arg", f"IMAGEBUILD_EXPORT={generation}",
             "--output", f"type=local,dest={out}", str(work)]
     t0 = time.monotonic()
     proc = run_mod.run(argv, check=False, timeout=3600)
     with open(log_path, "ab") as f:
         f.write(b"\n# imagebuild: compiler cache taken back to the host\n" + (proc.stdout or b""))
-    if proc.returncode != 0:
+    try:
+        if proc.returncode != 0 or not (out / "generation").is_file():
+            return None
+        mode = (out / "mode").read_text().strip() if (out / "mode").is_file() else "full"
+        with _locked(dest.parent / f".{cache_id}.lock"):
+            if mode == "delta" and dest.is_dir():
+                copied = _apply_delta(out, dest)
+            else:
+                mode, copied = "full", _replace(out, dest)
+            _write_generation(dest, (out / "generation").read_text().strip())
+    finally:
         shutil.rmtree(out, ignore_errors=True)
-        return None
-    old = dest.parent / f".{cache_id}.old-{os.getpid()}"
-    if dest.exists():
-        dest.rename(old)
-    out.rename(dest)
-    shutil.rmtree(old, ignore_errors=True)
     stats_file = dest / STATS_FILE
     if not stats_file.is_file():
         return None
-    return {**parse_stats(stats_file.read_text(errors="replace")), "take_back_s": round(time.monotonic() - t0, 2)}
+    return {**parse_stats(stats_file.read_text(errors="replace")), "take_back_s": round(time.monotonic() - t0, 2),
+            "take_back": mode, "take_back_files": copied}
+
+
+class _locked:
+    """An exclusive flock on ``path`` (two builds of one cache taking it back at once apply in turn)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+def _files_under(top: Path) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(top):
+        rel = os.path.relpath(dirpath, top)
+        out.extend(f if rel == "." else f"{rel}/{f}" for f in files)
+    return out
+
+
+def _replace(out: Path, dest: Path) -> int:
+    """The whole mount (``out/files``) becomes the host copy, in one rename."""
+    files = out / "files"
+    files.mkdir(exist_ok=True)
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+    if dest.exists():
+        dest.rename(old)
+    files.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return len(_files_under(dest))
+
+
+def _apply_delta(out: Path, dest: Path) -> int:
+    """What the compile changed (``out/files``) into the host copy, file by file (rename); the host copy's
+    files the mount no longer holds (``out/manifest``: ccache evicted them) removed."""
+    changed = _files_under(out / "files")
+    for rel in changed:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out / "files" / rel, target)
+    keep = {ln[2:] if ln.startswith("./") else ln
+            for ln in (out / "manifest").read_text(errors="surrogateescape").splitlines() if ln}
+    for rel in _files_under(dest):
+        if rel not in keep and rel != GENERATION_FILE:
+            (dest / rel).unlink(missing_ok=True)
+    return len(changed)
+
+
+def _write_generation(dest: Path, generation: str) -> None:
+    tmp = dest / f".{GENERATION_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(generation + "\n")
+    os.replace(tmp, dest / GENERATION_FILE)
 
 
 def usage() -> list[dict]:

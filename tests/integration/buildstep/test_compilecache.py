@@ -101,6 +101,76 @@ def test_compiler_cache_outlives_cache_mounts(engine_info, tmp_path, monkeypatch
             pass
 
 
+def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_path, monkeypatch):
+    """After the first take-back (the whole mount) the host copy and the mount are one generation: the
+    next compile's take-back brings only its new entries (a delta); what it brings is enough (after the
+    mount is dropped, everything hits from the host copy); and whenever the mount may not be the host
+    copy (a compile that failed and so was never taken back, or a host copy removed) it brings the
+    whole mount again."""
+    root = tmp_path / "p"
+    monkeypatch.setenv(compilecache.ENV_DIR, str(tmp_path / "ccache-host"))
+    cache_id = f"imagebuild-test-ccache-{uuid.uuid4().hex[:12]}"
+    d = root / "docker-images" / "ccdelta"
+    (d / "src").mkdir(parents=True)
+    (d / "versions.env").write_text("BASE_IMAGE=imagebuild-test/debian:bookworm\n")
+    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: compile\n    from: BASE_IMAGE\n"
+                                  "    files: [src]\n")
+    (d / "Dockerfile.compile").write_text(DOCKERFILE.replace("CACHE_ID", cache_id))
+
+    def source(i: int, body: str = "") -> None:
+        (d / "src" / f"f{i}.cpp").write_text(f"#include <vector>\nint f{i}() {{ std::vector<int> v({i}); {body}"
+                                             "return (int)v.size(); }\n")
+
+    def build(*args, ok: bool = True) -> dict | None:
+        res = run_cli("--root", str(root), "build", "ccdelta", "--json", "--no-gate", *args)
+        if not ok:
+            assert res.code != 0, res.out
+            return None
+        assert res.code == 0, res.err
+        return next(s for s in json.loads(res.out)["stages"] if s["name"] == "compile")["compiler_cache"]
+
+    for i in range(6):
+        source(i)
+    host = compilecache.host_dir(cache_id)
+    try:
+        cc = build("--no-cache")
+        assert cc["take_back"] == "full" and (cc["hits"], cc["misses"]) == (0, 6), cc
+        whole = cc["take_back_files"]
+        gen1 = (host / compilecache.GENERATION_FILE).read_text()
+        # one source changed: a delta of its entries (and ccache's own counters), not the whole cache
+        source(2, "v.push_back(7); ")
+        cc = build()
+        assert cc["take_back"] == "delta" and (cc["hits"], cc["misses"]) == (5, 1), cc
+        assert 0 < cc["take_back_files"] < whole, (cc, whole)
+        assert (host / compilecache.GENERATION_FILE).read_text() != gen1
+        # what the delta brought is in the host copy: a builder without the mount hits everything
+        _drop_cache_mount(cache_id)
+        cc = build("--no-cache")
+        assert (cc["hits"], cc["misses"]) == (6, 0) and cc["take_back"] == "delta", cc
+        # a compile that fails is never taken back: the next take-back is the whole mount
+        (d / "src" / "f9.cpp").write_text("int f9() { return undeclared; }\n")
+        build(ok=False)
+        (d / "src" / "f9.cpp").unlink()
+        source(3, "v.push_back(8); ")
+        cc = build()
+        assert cc["take_back"] == "full" and (cc["hits"], cc["misses"]) == (5, 1), cc
+        # the host copy removed while the mount is warm: the whole mount again, and the host copy is whole
+        import shutil
+        shutil.rmtree(host)
+        source(4, "v.push_back(9); ")
+        cc = build()
+        assert cc["take_back"] == "full" and (cc["hits"], cc["misses"]) == (5, 1), cc
+        _drop_cache_mount(cache_id)
+        cc = build("--no-cache")
+        assert (cc["hits"], cc["misses"]) == (6, 0), cc
+    finally:
+        remove_images("imagebuild/ccdelta", "ccdelta")
+        try:
+            _drop_cache_mount(cache_id)
+        except (AssertionError, subprocess.CalledProcessError):
+            pass
+
+
 @pytest.mark.parametrize("text, want", [
     (DOCKERFILE.replace("CACHE_ID", "x-ccache"), "x-ccache"),
     (DOCKERFILE.replace("CACHE_ID", "x").replace("from=imagebuild-ccache", "from=other"), None),
