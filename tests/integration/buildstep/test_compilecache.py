@@ -141,7 +141,9 @@ def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_pat
         source(2, "v.push_back(7); ")
         cc = build()
         assert cc["take_back"] == "delta" and (cc["hits"], cc["misses"]) == (5, 1), cc
-        assert 0 < cc["take_back_files"] < whole, (cc, whole)
+        # (its new entries, their counter files and the figures: never every counter file of the cache,
+        # which zeroing the counters before the compile rewrote)
+        assert 0 < cc["take_back_files"] < whole // 2, (cc, whole)
         assert (host / compilecache.GENERATION_FILE).read_text() != gen1
         # what the delta brought is in the host copy: a builder without the mount hits everything
         _drop_cache_mount(cache_id)
