@@ -303,7 +303,8 @@ def benchmarks():
             _drop_mount(cache_id)
         _remove_images()
 
-    return [Benchmark("compile: rebuild after the cache mounts were dropped (2 real vLLM .cu, nvcc sm_121a)",
+    return [Benchmark("compile: rebuild after the cache mounts were dropped (2 real vLLM .cu at sm_121a and one FA2 "
+                      "object, nvcc 13.0)",
                       lambda: run("imagebuild"), lambda: run("plain"), repeat=1, setup=setup, teardown=teardown,
                       note="ours: imagebuild's host copy seeds the mount (every object a hit); baseline: BuildKit's "
                       "cache mount alone, the same pinned ccache and set-up (every object compiled again); "
