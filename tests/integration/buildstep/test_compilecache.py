@@ -44,19 +44,30 @@ def _drop_cache_mount(cache_id: str) -> None:
     assert cache_id not in out, out
 
 
-def test_compiler_cache_outlives_cache_mounts(engine_info, tmp_path, monkeypatch):
+def _compile_project(tmp_path, monkeypatch, name: str) -> tuple:
+    """A one-stage project whose stage compiles src/*.cpp through the compiler cache (its host copy
+    under tmp_path): (root, the image folder, the cache id)."""
     root = tmp_path / "p"
     monkeypatch.setenv(compilecache.ENV_DIR, str(tmp_path / "ccache-host"))
     cache_id = f"imagebuild-test-ccache-{uuid.uuid4().hex[:12]}"
-    d = root / "docker-images" / "ccown"
+    d = root / "docker-images" / name
     (d / "src").mkdir(parents=True)
     (d / "versions.env").write_text("BASE_IMAGE=imagebuild-test/debian:bookworm\n")
     (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: compile\n    from: BASE_IMAGE\n"
                                   "    files: [src]\n")
     (d / "Dockerfile.compile").write_text(DOCKERFILE.replace("CACHE_ID", cache_id))
+    return root, d, cache_id
+
+
+def _source(d, i: int, body: str = "") -> None:
+    (d / "src" / f"f{i}.cpp").write_text(f"#include <vector>\nint f{i}() {{ std::vector<int> v({i}); {body}"
+                                         "return (int)v.size(); }\n")
+
+
+def test_compiler_cache_outlives_cache_mounts(engine_info, tmp_path, monkeypatch):
+    root, d, cache_id = _compile_project(tmp_path, monkeypatch, "ccown")
     for i in range(4):
-        (d / "src" / f"f{i}.cpp").write_text(f"#include <vector>\nint f{i}() {{ std::vector<int> v({i}); "
-                                             "return (int)v.size(); }\n")
+        _source(d, i)
 
     def build(*args) -> dict:
         res = run_cli("--root", str(root), "build", "ccown", "--json", "--no-gate", *args)
@@ -107,19 +118,7 @@ def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_pat
     mount is dropped, everything hits from the host copy); and whenever the mount may not be the host
     copy (a compile that failed and so was never taken back, or a host copy removed) it brings the
     whole mount again."""
-    root = tmp_path / "p"
-    monkeypatch.setenv(compilecache.ENV_DIR, str(tmp_path / "ccache-host"))
-    cache_id = f"imagebuild-test-ccache-{uuid.uuid4().hex[:12]}"
-    d = root / "docker-images" / "ccdelta"
-    (d / "src").mkdir(parents=True)
-    (d / "versions.env").write_text("BASE_IMAGE=imagebuild-test/debian:bookworm\n")
-    (d / "image.yaml").write_text("platform: linux/amd64\nstages:\n  - name: compile\n    from: BASE_IMAGE\n"
-                                  "    files: [src]\n")
-    (d / "Dockerfile.compile").write_text(DOCKERFILE.replace("CACHE_ID", cache_id))
-
-    def source(i: int, body: str = "") -> None:
-        (d / "src" / f"f{i}.cpp").write_text(f"#include <vector>\nint f{i}() {{ std::vector<int> v({i}); {body}"
-                                             "return (int)v.size(); }\n")
+    root, d, cache_id = _compile_project(tmp_path, monkeypatch, "ccdelta")
 
     def build(*args, ok: bool = True) -> dict | None:
         res = run_cli("--root", str(root), "build", "ccdelta", "--json", "--no-gate", *args)
@@ -130,7 +129,7 @@ def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_pat
         return next(s for s in json.loads(res.out)["stages"] if s["name"] == "compile")["compiler_cache"]
 
     for i in range(6):
-        source(i)
+        _source(d, i)
     host = compilecache.host_dir(cache_id)
     try:
         cc = build("--no-cache")
@@ -138,7 +137,7 @@ def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_pat
         whole = cc["take_back_files"]
         gen1 = (host / compilecache.GENERATION_FILE).read_text()
         # one source changed: a delta of its entries (and ccache's own counters), not the whole cache
-        source(2, "v.push_back(7); ")
+        _source(d, 2, "v.push_back(7); ")
         cc = build()
         assert cc["take_back"] == "delta" and (cc["hits"], cc["misses"]) == (5, 1), cc
         # (its new entries, their counter files and the figures: never every counter file of the cache,
@@ -153,13 +152,13 @@ def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_pat
         (d / "src" / "f9.cpp").write_text("int f9() { return undeclared; }\n")
         build(ok=False)
         (d / "src" / "f9.cpp").unlink()
-        source(3, "v.push_back(8); ")
+        _source(d, 3, "v.push_back(8); ")
         cc = build()
         assert cc["take_back"] == "full" and (cc["hits"], cc["misses"]) == (5, 1), cc
         # the host copy removed while the mount is warm: the whole mount again, and the host copy is whole
         import shutil
         shutil.rmtree(host)
-        source(4, "v.push_back(9); ")
+        _source(d, 4, "v.push_back(9); ")
         cc = build()
         assert cc["take_back"] == "full" and (cc["hits"], cc["misses"]) == (5, 1), cc
         _drop_cache_mount(cache_id)
