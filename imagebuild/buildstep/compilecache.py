@@ -17,13 +17,12 @@ host, like the stage store; ``$IMAGEBUILD_COMPILER_CACHE`` moves it), and:
   result files are named by the hash of their inputs and never change, and a manifest that gained an
   entry grew; a stale one could only cost a hit, never give a wrong object), and the list of every
   file, so entries ccache evicted go from the host copy too. (It needs GNU find, awk and tar in the
-  stage; without them, the whole mount comes back.) The counters are not zeroed before the compile
-  (that rewrites every counter file of the cache): its figures are the counters after it less those
-  before. They are applied file by file (rename) under
-  a lock, and the generation is written last: a take-back killed half-way leaves a host copy whose
+  stage; without them, the whole mount comes back.) They are applied file by file (rename) under a
+  lock, and the generation is written last: a take-back killed half-way leaves a host copy whose
   generation matches no mount, so the next one copies the whole mount, replacing the host folder
-  (rename), as the first one does. The stage's figures (``ccache --print-stats``, written into the
-  cache mount at the end of the compile) come back with it and go into the build record.
+  (rename), as the first one does. The stage's figures (``ccache --print-stats`` before and after
+  the compile, written into the cache mount; the counters are not zeroed, which would rewrite every
+  counter file of the cache) come back with it and go into the build record.
 
 A stage opts in by binding ``imagebuild-ccache`` and mounting a cache at ``/root/.ccache``:
 
@@ -38,7 +37,6 @@ change it) and never in a layer (a cache mount and a bind mount leave nothing in
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import secrets
@@ -46,6 +44,7 @@ import shutil
 import time
 from pathlib import Path
 
+from imagebuild.core import fsutil
 from imagebuild.core import run as run_mod
 from imagebuild.core import state as state_mod
 
@@ -58,7 +57,6 @@ STATS_BEFORE_FILE = "imagebuild-stats-before.txt"  # ... and before it (the figu
 GENERATION_FILE = "imagebuild-generation"  # the take-back that wrote it (host copy and mount alike)
 START_FILE = "imagebuild-start"  # in the mount: written as the compile begins (what is newer, it wrote)
 MODE_FILE = "imagebuild-export-mode"  # in the mount: delta (it started as the host copy) or full
-_OWN = (GENERATION_FILE, START_FILE, MODE_FILE)
 ENV_DIR = "IMAGEBUILD_COMPILER_CACHE"
 MAX_SIZE = "20G"  # ccache's max_size: the bound of one cache (ccache evicts the oldest beyond it)
 # ccache configuration for a build container: sources are extracted in the same RUN (new ctime and
@@ -230,8 +228,8 @@ def take_back(cache_id: str, *, stage_context: str, platform: str, tmp: Path, ru
         if proc.returncode != 0 or not (out / "generation").is_file():
             return None
         mode = (out / "mode").read_text().strip() if (out / "mode").is_file() else "full"
-        with _locked(dest.parent / f".{cache_id}.lock"):
-            if mode == "delta" and dest.is_dir():
+        with fsutil.held(dest.parent / f".{cache_id}.lock"):
+            if mode == "delta" and dest.is_dir() and (out / "manifest").is_file():
                 copied = _apply_delta(out, dest)
             else:
                 mode, copied = "full", _replace(out, dest)
@@ -246,21 +244,6 @@ def take_back(cache_id: str, *, stage_context: str, platform: str, tmp: Path, ru
     return {**parse_stats(stats_file.read_text(errors="replace"), before_text),
             "take_back_s": round(time.monotonic() - t0, 2),
             "take_back": mode, "take_back_files": copied}
-
-
-class _locked:
-    """An exclusive flock on ``path`` (two builds of one cache taking it back at once apply in turn)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self.fd)
 
 
 def _files_under(top: Path) -> list[str]:
