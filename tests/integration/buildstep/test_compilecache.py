@@ -44,6 +44,15 @@ def _drop_cache_mount(cache_id: str) -> None:
     assert cache_id not in out, out
 
 
+def _clean_up(name: str, cache_id: str) -> None:
+    """The test's images and its cache mount (when still there)."""
+    remove_images(f"imagebuild/{name}", name)
+    try:
+        _drop_cache_mount(cache_id)
+    except (AssertionError, subprocess.CalledProcessError):
+        pass
+
+
 def _compile_project(tmp_path, monkeypatch, name: str) -> tuple:
     """A one-stage project whose stage compiles src/*.cpp through the compiler cache (its host copy
     under tmp_path): (root, the image folder, the cache id)."""
@@ -105,11 +114,7 @@ def test_compiler_cache_outlives_cache_mounts(engine_info, tmp_path, monkeypatch
         rows = json.loads(res.out)["compiler_caches"]
         assert any(r["id"] == cache_id and r["bytes"] > 0 for r in rows), rows
     finally:
-        remove_images("imagebuild/ccown", "ccown")
-        try:
-            _drop_cache_mount(cache_id)
-        except (AssertionError, subprocess.CalledProcessError):
-            pass
+        _clean_up("ccown", cache_id)
 
 
 def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_path, monkeypatch):
@@ -165,11 +170,7 @@ def test_the_take_back_brings_only_what_the_compile_changed(engine_info, tmp_pat
         cc = build("--no-cache")
         assert (cc["hits"], cc["misses"]) == (6, 0), cc
     finally:
-        remove_images("imagebuild/ccdelta", "ccdelta")
-        try:
-            _drop_cache_mount(cache_id)
-        except (AssertionError, subprocess.CalledProcessError):
-            pass
+        _clean_up("ccdelta", cache_id)
 
 
 @pytest.mark.parametrize("text, want", [
