@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from imagebuild.core import lazy
@@ -59,6 +62,18 @@ class UnfitFile(OSError):
     device such as /dev/zero, whose read never ends; a socket; a folder), or bigger than its bound.
     An ``OSError``, so that a reader that takes an unreadable file as absent or bad does so here too;
     ``strerror`` says why, for a message (docs/security.md, "hang or exhaust memory on an input")."""
+
+
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` (created when missing) for the ``with`` block: who else takes it
+    waits until the block ends."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def special_kind(mode: int) -> str | None:

@@ -37,7 +37,7 @@ from imagebuild.core import identity as identity_mod
 from imagebuild.core import interrupts, runs, state
 from imagebuild.core import run as run_mod
 from imagebuild.core.errors import GateFailed, OperationFailed, UsageError
-from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, sha256_file
+from imagebuild.core.fsutil import atomic_write_bytes, atomic_write_text, held, sha256_file
 from imagebuild.definition import gatespec
 from imagebuild.definition import reader as defn_mod
 from imagebuild.gate import checks as gatechecks
@@ -49,13 +49,6 @@ CANDIDATE_TAG = "candidate"
 CONTAINER_PREFIX = "imagebuild-gate-"
 
 
-@contextlib.contextmanager
-def _held(path: Path):
-    import fcntl
-
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 CONTAINER_LABEL = leftovers.CONTAINER_LABEL
 # Works with busybox ash and dash/bash; keeps PID 1 alive and stops on TERM/INT.
 KEEPALIVE = 'trap "exit 0" TERM INT; sleep 2147483647 & wait'
@@ -437,7 +430,7 @@ def execute(target: Target, *, require_gpu: bool = False, junit: Path | None = N
                 log.info("starting container %s (entrypoint overridden, --network none%s)", name,
                          ", --gpus all" if gpu else "")
                 with tempfile.TemporaryDirectory(prefix=state.GATE_TMP_PREFIX) as tmp, _clean_pytest_env(), \
-                        _held(Path(tmp) / state.GATE_TMP_LOCK):
+                        held(Path(tmp) / state.GATE_TMP_LOCK):
                     _start_container(name, target.ref, ident.digest, gpu, emulated, Path(tmp))
                     watchdog.start()
                     ini = Path(tmp) / "pytest.ini"

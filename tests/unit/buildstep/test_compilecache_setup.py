@@ -58,7 +58,10 @@ def test_the_script_configures_ccache_for_a_build_container():
     assert {"include_file_ctime", "include_file_mtime", "time_macros"} <= set(env["CCACHE_SLOPPINESS"].split(","))
     assert env["CCACHE_COMPILERCHECK"] == "content"
     assert env["CCACHE_BASEDIR"] == "/imagebuild/work" and env["CCACHE_MAXSIZE"]
-    assert "--zero-stats" in text and "--print-stats" in text
+    # the counters are read before and after the compile, never zeroed (that rewrites every counter file)
+    assert "--zero-stats" not in text
+    assert f"--print-stats > {compilecache.CCACHE_DIR}/{compilecache.STATS_BEFORE_FILE}" in text
+    assert f"--print-stats > {compilecache.CCACHE_DIR}/{compilecache.STATS_FILE}" in text
 
 
 def test_parse_stats_counts_hits_misses_and_uncacheable():
@@ -68,6 +71,16 @@ def test_parse_stats_counts_hits_misses_and_uncacheable():
     assert (s["hits"], s["misses"], s["uncacheable"], s["hit_rate"]) == (4, 1, 3, 0.8)
     assert s["cache_bytes"] == 2048 * 1024 and s["tool"] == "ccache version 4.14.2"
     assert "80.0% hit" in compilecache.line(s)
+
+
+def test_the_figures_are_the_counters_after_less_those_before():
+    before = "direct_cache_hit\t10\ncache_miss\t4\ncalled_for_link\t1\ncache_size_kibibyte\t100\nfiles_in_cache\t7\n"
+    after = "direct_cache_hit\t13\ncache_miss\t5\ncalled_for_link\t1\ncache_size_kibibyte\t120\nfiles_in_cache\t9\n"
+    s = compilecache.parse_stats(after, before)
+    assert (s["hits"], s["misses"], s["uncacheable"], s["hit_rate"]) == (3, 1, 0, 0.75)
+    assert (s["cache_bytes"], s["files"]) == (120 * 1024, 9)  # the cache's own size, not a difference
+    # counters that went down (ccache -z by hand in between): never a negative figure
+    assert compilecache.parse_stats(before, after)["hits"] == 0
 
 
 def test_gc_takes_only_a_dead_builds_leftovers(tmp_path, monkeypatch):
