@@ -113,6 +113,26 @@ def test_compiler_cache_outlives_cache_mounts(engine_info, tmp_path, monkeypatch
         assert res.code == 0, res.err
         rows = json.loads(res.out)["compiler_caches"]
         assert any(r["id"] == cache_id and r["bytes"] > 0 for r in rows), rows
+        # the figures reach the nightly report and the history page: one source changed, so the
+        # nightly builds the stage again with 3 hits and 1 miss
+        (d / "gate.yaml").write_text("description: the stage's objects were compiled\npython: python3\ntimeout: 60\n"
+                                     "checks:\n  - id: objects\n    kind: command\n    run: ls /tmp/f0.o /tmp/f3.o\n")
+        (d / "image.yaml").write_text((d / "image.yaml").read_text() + "gate: gate.yaml\n")
+        _source(d, 0, "v.push_back(7); ")
+        reports = tmp_path / "reports"
+        res = run_cli("--root", str(root), "nightly", "ccown", "--no-peers", "--no-gc", "--report-dir", str(reports),
+                      "--json")
+        assert res.code == 0, res.err
+        (im,) = json.loads(res.out)["images"]
+        cc = next(s for s in im["stages"] if s["name"] == "compile")["compiler_cache"]
+        assert (cc["hits"], cc["misses"]) == (3, 1), cc
+        res = run_cli("--root", str(root), "report", "ccown", "--report-dir", str(reports))
+        assert res.code == 0, res.err
+        assert "| compile | miss | built |" in res.out and "ccache 75.0% hit (3 hits, 1 misses, 0 uncacheable" in res.out, \
+            res.out
+        res = run_cli("--root", str(root), "report", "--history", "--html", "--report-dir", str(reports))
+        assert res.code == 0, res.err
+        assert "compiler-cache hit rate per night" in res.out
     finally:
         _clean_up("ccown", cache_id)
 
