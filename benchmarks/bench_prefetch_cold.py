@@ -95,11 +95,12 @@ class _Cold:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def ours(self) -> None:
-        env = dict(os.environ)
-        if self.imagebuild:
-            env["PYTHONPATH"] = str(self.imagebuild)
+        # run from the checkout whose code is measured: ``python -m`` puts the working folder first on
+        # sys.path, ahead of PYTHONPATH, so from another checkout's root that one's package would run
+        where = self.imagebuild or ROOT
+        env = dict(os.environ, PYTHONPATH=str(where))
         sh(sys.executable, "-m", "imagebuild", "--root", str(self.root), "prefetch", IMAGE, "--cache",
-           str(self.tmp / "cache"), "--json", env=env)
+           str(self.tmp / "cache"), "--json", env=env, cwd=str(where))
 
     def baseline(self) -> None:
         plain = self.tmp / "plain.git"
@@ -168,6 +169,7 @@ def main(argv: list[str]) -> int:
     c.setup()
     sides = ("ours", "baseline", "archive")
     got: dict[str, list] = {s: [] for s in sides}
+    wrote: dict[str, str] = {}
     try:
         for i in range(rounds):
             for side in sides[i % 3:] + sides[:i % 3]:  # each side first in turn
@@ -178,6 +180,10 @@ def main(argv: list[str]) -> int:
                 got[side].append((cpu, load))
                 print(f"round {i + 1} {side:8s} {cpu:6.2f} s CPU  {time.perf_counter() - t0:6.2f} s wall  "
                       f"load {load:5.2f}", flush=True)
+                if i == 0:  # what each side wrote (the code measured, and the sizes on disk)
+                    out = (sorted((c.root / "deps-src" / IMAGE / "src").glob("*.tar*")) if side == "ours" else
+                           [c.tmp / ("plain.tar.gz" if side == "baseline" else "plain.tar")])
+                    wrote[side] = ", ".join(f"{f.name} {f.stat().st_size / 1e6:.1f} MB" for f in out)
     finally:
         c.teardown()
     med = {s: statistics.median(x[0] for x in v) for s, v in got.items()}
@@ -187,6 +193,7 @@ def main(argv: list[str]) -> int:
           + (f"  [imagebuild from {ib}]" if ib else ""))
     ratios = [o[0] / b[0] for o, b in zip(got["ours"], got["baseline"], strict=True)]
     print(f"per-round ratios: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x")
+    print("written: " + "; ".join(f"{s}: {w}" for s, w in wrote.items()))
     print(f"against git archive without gzip (fetch + git archive > .tar, not the issue's baseline): "
           f"{med['archive']:.2f} s (load {loads['archive']:.2f}); ratio {med['ours'] / med['archive']:.2f}x")
     return 0
