@@ -52,7 +52,8 @@ def context_file(name: str, tarball: str) -> str:
     """The name of mount ``name``'s tarball in the named context: ``<name>`` with the suffix of the
     lock's file (``.tar`` for the sources prefetch packs, FORMAT 2; ``.tar.gz`` for a lock packed
     with FORMAT 1 and for the Rust toolchain's release archives), so a Dockerfile that reads a file
-    itself sees what it is; the generated script extracts both alike (``tar -xf``)."""
+    itself sees what it is, and the generated script extracts it by that suffix (``tar -xf`` or
+    ``tar -xzf``: BusyBox's tar, as Debian builds it, does not detect gzip by itself)."""
     return f"{name}{'.tar.gz' if str(tarball).endswith('.tar.gz') else '.tar'}"
 
 
@@ -264,8 +265,11 @@ def _script(ms: Mounts) -> str:
         f"            echo \"imagebuild-src: {MOUNT}/$2 ($1) does not match the lock's sha256 $3\" >&2; return 1; }}",
         "    fi",
         "    mkdir -p \"$4\" || return 1",
-        # plain tar (FORMAT 2) or gzip (a FORMAT 1 lock, the Rust archives): tar -xf reads both from a file
-        f"    tar -xf \"{MOUNT}/$2\" -C \"$4\" || {{ echo \"imagebuild-src: cannot extract $2 ($1)\" >&2; return 1; }}",
+        # by the name's suffix, not by tar's own detection: BusyBox's tar (Debian's) -xf reads no gzip
+        "    case \"$2\" in",
+        f"        *.gz) tar -xzf \"{MOUNT}/$2\" -C \"$4\" ;;  # a lock packed by tarball format 1; Rust's archives",
+        f"        *) tar -xf \"{MOUNT}/$2\" -C \"$4\" ;;  # a plain tar (tarball format 2)",
+        "    esac || { echo \"imagebuild-src: cannot extract $2 ($1)\" >&2; return 1; }",
         "    echo \"imagebuild-src: $1 -> $4\" >&2",
         "}",
     ]
