@@ -12,7 +12,9 @@ tarball (cold).
 ``python benchmarks/bench_prefetch_cold.py --cpu [--rounds N] [--imagebuild DIR]`` prints the CPU
 seconds (user + system of the command and its children) of each side, interleaved, with the 1-minute
 load average before each run, and the medians; ``--imagebuild DIR`` runs the imagebuild package found in
-DIR (another checkout, e.g. the code before a change) for our side.
+DIR (another checkout, e.g. the code before a change) for our side. It also runs, and gives the ratio
+against, the same baseline without the compression (``git archive`` to a plain tar): not the issue's
+baseline, but what the CPU left above the git tools is, now that imagebuild's tarballs are plain tars.
 """
 
 from __future__ import annotations
@@ -88,15 +90,17 @@ class _Cold:
         img = self.root / "docker-images" / IMAGE
         (img / "versions.env").write_text(self.env)
         (img / "lock.json").unlink(missing_ok=True)
-        for p in (self.tmp / "cache", self.root / "deps-src", self.tmp / "plain.git", self.tmp / "plain.tar.gz"):
+        for p in (self.tmp / "cache", self.root / "deps-src", self.tmp / "plain.git", self.tmp / "plain.tar.gz",
+                  self.tmp / "plain.tar"):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def ours(self) -> None:
-        env = dict(os.environ)
-        if self.imagebuild:
-            env["PYTHONPATH"] = str(self.imagebuild)
+        # run from the checkout whose code is measured: ``python -m`` puts the working folder first on
+        # sys.path, ahead of PYTHONPATH, so from another checkout's root that one's package would run
+        where = self.imagebuild or ROOT
+        env = dict(os.environ, PYTHONPATH=str(where))
         sh(sys.executable, "-m", "imagebuild", "--root", str(self.root), "prefetch", IMAGE, "--cache",
-           str(self.tmp / "cache"), "--json", env=env)
+           str(self.tmp / "cache"), "--json", env=env, cwd=str(where))
 
     def baseline(self) -> None:
         plain = self.tmp / "plain.git"
@@ -104,6 +108,13 @@ class _Cold:
         sh("git", "-C", str(plain), "fetch", "-q", self.url, self.head)
         sh("bash", "-c", 'git -C "$1" archive --format=tar "$2" | gzip -n > "$3"', "_", str(plain), self.head,
            str(self.tmp / "plain.tar.gz"))
+
+    def archive(self) -> None:
+        """The baseline without gzip: fetch the head by SHA, then ``git archive`` to a plain tar."""
+        plain = self.tmp / "plain.git"
+        sh("git", "init", "-q", "--bare", str(plain))
+        sh("git", "-C", str(plain), "fetch", "-q", self.url, self.head)
+        sh("git", "-C", str(plain), "archive", "--format=tar", "-o", str(self.tmp / "plain.tar"), self.head)
 
     def teardown(self) -> None:
         self.daemon.stop()
@@ -156,10 +167,12 @@ def main(argv: list[str]) -> int:
     if not c.available():
         sys.exit(f"needs the vLLM snapshot ({SNAPSHOT})")
     c.setup()
-    got: dict[str, list] = {"ours": [], "baseline": []}
+    sides = ("ours", "baseline", "archive")
+    got: dict[str, list] = {s: [] for s in sides}
+    wrote: dict[str, str] = {}
     try:
         for i in range(rounds):
-            for side in (("ours", "baseline") if i % 2 == 0 else ("baseline", "ours")):
+            for side in sides[i % 3:] + sides[:i % 3]:  # each side first in turn
                 c.fresh()
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
@@ -167,6 +180,10 @@ def main(argv: list[str]) -> int:
                 got[side].append((cpu, load))
                 print(f"round {i + 1} {side:8s} {cpu:6.2f} s CPU  {time.perf_counter() - t0:6.2f} s wall  "
                       f"load {load:5.2f}", flush=True)
+                if i == 0:  # what each side wrote (the code measured, and the sizes on disk)
+                    out = (sorted((c.root / "deps-src" / IMAGE / "src").glob("*.tar*")) if side == "ours" else
+                           [c.tmp / ("plain.tar.gz" if side == "baseline" else "plain.tar")])
+                    wrote[side] = ", ".join(f"{f.name} {f.stat().st_size / 1e6:.1f} MB" for f in out)
     finally:
         c.teardown()
     med = {s: statistics.median(x[0] for x in v) for s, v in got.items()}
@@ -176,6 +193,9 @@ def main(argv: list[str]) -> int:
           + (f"  [imagebuild from {ib}]" if ib else ""))
     ratios = [o[0] / b[0] for o, b in zip(got["ours"], got["baseline"], strict=True)]
     print(f"per-round ratios: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x")
+    print("written: " + "; ".join(f"{s}: {w}" for s, w in wrote.items()))
+    print(f"against git archive without gzip (fetch + git archive > .tar, not the issue's baseline): "
+          f"{med['archive']:.2f} s (load {loads['archive']:.2f}); ratio {med['ours'] / med['archive']:.2f}x")
     return 0
 
 

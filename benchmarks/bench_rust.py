@@ -91,7 +91,7 @@ class _Vendor:
         os.environ[cargo_mod.CONFIG_ENV] = str(self.cfg)
 
     def ours(self) -> None:
-        dest = self.tmp / "ours.tar.gz"
+        dest = self.tmp / "ours.tar"
         v = cargo_mod.vendor("VLLM", self.m, self.commit, None, self.locks, dest, cache=self.cache)
         assert v.crates == 2
 
@@ -108,7 +108,7 @@ class _Vendor:
         sh(_cargo(), "vendor", "--locked", "--versioned-dirs", "--respect-source-config", "--manifest-path",
            str(t / "tree/rust/Cargo.toml"), str(t / "vendor"), cwd=t / "tree",
            env={**os.environ, "CARGO_HOME": str(t / "home"), "CARGO_TARGET_DIR": str(t / "target")})
-        tarball.pack_dir(t / "vendor", t / "old.tar.gz", cargo_mod.VENDOR_MTIME)
+        tarball.pack_dir(t / "vendor", t / "old.tar", cargo_mod.VENDOR_MTIME)
         shutil.rmtree(t)
 
     def teardown(self) -> None:

@@ -243,7 +243,7 @@ def verify_sources(defn: defn_mod.Definition, stage: plan_mod.PlannedStage) -> l
                 f"{m.tarball}: sha256 {got} does not match the lock ({lock_disp}: sources.{m.name}.sha256 "
                 f"= {m.sha256}); refusing to build stage {stage.name!r} from a changed tarball",
                 hint=f"the file was modified or corrupted: re-create it with `imagebuild prefetch {defn.name}`")
-        out.append(VerifiedFile(f"{m.name}.tar.gz", path))
+        out.append(VerifiedFile(source_mounts.context_file(m.name, m.tarball), path))
     return out
 
 

@@ -1,7 +1,9 @@
 """One verified file that carries an image's prefetched inputs to a node that cannot reach GitHub.
 
-``imagebuild bundle IMAGE -o FILE`` writes a plain tar (its contents are compressed already)
-holding, under their project paths:
+``imagebuild bundle IMAGE -o FILE`` writes a plain tar, not compressed (the source tarballs in it
+are plain tars too: compress the bundle for the trip with any tool and decompress it before
+``unbundle``, which seeks over the members to read every header first), holding, under their
+project paths:
 
 - ``docker-images/<image>/lock.json`` and ``versions.env`` (the pins prefetch wrote);
 - every file the lock names: each source tarball (``deps-src/<image>/src/``, with its

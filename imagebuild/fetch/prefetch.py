@@ -15,7 +15,7 @@ Per image (docs/prefetch.md):
    through variables resolved and compared.
 6. **Submodules** as the declaration asks (or image.yaml lists), fetched by the SHAs their
    parents record.
-7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<id12>.tar.gz`` + ``SHA256SUMS``, only
+7. **Pack** (tarball.py) ``deps-src/<image>/src/<name>-<id12>.tar`` + ``SHA256SUMS``, only
    what changed: a tarball the lock already has for the same content is kept.
 8. **Commit**: versions.env pins written back in place, then the lock (the commit point; a
    failure or interruption before it leaves the previous lock and tarballs as they were), then
@@ -366,7 +366,7 @@ def _prefetch_image(defn: d.Definition, cache: gitcache.Cache, refresh: list[str
         entries, packed_subs = _entries(cache, p, m, c.commit, p.opts.subdir, subs, p.repo, "")
         packed_entries[p.name] = entries  # what the patch check reads its files from (_check_patches)
         pid = packed_id(tree, packed_subs, c.epoch)
-        fname = f"{p.name.lower()}-{pid[:12]}.tar.gz"
+        fname = f"{p.name.lower()}-{pid[:12]}{tarball.SUFFIX}"
         dest = srcdir / fname
         digest = _reusable(defn, p, old_sources.get(p.name), dest, pid, rep)
         if digest is None:
@@ -577,7 +577,7 @@ def _cargo(defn: d.Definition, p: Pin, m: gitcache.Mirror, commit: str, old: dic
     if not locks:
         return None
     vid = cargo_mod.vendor_id(locks)
-    dest = srcdir / f"{p.name.lower()}-cargo-vendor-{vid[:12]}.tar.gz"
+    dest = srcdir / f"{p.name.lower()}-cargo-vendor-{vid[:12]}{tarball.SUFFIX}"
     shown = d.display_path(defn.root, dest)
     prev = old.get("cargo") if isinstance(old, dict) else None
     if isinstance(prev, dict) and prev.get("vendor_id") == vid and prev.get("tarball") == shown and dest.is_file():
@@ -743,8 +743,9 @@ def _fast_path(defn: d.Definition, pins: dict[str, Pin], old: dict) -> tuple[dic
         changed = [k for k, v in want.items() if e.get(k) != v]
         if changed:
             return None, f"{p.name}: {', '.join(changed)} changed since the lock was written"
-        if e.get("tarball_format") != tarball.FORMAT:
-            return None, f"{p.name}: the lock's tarball is of another format"
+        if e.get("tarball_format") != tarball.FORMAT:  # format 1: gzip (.tar.gz), repacked as a plain tar
+            return None, (f"{p.name}: the lock's tarball is of format {e.get('tarball_format')}, this imagebuild "
+                          f"packs format {tarball.FORMAT}: repacking")
         tb = e.get("tarball")
         if not isinstance(tb, str):
             return None, f"{p.name}: no tarball in the lock"
@@ -1246,7 +1247,9 @@ def _alive(pid: int) -> bool:
 
 
 def _prune(srcdir: Path, keep: set[str]) -> None:
-    for f in srcdir.glob("*.tar.gz"):
+    """Remove the tarballs the lock no longer names: ``.tar`` (FORMAT 2) and ``.tar.gz`` (FORMAT 1
+    sources, replaced when repacked; Rust release archives no source pins any more)."""
+    for f in sorted(set(srcdir.glob("*.tar")) | set(srcdir.glob("*.tar.gz"))):
         if f.name not in keep:
             try:
                 f.unlink()

@@ -1,28 +1,28 @@
-"""Deterministic tar.gz of a git tree (plus its submodules), straight from the object store.
+"""Deterministic tar of a git tree (plus its submodules), straight from the object store.
 
 The archive holds the tree's files with names relative to the source root (``./CMakeLists.txt``,
 no top folder), directories included, entries sorted by name within each folder (the order of
 ``tar --sort=name``), every entry with the same mtime
 (the composed commit's time), uid/gid 0, empty user and group names, modes 0644/0755 (files by
-their git executable bit, folders 0755) and symlinks as symlinks. GNU tar format; gzip with no
-file name and mtime 0 at level 6, written as a series of gzip members of 4 MiB of input each
-(compressed in parallel). The same tree gives the same bytes wherever deflate is mainline
-zlib's (1.2.13 and 1.3.1 agree); ``check_deflate`` refuses any other (zlib-ng) before packing.
+their git executable bit, folders 0755) and symlinks as symlinks. GNU tar format, ended by two zero
+blocks and padded with zeros to a full 10240-byte record.
 
-Blobs stream from ``git cat-file --batch`` (one process per repository) straight into the tar
-stream, so packing keeps pace with ``tar --sort=name | gzip -n`` and beats it on several cores.
+Not compressed (FORMAT 2; FORMAT 1 was the same tar in gzip members): the bytes, hence the lock's
+sha256 and every stage key, depend only on this writer, not on the machine's deflate (a Python
+linked with zlib-ng, as on Fedora 40+ or in some standalone builds, wrote other gzip bytes and
+could not prefetch at all), and deflate was about 45 % of a cold prefetch's CPU. The tarballs are
+about 4-5x larger on disk; the build reads them through a local bind mount (docs/prefetch.md,
+"Tarballs").
+
+Blobs stream from ``git cat-file --batch`` (one process per repository) straight into the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import struct
 import tarfile
 import threading
-import zlib
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +30,9 @@ from imagebuild.core import run as run_mod
 from imagebuild.core.errors import OperationFailed
 from imagebuild.fetch.gitcache import Mirror
 
-LEVEL = 6
-FORMAT = 1  # raise when the archive layout changes: the lock records it, a tarball of another format is repacked
-_CHUNK = 4 << 20
+FORMAT = 2  # raise when the archive layout changes: the lock records it, a tarball of another format is repacked
+SUFFIX = ".tar"  # of the files pack and pack_dir write (FORMAT 1's were .tar.gz)
+_BUF = 1 << 20  # bytes gathered before each write to the file
 
 
 @dataclass(frozen=True)
@@ -56,107 +56,30 @@ def list_tree(m: Mirror, treeish: str) -> list[tuple[str, str, str]]:
     return out
 
 
-# gzip member header: magic, deflate, no flags, mtime 0, no extra flags, OS "unknown" (255) --
-# written by hand so that it does not depend on the platform zlib was built for.
-_GZ_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
-
-
-def _known_answer_input() -> bytes:
-    """~0.5 MiB of text-like data with matches at many distances, from a fixed LCG (no stdlib
-    random, whose algorithms may change between Python versions)."""
-    words = (b"the build never depends on a flaky network cmake fetchcontent cutlass vllm b12x kernel "
-             b"sm_121a arm64 gate receipt layer digest tarball deterministic").split()
-    x, out = 20261129, []
-    for _ in range(60000):
-        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
-        out.append(words[(x >> 33) % len(words)] + str((x >> 17) % 1000).encode())
-    return b" ".join(out)
-
-
-# sha256 of gzip_member(_known_answer_input()) as mainline zlib (1.2.x, 1.3.x) writes it at LEVEL
-_KNOWN_ANSWER_SHA256 = "c36a8ae81667bf711b55605d2cf9de95cf20dd8248ad8ca20e53e5c13af0064e"
-_deflate_checked = False
-
-
-def check_deflate() -> None:
-    """Refuse to pack when this Python's deflate writes other bytes than mainline zlib.
-
-    Tarballs are byte-identical across machines only if every machine compresses alike. A zlib
-    that is not mainline (zlib-ng, some vendor-optimised builds, as in some standalone Python
-    builds) produces valid but different bytes, which the lock then rejects everywhere else.
-    A known-answer test catches that before anything is written.
-    """
-    global _deflate_checked
-    if _deflate_checked:
-        return
-    got = hashlib.sha256(gzip_member(_known_answer_input())).hexdigest()
-    if got != _KNOWN_ANSWER_SHA256:
-        raise OperationFailed(
-            f"this Python's zlib ({zlib.ZLIB_RUNTIME_VERSION}) does not compress like mainline zlib "
-            "(known-answer test failed): its tarballs would not match the lock on other machines",
-            hint="run imagebuild with a Python linked against the system's zlib (Debian/Ubuntu python3, "
-            "pyenv builds); standalone builds linked with zlib-ng differ")
-    _deflate_checked = True
-
-
-def gzip_member(data: bytes, level: int = LEVEL) -> bytes:
-    """One complete gzip member of ``data`` (deterministic: no name, mtime 0, fixed OS byte)."""
-    c = zlib.compressobj(level, zlib.DEFLATED, -15, 9)
-    body = c.compress(data) + c.flush()
-    return _GZ_HEADER + body + struct.pack("<II", zlib.crc32(data) & 0xFFFFFFFF, len(data) & 0xFFFFFFFF)
-
-
-class _GzipSink:
-    """A file-like object: bytes in, gzip out to ``raw``.
-
-    The input is cut into fixed 4 MiB pieces, each compressed as its own gzip member by a pool
-    of threads (zlib releases the GIL), and the members are written in order: a multi-member
-    gzip file, which gzip, tar and Python read as one stream. The cut points depend only on the
-    input, so the output bytes do too.
-    """
-
-    def __init__(self, raw, workers: int | None = None):
-        self._raw = raw
-        self._buf = bytearray()
-        self._pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1))
-        self._pending: deque = deque()
-        self._limit = 2 * (workers or min(8, os.cpu_count() or 1)) + 1
-        self._empty = True
-
-    def write(self, data) -> int:
-        self._buf += data
-        while len(self._buf) >= _CHUNK:
-            self._submit(bytes(self._buf[:_CHUNK]))
-            del self._buf[:_CHUNK]
-        return len(data)
-
-    def _submit(self, chunk: bytes) -> None:
-        self._empty = False
-        self._pending.append(self._pool.submit(gzip_member, chunk))
-        while len(self._pending) > self._limit:
-            self._raw.write(self._pending.popleft().result())
-
-    def close(self) -> None:
-        try:
-            if self._buf or self._empty:
-                self._submit(bytes(self._buf))
-                self._buf.clear()
-            while self._pending:
-                self._raw.write(self._pending.popleft().result())
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 class _HashingFile:
+    """Bytes in, hashed and written to ``f`` in pieces of about ``_BUF`` (few system calls)."""
+
     def __init__(self, f):
         self.f = f
         self.h = hashlib.sha256()
+        self._buf = bytearray()
 
     def write(self, data) -> int:
-        self.h.update(data)
-        return self.f.write(data)
+        if len(data) >= _BUF:  # a large blob: as it is, without a copy into the buffer
+            self.flush()
+            self.h.update(data)
+            self.f.write(data)
+            return len(data)
+        self._buf += data
+        if len(self._buf) >= _BUF:
+            self.flush()
+        return len(data)
 
     def flush(self) -> None:
+        if self._buf:
+            self.h.update(self._buf)
+            self.f.write(self._buf)
+            self._buf.clear()
         self.f.flush()
 
 
@@ -194,7 +117,6 @@ class _BlobReader:
 
 def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
     """Write the archive of ``entries`` to ``dest`` atomically; return its SHA-256."""
-    check_deflate()
     # folders: every parent of every entry
     dirs = sorted({str(Path(e.path).parent.as_posix()) for e in entries} - {"."})
     alldirs: set[str] = set()
@@ -252,13 +174,12 @@ def pack(entries: list[Entry], dest: Path, mtime: int) -> str:
 def _write_archive(dest: Path, mtime: int, members, *, before_commit=None) -> str:
     """Write ``members`` ((name, tar type, mode, link target, bytes), in archive order) to ``dest``
     atomically, in the one layout both packers share: GNU headers, owner 0 without names, ``mtime``,
-    the deterministic gzip members, zeros up to a full record; return the archive's SHA-256."""
+    zeros up to a full record; return the archive's SHA-256."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as raw:
-            hf = _HashingFile(raw)
-            sink = _GzipSink(hf)
+            sink = _HashingFile(raw)
             written = 0
             for name, kind, mode, linkname, data in members:
                 ti = tarfile.TarInfo("./" + name)
@@ -280,14 +201,13 @@ def _write_archive(dest: Path, mtime: int, members, *, before_commit=None) -> st
             end = 2 * tarfile.BLOCKSIZE
             end += -(written + end) % tarfile.RECORDSIZE
             sink.write(b"\0" * end)
-            sink.close()
-            raw.flush()
+            sink.flush()
             os.fsync(raw.fileno())
         if before_commit is not None:
             before_commit()
         os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
-        return hf.h.hexdigest()
+        return sink.h.hexdigest()
     except BaseException:
         try:
             tmp.unlink()
@@ -299,9 +219,8 @@ def _write_archive(dest: Path, mtime: int, members, *, before_commit=None) -> st
 def pack_dir(root: Path, dest: Path, mtime: int) -> str:
     """Write a folder's files (not ``root`` itself) to ``dest`` atomically, in the same layout as
     ``pack`` (sorted names, ``mtime``, owner 0, modes 0644/0755 by the owner's execute bit, symlinks
-    as symlinks, the same gzip members); return its SHA-256. For files that are not in git (the
-    crates ``cargo vendor`` writes): their bytes and names decide the archive, nothing else."""
-    check_deflate()
+    as symlinks); return its SHA-256. For files that are not in git (the crates vendored from a
+    Cargo.lock): their bytes and names decide the archive, nothing else."""
     items: list[tuple[tuple[bytes, ...], str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()

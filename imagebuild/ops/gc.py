@@ -448,7 +448,7 @@ def plan_image(ctx: Context, image: str, keep_n: int, engine_id: str | None, in_
                 keep_files.add((root / t).resolve())
     src = deps / "src"
     if src.is_dir() and lock is not None:
-        for f in sorted(src.glob("*.tar.gz")):
+        for f in sorted(set(src.glob("*.tar")) | set(src.glob("*.tar.gz"))):  # FORMAT 2 and 1 (and Rust's)
             if f.resolve() not in keep_files:
                 p.remove.append(Item("tarball", ctx.show(f), tree_bytes(f),
                                      "no kept lock names it", path=str(f)))

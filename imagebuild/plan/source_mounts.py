@@ -48,6 +48,15 @@ RUST_DIST = f"{WORK}/rust-dist"  # where they are extracted
 RUST_PREFIX = f"{WORK}/rust"  # where their components are installed (bin/ first on PATH)
 
 
+def context_file(name: str, tarball: str) -> str:
+    """The name of mount ``name``'s tarball in the named context: ``<name>`` with the suffix of the
+    lock's file (``.tar`` for the sources prefetch packs, FORMAT 2; ``.tar.gz`` for a lock packed
+    with FORMAT 1 and for the Rust toolchain's release archives), so a Dockerfile that reads a file
+    itself sees what it is, and the generated script extracts it by that suffix (``tar -xf`` or
+    ``tar -xzf``: BusyBox's tar, as Debian builds it, does not detect gzip by itself)."""
+    return f"{name}{'.tar.gz' if str(tarball).endswith('.tar.gz') else '.tar'}"
+
+
 @dataclass(frozen=True)
 class Override:
     name: str  # VLLM_CUTLASS_SRC_DIR, FETCHCONTENT_SOURCE_DIR_ONEDNN, ...
@@ -187,15 +196,15 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
             ovs.append(Override(ov["name"], "env" if ov.get("via") == "env" else "cmake", where))
         elif e.get("env"):  # a lock written before overrides were checked: as the environment
             ovs.append(Override(e["env"], "env", where))
-        mounts.append(Mount(name, e["tarball"], f"{name}.tar.gz", e["sha256"], where, e.get("dependency_of"),
-                            tuple(ovs), _str(e.get("commit")), _str(e.get("version"))))
+        mounts.append(Mount(name, e["tarball"], context_file(name, e["tarball"]), e["sha256"], where,
+                            e.get("dependency_of"), tuple(ovs), _str(e.get("commit")), _str(e.get("version"))))
         cg = e.get("cargo")
         if isinstance(cg, dict):  # its Rust crates (every Cargo.lock of the tree), vendored
             if not cg.get("tarball") or not cg.get("sha256") or not isinstance(cg.get("config"), str):
                 missing.append(name + CARGO_SUFFIX)
             else:
-                mounts.append(Mount(name + CARGO_SUFFIX, cg["tarball"], f"{name}{CARGO_SUFFIX}.tar.gz", cg["sha256"],
-                                    CARGO_VENDOR, name))
+                mounts.append(Mount(name + CARGO_SUFFIX, cg["tarball"], context_file(name + CARGO_SUFFIX, cg["tarball"]),
+                                    cg["sha256"], CARGO_VENDOR, name))
                 locks = tuple(str(x.get("path")) for x in cg.get("lockfiles") or [] if isinstance(x, dict))
                 cargo.append((name, cg["config"], locks))
             td = cg.get("toolchain_dist")
@@ -205,9 +214,9 @@ def source_mounts(lock: dict | None, stage: str, sources: Iterable[str]) -> Moun
                     missing.append(name + RUST_SUFFIX + "toolchain")
                 else:
                     for a in arcs:
-                        comp = str(a["component"])
-                        mounts.append(Mount(name + RUST_SUFFIX + comp, a["tarball"], f"{name}{RUST_SUFFIX}{comp}.tar.gz",
-                                            a["sha256"], f"{RUST_DIST}/{name.lower()}-{comp}", name))
+                        mname = name + RUST_SUFFIX + str(a["component"])
+                        mounts.append(Mount(mname, a["tarball"], context_file(mname, a["tarball"]), a["sha256"],
+                                            f"{RUST_DIST}/{name.lower()}-{a['component']}", name))
                     rust.append((name, str(td.get("version")), str(td.get("target")), str(td.get("file"))))
         for x in e.get("excluded") or []:
             if isinstance(x, dict) and x.get("name"):
@@ -256,7 +265,11 @@ def _script(ms: Mounts) -> str:
         f"            echo \"imagebuild-src: {MOUNT}/$2 ($1) does not match the lock's sha256 $3\" >&2; return 1; }}",
         "    fi",
         "    mkdir -p \"$4\" || return 1",
-        f"    tar -xzf \"{MOUNT}/$2\" -C \"$4\" || {{ echo \"imagebuild-src: cannot extract $2 ($1)\" >&2; return 1; }}",
+        # by the name's suffix, not by tar's own detection: BusyBox's tar (Debian's) -xf reads no gzip
+        "    case \"$2\" in",
+        f"        *.gz) tar -xzf \"{MOUNT}/$2\" -C \"$4\" ;;  # a lock packed by tarball format 1; Rust's archives",
+        f"        *) tar -xf \"{MOUNT}/$2\" -C \"$4\" ;;  # a plain tar (tarball format 2)",
+        "    esac || { echo \"imagebuild-src: cannot extract $2 ($1)\" >&2; return 1; }",
         "    echo \"imagebuild-src: $1 -> $4\" >&2",
         "}",
     ]

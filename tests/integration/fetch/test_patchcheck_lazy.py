@@ -49,7 +49,7 @@ def _commit(tree: Path) -> tuple[tarball.Entry, list]:
 
 def _full(paths: list, entries: list, tmp: Path) -> list:
     """The check as prefetch did it before: the packed tarball extracted whole."""
-    out, tgz = tmp / "full", tmp / "packed.tar.gz"
+    out, tgz = tmp / "full", tmp / "packed.tar"
     shutil.rmtree(out, ignore_errors=True)
     if not tgz.is_file():
         tarball.pack(entries, tgz, EPOCH)

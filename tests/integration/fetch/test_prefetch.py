@@ -140,9 +140,12 @@ def test_prefetch_pins_composes_and_locks(done, upstreams):  # noqa: F811
         assert run_sh.mode == 0o755 and run_sh.uid == 0 and run_sh.uname == "" and \
             run_sh.mtime == app["source_date_epoch"]
         assert names == sorted(names, key=lambda n: n.split("/"))
-    # the real tools read it (multi-member gzip)
-    subprocess.run(["gzip", "-t", str(root / app["tarball"])], check=True)
-    listed = subprocess.run(["tar", "-tzf", str(root / app["tarball"])], check=True, capture_output=True,
+    # a plain tar (tarball format 2: no gzip), which the real tools read
+    assert app["tarball_format"] == 2 and app["tarball"].endswith(f"-{app['packed_id'][:12]}.tar")
+    head = (root / app["tarball"]).read_bytes()[:512]
+    assert head[257:265] == b"ustar  \0"  # a GNU header first (its checksum checked by frombuf), not gzip
+    assert tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape").name == names[0]
+    listed = subprocess.run(["tar", "-tf", str(root / app["tarball"])], check=True, capture_output=True,
                             text=True).stdout.split()
     assert [n.rstrip("/") for n in listed] == names
     # tree hash is the git tree of the composed commit
@@ -212,7 +215,7 @@ def test_rerun_with_dead_daemon_and_through_proxy_counts_zero(upstreams, tmp_pat
         assert proxy.connections == used  # not one connection
         assert outputs(root) == before
         # a lost deps-src is rebuilt from the cache alone (--offline)
-        for f in (root / "deps-src").rglob("*.tar.gz"):
+        for f in (root / "deps-src").rglob("*.tar"):
             f.unlink()
         r = prefetch(root, tmp_path / "c", "--offline")
         assert r.code == 0, r.err
@@ -391,12 +394,52 @@ def test_interrupted_while_packing_leaves_no_accepted_tarball(done, upstreams, t
     root = make_project(tmp_path, upstreams)
     src = root / "deps-src" / IMAGE / "src"
     src.mkdir(parents=True)
-    stale = src / ".app-000000000000.tar.gz.999999.1.tmp"
+    stale = src / ".app-000000000000.tar.999999.1.tmp"
     stale.write_bytes(b"half a tarball")
     r = prefetch(root, done[1])
     assert r.code == 0, r.err
     assert not stale.exists()
     assert outputs(root) == outputs(done[0])
+
+
+def test_a_format_1_lock_is_repacked_as_a_plain_tar(done, tmp_path, monkeypatch):  # noqa: F811
+    """A lock written by tarball format 1 (the same tar in gzip members, ``.tar.gz``) is not taken as
+    up to date: the next prefetch repacks every source as format 2 (the very bytes a fresh run writes),
+    and the old ``.tar.gz`` files go once the new lock is written."""
+    import gzip
+    import shutil
+
+    from imagebuild.fetch import prefetch as prefetch_mod
+    from imagebuild.fetch import tarball
+
+    root = tmp_path / "project"
+    shutil.copytree(done[0], root)
+    good, lk = outputs(root), read_lock(root)
+    src = root / "deps-src" / IMAGE / "src"
+    sums = []
+    for e in lk["sources"].values():  # what format 1 wrote: <name>-<id12>.tar.gz, named by a format-1 id
+        old = root / e["tarball"]
+        with monkeypatch.context() as m:
+            m.setattr(tarball, "FORMAT", 1)
+            pid = prefetch_mod.packed_id(e["tree"], e["submodules"], e["source_date_epoch"])
+        gz = old.with_name(old.name.replace(e["packed_id"][:12] + tarball.SUFFIX, pid[:12] + ".tar.gz"))
+        gz.write_bytes(gzip.compress(old.read_bytes(), compresslevel=6, mtime=0))
+        old.unlink()
+        e.update(tarball_format=1, packed_id=pid, tarball=str(gz.relative_to(root)),
+                 sha256=hashlib.sha256(gz.read_bytes()).hexdigest())
+        sums.append(f"{e['sha256']}  {gz.name}\n")
+    (root / "docker-images" / IMAGE / "lock.json").write_text(json.dumps(lk, indent=2))
+    (src / "SHA256SUMS").write_text("".join(sorted(sums)))
+    r = prefetch(root, done[1], "--offline", "--json")
+    assert r.code == 0, r.err
+    rep = json.loads(r.out)["images"][0]
+    assert rep["status"] == "ok" and "the lock's tarball is of format 1, this imagebuild packs format 2" in r.err
+    new = read_lock(root)["sources"]
+    assert {n: (e["tarball_format"], e["tarball"], e["sha256"]) for n, e in new.items()} == \
+        {n: (2, e["tarball"], e["sha256"]) for n, e in read_lock(done[0])["sources"].items()}
+    assert not list(src.glob("*.tar.gz"))  # the format-1 files went with the lock that named them
+    assert {k: v for k, v in outputs(root).items() if "lock.json" not in k} == \
+        {k: v for k, v in good.items() if "lock.json" not in k}
 
 
 def test_cli_help_and_bad_flags(tmp_path):

@@ -50,8 +50,8 @@ def test_one_line_gets_every_source_and_override(built):
     rec = json.loads(r.out)
     st = rec["stages"][0]
     assert st["status"] == "built" and st["network"] == "none"
-    assert st["named_contexts"]["imagebuild-src"] == ["CUTLASS.tar.gz", "DG.tar.gz", "FA.tar.gz", "TK.tar.gz",
-                                                      "VL.tar.gz", "imagebuild-src.json", "imagebuild-src.sh"]
+    assert st["named_contexts"]["imagebuild-src"] == ["CUTLASS.tar", "DG.tar", "FA.tar", "TK.tar",
+                                                      "VL.tar", "imagebuild-src.json", "imagebuild-src.sh"]
     cand = f"{IMAGE}:candidate"
     assert cat(cand, "/out/pr1.py") == "P = 1\n"  # the composed fork (dev/judgement + PR 1)
     assert cat(cand, "/out/env.txt").splitlines() == [

@@ -27,7 +27,7 @@ def test_dry_run_resolves_and_writes_nothing(upstreams, tmp_path):  # noqa: F811
     r = prefetch(root, tmp_path / "cache", "--dry-run", "--json")
     assert r.code == 0, r.err
     assert outputs(root) == before and not (root / "docker-images" / IMAGE / "lock.json").exists()
-    assert not (root / "deps-src").exists() or not any((root / "deps-src").rglob("*.tar.gz"))
+    assert not (root / "deps-src").exists() or not any((root / "deps-src").rglob("*.tar*"))
     img = json.loads(r.out)["images"][0]
     assert img["status"] == "dry-run"
     would = img["would_write"]["versions_env"]["set"]

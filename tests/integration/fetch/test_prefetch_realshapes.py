@@ -150,7 +150,7 @@ def test_submodules_as_declared_and_named_by_content(done, shapes):
     dg = s["DG"]
     assert [x["path"] for x in dg["submodules"]] == ["third-party/one", "third-party/two"]
     # the name follows what was packed, not just the top-level tree
-    assert Path(dg["tarball"]).name == f"dg-{dg['packed_id'][:12]}.tar.gz"
+    assert Path(dg["tarball"]).name == f"dg-{dg['packed_id'][:12]}.tar"
 
 
 def test_tag_through_variable_compared_with_pin(done, shapes, tmp_path):

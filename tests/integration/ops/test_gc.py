@@ -59,8 +59,10 @@ def test_gc_keeps_local_previous_and_the_last_builds(ten_builds, tmp_path):
     (root / ".imagebuild" / "tmp" / "build-staged-dead" / "x").mkdir(parents=True)
     (root / ".imagebuild" / "tmp" / "build-staged-dead" / "x" / "f").write_bytes(b"0" * 4096)
     (tmp_path / "gitcache" / ".greet.git.abc123.tmp").mkdir(parents=True)
-    old = root / "deps-src" / IMAGE / "src" / "greet-old.tar.gz"
+    old = root / "deps-src" / IMAGE / "src" / "greet-old.tar.gz"  # tarball format 1 (gzip)
     old.write_bytes(b"1" * 8192)
+    old2 = old.with_name("greet-old2.tar")  # format 2 (plain tar): gc knows both
+    old2.write_bytes(b"2" * 8192)
 
     before = (tree_state(root), tree_state(store.dir), _tags())
     res = run_cli("--root", str(root), "gc", IMAGE, "--keep", "2", "--dry-run", "--json")
@@ -98,7 +100,7 @@ def test_gc_keeps_local_previous_and_the_last_builds(ten_builds, tmp_path):
     assert image_id(f"{IMAGE}:previous") == recs[2]["release"]["image_id"]
     assert not (root / ".imagebuild" / "tmp" / "build-staged-dead").exists()
     assert not (tmp_path / "gitcache" / ".greet.git.abc123.tmp").exists()
-    assert not old.exists()
+    assert not old.exists() and not old2.exists()
     assert all((root / t).is_file() for t in recs[9]["inputs"]["tarballs"])  # the current lock's files stay
 
     # every kept build is still a no-op rebuild: all stages skipped, the release already there

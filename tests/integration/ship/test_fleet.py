@@ -60,7 +60,7 @@ def test_node_a_pushes_node_b_pulls_every_stage_and_builds_none(peer_ready, regi
         # node B: another project copy, another stage store, the peer's engine, and no prefetched
         # inputs at all: a stage the registry holds needs none
         node("B")
-        for p in (root_b / "deps-src").rglob("*.tar.gz"):
+        for p in (root_b / "deps-src").rglob("*.tar*"):
             p.unlink()
         code, b, err = build(root_b, name, "--cache-registry", reg, "--engine", engine_of(peer))
         assert code == 0, err

@@ -30,15 +30,15 @@ def test_stage_gets_the_crates_and_an_offline_cargo_home():
     cfg = ('[source.crates-io]\nreplace-with = "vendored-sources"\n\n[source.vendored-sources]\n'
            f'directory = "{cargo.DIR_PLACEHOLDER}"\n')
     lock = {"sources": {
-        "VLLM": {"tarball": "deps-src/i/src/vllm-0.tar.gz", "sha256": "a" * 64,
-                 "cargo": {"tarball": "deps-src/i/src/vllm-cargo-vendor-0.tar.gz", "sha256": "b" * 64,
+        "VLLM": {"tarball": "deps-src/i/src/vllm-0.tar", "sha256": "a" * 64,
+                 "cargo": {"tarball": "deps-src/i/src/vllm-cargo-vendor-0.tar", "sha256": "b" * 64,
                            "lockfiles": [{"path": "rust/Cargo.lock", "blob": "c" * 40}], "config": cfg}},
         "OTHER": {"tarball": "deps-src/i/src/other-0.tar.gz", "sha256": "d" * 64, "cargo": None}}}
     assert cargo.DIR_PLACEHOLDER == source_mounts.CARGO_DIR_PLACEHOLDER
     ms = source_mounts.source_mounts(lock, "wheel", ["VLLM"])
     assert [(m.name, m.file, m.dir) for m in ms.mounts] == [
-        ("VLLM", "VLLM.tar.gz", "/imagebuild/work/vllm"),
-        ("VLLM.cargo-vendor", "VLLM.cargo-vendor.tar.gz", "/imagebuild/work/cargo-vendor")]
+        ("VLLM", "VLLM.tar", "/imagebuild/work/vllm"),
+        ("VLLM.cargo-vendor", "VLLM.cargo-vendor.tar", "/imagebuild/work/cargo-vendor")]
     text = ms.cargo_config()
     assert 'directory = "/imagebuild/work/cargo-vendor"' in text and text.endswith("[net]\noffline = true\n")
     assert text.count("[source.crates-io]") == 1
@@ -48,4 +48,5 @@ def test_stage_gets_the_crates_and_an_offline_cargo_home():
     assert ms.as_dict()["cargo"]["lockfiles"] == {"VLLM": ["rust/Cargo.lock"]}
     # a stage without crates gets nothing of it
     other = source_mounts.source_mounts(lock, "x", ["OTHER"])
+    assert [m.file for m in other.mounts] == ["OTHER.tar.gz"]  # a lock packed by tarball format 1: its suffix
     assert other.cargo_config() is None and "CARGO_HOME" not in other.script() and other.as_dict()["cargo"] is None

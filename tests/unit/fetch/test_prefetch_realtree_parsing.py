@@ -188,37 +188,39 @@ def test_ref_that_remembers_what_it_follows(tmp_path, ref, ok, follows):
 
 
 def test_generated_script_extracts_and_sets_overrides(tmp_path):
-    """Run the generated script for real with sh, its fixed paths mapped into a temp folder."""
+    """Run the generated script for real with sh, its fixed paths mapped into a temp folder. TOP is a
+    plain tar (tarball format 2), DEP and CM gzip (a lock packed by format 1): each is extracted."""
     import gzip
     import hashlib
     import io
     import tarfile
 
-    def tgz(files):
+    def tar(files):
         raw = io.BytesIO()
-        with tarfile.open(fileobj=raw, mode="w") as tf:
+        with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tf:
             for n, data in files.items():
                 ti = tarfile.TarInfo("./" + n)
                 ti.size = len(data)
                 tf.addfile(ti, io.BytesIO(data))
-        return gzip.compress(raw.getvalue(), mtime=0)
+        return raw.getvalue()
 
-    top, dep = tgz({"CMakeLists.txt": b"project(x)\n"}), tgz({"inc/dep.h": b"// dep\n"})
+    top, dep = tar({"CMakeLists.txt": b"project(x)\n"}), gzip.compress(tar({"inc/dep.h": b"// dep\n"}), mtime=0)
     lock = {"sources": {
-        "TOP": {"tarball": "deps-src/i/src/top.tar.gz", "sha256": hashlib.sha256(top).hexdigest(),
+        "TOP": {"tarball": "deps-src/i/src/top.tar", "sha256": hashlib.sha256(top).hexdigest(), "tarball_format": 2,
                 "excluded": [{"name": "cpu", "reason": "CPU-only; it's fine", "file": "CMakeLists.txt", "line": 9}]},
-        "DEP": {"tarball": "deps-src/i/src/dep.tar.gz", "sha256": hashlib.sha256(dep).hexdigest(),
+        "DEP": {"tarball": "deps-src/i/src/dep.tar.gz", "sha256": hashlib.sha256(dep).hexdigest(), "tarball_format": 1,
                 "dependency_of": "TOP", "override": {"name": "DEP_SRC_DIR", "via": "env"}},
         "CM": {"tarball": "deps-src/i/src/cm.tar.gz", "sha256": hashlib.sha256(dep).hexdigest(),
                "dependency_of": "TOP", "override": {"name": "FETCHCONTENT_SOURCE_DIR_C-M", "via": "cmake"}}}}
     ms = source_mounts.source_mounts(lock, "build", ["TOP"])
     assert [m.name for m in ms.mounts] == ["TOP", "CM", "DEP"]
-    assert ms.key_inputs()["tarballs"] == {"TOP.tar.gz": lock["sources"]["TOP"]["sha256"],
+    assert ms.key_inputs()["tarballs"] == {"TOP.tar": lock["sources"]["TOP"]["sha256"],
                                            "CM.tar.gz": lock["sources"]["CM"]["sha256"],
                                            "DEP.tar.gz": lock["sources"]["DEP"]["sha256"]}
+    assert '*.gz) tar -xzf "' in ms.script() and '*) tar -xf "' in ms.script()  # by suffix, as BusyBox needs
     ctx, work = tmp_path / "ctx", tmp_path / "work"
     ctx.mkdir()
-    for name, data in (("TOP.tar.gz", top), ("DEP.tar.gz", dep), ("CM.tar.gz", dep)):
+    for name, data in (("TOP.tar", top), ("DEP.tar.gz", dep), ("CM.tar.gz", dep)):
         (ctx / name).write_bytes(data)
     script = ms.script().replace(source_mounts.MOUNT, str(ctx)).replace(source_mounts.WORK, str(work))
     (ctx / source_mounts.SCRIPT).write_text(script)
@@ -227,9 +229,10 @@ def test_generated_script_extracts_and_sets_overrides(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{work}/dep|-DX=1 -DFETCHCONTENT_SOURCE_DIR_C-M={work}/cm|{work}/top"
     assert (work / "dep" / "inc" / "dep.h").read_text() == "// dep\n"
+    assert (work / "top" / "CMakeLists.txt").read_text() == "project(x)\n"
     assert "cpu is excluded on purpose (CPU-only; it's fine; declared by TOP at CMakeLists.txt:9)" in out.stderr
     # a tarball that is not the lock's stops it
-    (ctx / "DEP.tar.gz").write_bytes(top)
+    (ctx / "DEP.tar.gz").write_bytes(gzip.compress(top, mtime=0))
     out = subprocess.run(["sh", "-c", f". {ctx}/{source_mounts.SCRIPT} && echo reached"], capture_output=True,
                          text=True)
     assert out.returncode != 0 and "reached" not in out.stdout and "does not match the lock's sha256" in out.stderr
