@@ -11,8 +11,8 @@ Not compressed (FORMAT 2; FORMAT 1 was the same tar in gzip members): the bytes,
 sha256 and every stage key, depend only on this writer, not on the machine's deflate (a Python
 linked with zlib-ng, as on Fedora 40+ or in some standalone builds, wrote other gzip bytes and
 could not prefetch at all), and deflate was about 45 % of a cold prefetch's CPU. The tarballs are
-about 4-5x larger on disk; the build reads them through a local bind mount (docs/prefetch.md,
-"Tarballs").
+about 2.7x larger on disk (the vLLM tree: 76.7 MB, 28.9 MB gzipped); the build reads them through a
+local bind mount (docs/prefetch.md, "Tarballs").
 
 Blobs stream from ``git cat-file --batch`` (one process per repository) straight into the file.
 """
