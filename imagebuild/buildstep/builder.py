@@ -789,14 +789,25 @@ def _run(b: Build, named: dict) -> dict:
     except BaseException as exc:
         if b.cache is not None:  # what was built before the failure still reaches the registry
             b.cache.finish()
+            _join_ccache_pushes(b)
         _record_unfinished(b, started, exc)
         raise
     if b.cache is not None:
         b.cache.finish()
+        _join_ccache_pushes(b)
         b.warnings.extend(w for w in b.cache.warnings if w not in b.warnings)
         rec = _record(b, rec["status"], started, release=rec.get("release"), promotion=rec.get("promotion"),
                       **{k: rec[k] for k in ("publish",) if k in rec})
     return rec
+
+
+def _join_ccache_pushes(b: Build) -> None:
+    """What each compiler cache's push did (compilecache_share.py, on the push thread), into its stage's
+    figures, once the pushes are done."""
+    done = compilecache_share.pushed(b.cache)
+    for r in b.stages:
+        if r.compiler_cache is not None and r.name in done:
+            r.compiler_cache["pushed"] = done[r.name]
 
 
 def _record_unfinished(b: Build, started: str, exc: BaseException) -> None:
@@ -944,7 +955,7 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
                                                   log_path=log_path)
         if r.compiler_cache is not None:
             r.compiler_cache.update(seeded)
-            if b.cache is not None:  # in the background; the figures gain "pushed" before the record's last write
+            if b.cache is not None:  # in the background; its outcome joins the figures after cache.finish()
                 compilecache_share.push(b.cache, cache_id, st.name, r.compiler_cache)
         progress.info("%s: %s", head, compilecache.line(r.compiler_cache) or "ccache: no figures (see the log)")
     r.seconds = round(time.monotonic() - t0, 3)

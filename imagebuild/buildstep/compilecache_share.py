@@ -308,36 +308,46 @@ def _refuse(cache: StageCache, stage: str, cache_id: str, tag: str, digest: str,
 
 
 def push(cache: StageCache, cache_id: str, stage: str, figures: dict) -> None:
-    """Queue the push of the host copy of ``cache_id`` (after its take-back); what it did goes into
-    ``figures["pushed"]`` (the stage's compiler-cache figures in the record) before ``cache.finish``
-    returns."""
+    """Queue the push of the host copy of ``cache_id`` (after its take-back; ``figures``: the compile's);
+    what it did is ``pushed(cache)[stage]`` once ``cache.finish`` returned (the push thread never touches
+    the record's figures while the build writes them)."""
     if cache.down:
         return
-    cache.submit(stage, cache_id, lambda: _push(cache, cache_id, stage, figures))
+    misses, seeded = figures.get("misses") or 0, figures.get("seeded_from")
+    cache.submit(stage, cache_id, lambda: _done(cache, stage, _push(cache, cache_id, stage, misses, seeded)))
 
 
-def _push(cache: StageCache, cache_id: str, stage: str, figures: dict) -> None:
+def pushed(cache: StageCache) -> dict[str, dict]:
+    """{stage: what its compiler cache's push did} (``push``)."""
+    with cache._lock:
+        return dict(cache.ccache_pushed)
+
+
+def _done(cache: StageCache, stage: str, result: dict | None) -> None:
+    if result is not None:
+        with cache._lock:
+            cache.ccache_pushed[stage] = result
+
+
+def _push(cache: StageCache, cache_id: str, stage: str, misses: int, seeded: str | None) -> dict | None:
     reg, tag = cache.reg, tag_of(cache_id)
     t0 = time.monotonic()
-    if not figures.get("misses"):  # nothing new compiled: pushed only when the registry holds no cache yet
-        if figures.get("seeded_from") == "registry":
-            figures["pushed"] = {"tag": tag, "skipped": "every call hit the cache pulled from the registry"}
-            return
+    if not misses:  # nothing new compiled: pushed only when the registry holds no cache yet
+        if seeded == "registry":
+            return {"tag": tag, "skipped": "every call hit the cache pulled from the registry"}
         try:
             reg_mod.inspect_raw(reg, reg.ref(cache.image, tag), what=f"looking up the compiler cache {cache_id}")
-            figures["pushed"] = {"tag": tag, "skipped": "every call hit, and the registry holds a cache"}
-            return
+            return {"tag": tag, "skipped": "every call hit, and the registry holds a cache"}
         except reg_mod.RegistryError as exc:
             if exc.kind != "missing":
                 cache._failed(exc, stage, cache_id)
-                figures["pushed"] = {"tag": tag, "failed": exc.message}
-                return
+                return {"tag": tag, "failed": exc.message}
     tmp = cache._tmp("outgoing")
     try:
         layout = tmp / "oci"
         src = compilecache.host_dir(cache_id)
         if not src.is_dir():
-            return
+            return None
         with fsutil.held(_lock(cache_id)):  # a take-back of another clone waits: the tar is one state
             digest, size, files = write_layout(src, layout, cache_id, cache.platform)
         dg = tmp / "digest"
@@ -346,16 +356,14 @@ def _push(cache: StageCache, cache_id: str, stage: str, figures: dict) -> None:
                          dest_remote=True, digestfile=dg, what=f"pushing the compiler cache {cache_id}")
         except reg_mod.RegistryError as exc:
             cache._failed(exc, stage, cache_id)
-            figures["pushed"] = {"tag": tag, "failed": exc.message}
-            return
+            return {"tag": tag, "failed": exc.message}
         got = dg.read_text().strip() if dg.is_file() else None
         if got != digest:
             cache._event(stage=stage, key=cache_id, action="error",
                          detail=f"the registry stored the compiler cache as {got}, expected {digest}")
-            figures["pushed"] = {"tag": tag, "failed": f"stored as {got}, expected {digest}"}
-            return
+            return {"tag": tag, "failed": f"stored as {got}, expected {digest}"}
         secs = round(time.monotonic() - t0, 3)
-        figures["pushed"] = {"tag": tag, "digest": digest, "bytes": size, "files": files, "seconds": secs}
         cache._event(stage=stage, key=cache_id, action="ccache-pushed", digest=digest, bytes=size, seconds=secs)
+        return {"tag": tag, "digest": digest, "bytes": size, "files": files, "seconds": secs}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

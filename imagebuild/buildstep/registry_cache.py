@@ -101,6 +101,7 @@ class StageCache:
         self.down: str | None = None
         self.events: list[dict] = []
         self.warnings: list[str] = []
+        self.ccache_pushed: dict[str, dict] = {}  # {stage: what its compiler cache's push did} (compilecache_share)
         self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue()
         self._pusher: threading.Thread | None = None
