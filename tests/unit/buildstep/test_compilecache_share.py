@@ -157,3 +157,13 @@ def test_pulling_leaves_the_host_copy_alone_when_it_exists(tmp_path, monkeypatch
     class Down:  # never asked: a host copy that exists wins before any registry call
         down = None
     assert share.pull(Down(), "x", "compile") is None
+
+
+def test_the_stage_line_says_where_the_cache_came_from():
+    stats = cc.parse_stats("direct_cache_hit\t4\ncache_miss\t0\ncache_size_kibibyte\t2048\n")
+    assert "from the registry" not in cc.line({**stats, "seeded_from": "host"})
+    line = cc.line({**stats, "seeded_from": "registry", "pulled": {"bytes": 1}})
+    assert line.endswith("2 MiB; from the registry)") and "4 hits" in line
+    from imagebuild.ops import report
+
+    assert report.compilecache_line({**stats, "seeded_from": "registry"}) == line  # the report's line too
