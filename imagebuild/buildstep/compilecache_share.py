@@ -261,7 +261,7 @@ def pull(cache: StageCache, cache_id: str, stage: str) -> dict | None:
             if dest.is_dir():
                 dest.rmdir()
             (tmp / "files").rename(dest)
-        got = {"tag": tag, "digest": digest, "bytes": sum(d["size"] for d in descs), "files": files,
+        got = {"tag": tag, "digest": digest, "bytes": descs[1]["size"], "files": files,  # the layer's, as pushed
                "seconds": round(time.monotonic() - t0, 3)}
         cache._event(stage=stage, key=cache_id, action="ccache-pulled", digest=digest, bytes=got["bytes"],
                      seconds=got["seconds"])
