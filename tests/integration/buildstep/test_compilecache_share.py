@@ -31,6 +31,19 @@ pytestmark = [pytest.mark.engine]
 N = 4  # compiled objects
 
 
+def _project(tmp_path, monkeypatch) -> tuple:
+    """The compile bed under a name and a cache id of this test's own (the engine is shared): (name, root,
+    the image folder, the cache id)."""
+    name = f"ccshare{uuid.uuid4().hex[:6]}"
+    root, d, old_id = _compile_project(tmp_path, monkeypatch, name)
+    cache_id = f"ccshare-{uuid.uuid4().hex[:12]}"
+    df = d / "Dockerfile.compile"
+    df.write_text(df.read_text().replace(old_id, cache_id))
+    for i in range(N):
+        _source(d, i)
+    return name, root, d, cache_id
+
+
 def _node(tmp_path, monkeypatch, node, label: str):
     """Another node's caches: its own host compiler cache (empty) and stage store."""
     monkeypatch.setenv(compilecache.ENV_DIR, str(tmp_path / f"ccache-{label}"))
@@ -56,13 +69,7 @@ def _no_leftovers() -> None:
 
 def test_a_second_node_starts_from_the_first_nodes_compiler_cache(engine_info, registry, tmp_path, monkeypatch,
                                                                  node):
-    name = f"ccshare{uuid.uuid4().hex[:6]}"
-    root1, d, cache_id = _compile_project(tmp_path, monkeypatch, name)
-    cache_id = f"ccshare-{uuid.uuid4().hex[:12]}"  # this test's own cache mount on the shared engine
-    df = d / "Dockerfile.compile"
-    df.write_text(df.read_text().replace(df.read_text().split("id=", 1)[1].split(",", 1)[0], cache_id))
-    for i in range(N):
-        _source(d, i)
+    name, root1, d, cache_id = _project(tmp_path, monkeypatch)
     reg = f"{registry.addr}/ccshare"
     r = registry_mod.parse(reg)
     tag = share.tag_of(cache_id)
@@ -142,5 +149,25 @@ def test_a_second_node_starts_from_the_first_nodes_compiler_cache(engine_info, r
         _no_leftovers()
         # the host copy the cold compile took back is whole and the node's own from now on
         assert (compilecache.host_dir(cache_id) / compilecache.STATS_FILE).is_file()
+    finally:
+        _clean_up(name, cache_id)
+
+
+def test_a_registry_that_does_not_answer_leaves_the_compiler_cache_to_the_host(engine_info, tmp_path, monkeypatch,
+                                                                             node):
+    """Nothing listens at the registry's address: one warning, the registry dropped, the stage compiles
+    from an empty cache and its take-back fills the host copy; nothing is pulled or pushed."""
+    from tests.fleetfixtures import free_port
+
+    name, root, _d, cache_id = _project(tmp_path, monkeypatch)
+    _node(tmp_path, monkeypatch, node, "1")
+    try:
+        rec, st, err = _build(root, name, f"127.0.0.1:{free_port()}/none")
+        cc = st["compiler_cache"]
+        assert (cc["hits"], cc["misses"], cc["seeded_from"]) == (0, N, "none") and "pushed" not in cc, cc
+        assert rec["registry"]["down"] and err.count("the build goes on without the registry cache") == 1, err
+        assert not any(e["action"].startswith("ccache-") for e in rec["registry"]["events"])
+        assert (compilecache.host_dir(cache_id) / compilecache.STATS_FILE).is_file()
+        _no_leftovers()
     finally:
         _clean_up(name, cache_id)
