@@ -249,18 +249,23 @@ def pull(cache: StageCache, cache_id: str, stage: str) -> dict | None:
             cache._failed(exc, stage, cache_id)
             return None
         blobs = oci / "blobs" / "sha256"
+        dest = compilecache.host_dir(cache_id)
         try:
             _verify(blobs, raw, digest, descs, cache_id, cache.platform)
             files, nbytes = extract(blobs / descs[1]["digest"].split(":", 1)[1], tmp / "files")
+            with fsutil.held(_lock(cache_id)):
+                if not host_empty(cache_id):  # another clone's build filled it meanwhile: the local copy wins
+                    return None
+                if dest.is_dir():
+                    dest.rmdir()
+                (tmp / "files").rename(dest)
         except Refused as exc:
             return _refuse(cache, stage, cache_id, tag, digest, str(exc))
-        dest = compilecache.host_dir(cache_id)
-        with fsutil.held(_lock(cache_id)):
-            if not host_empty(cache_id):  # another clone's build filled it meanwhile: the local copy wins
-                return None
-            if dest.is_dir():
-                dest.rmdir()
-            (tmp / "files").rename(dest)
+        except OSError as exc:  # this node's disk, not the registry's content
+            cache._warn(f"the compiler cache {cache_id} from registry {cache.reg} could not be written under "
+                        f"{compilecache.cache_root()} ({exc.strerror or exc}); stage {stage} builds with an empty "
+                        "compiler cache")
+            return None
         got = {"tag": tag, "digest": digest, "bytes": descs[1]["size"], "files": files,  # the layer's, as pushed
                "seconds": round(time.monotonic() - t0, 3)}
         cache._event(stage=stage, key=cache_id, action="ccache-pulled", digest=digest, bytes=got["bytes"],
@@ -288,9 +293,13 @@ def _verify(blobs: Path, raw: bytes, digest: str, descs: list[dict], cache_id: s
         cfg = json.loads(fsutil.read_bytes(blobs / descs[0]["digest"].split(":", 1)[1]))
     except (ValueError, OSError):
         raise Refused("its config is not JSON") from None
-    labels = ((cfg.get("config") or {}).get("Labels") or {}) if isinstance(cfg, dict) else {}
-    if labels.get(LABEL) != cache_id:
-        raise Refused(f"its config's label {LABEL} is {labels.get(LABEL)!r}, expected {cache_id!r}")
+    if not isinstance(cfg, dict):
+        raise Refused("its config is not a JSON object")
+    inner = cfg.get("config")
+    labels = inner.get("Labels") if isinstance(inner, dict) else None
+    have_id = labels.get(LABEL) if isinstance(labels, dict) else None
+    if have_id != cache_id:
+        raise Refused(f"its config's label {LABEL} is {have_id!r}, expected {cache_id!r}")
     want = platform.split("/")
     have = [cfg.get("os"), cfg.get("architecture")] + ([cfg.get("variant")] if len(want) > 2 else [])
     if have != want:

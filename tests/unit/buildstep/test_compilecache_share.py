@@ -167,3 +167,31 @@ def test_the_stage_line_says_where_the_cache_came_from():
     from imagebuild.ops import report
 
     assert report.compilecache_line({**stats, "seeded_from": "registry"}) == line  # the report's line too
+
+
+def test_verification_names_what_it_expected_and_found(tmp_path):
+    import hashlib
+
+    _tree(tmp_path / "c", {"0/xR": b"1"})
+    digest, _size, _files = share.write_layout(tmp_path / "c", tmp_path / "oci", "mine", "linux/amd64")
+    blobs = tmp_path / "oci" / "blobs" / "sha256"
+    raw = (blobs / digest.split(":")[1]).read_bytes()
+    man = json.loads(raw)
+    descs = [man["config"], *man["layers"]]
+    share._verify(blobs, raw, digest, descs, "mine", "linux/amd64")  # its own: accepted
+    with pytest.raises(Refused, match="label io.imagebuild.compiler-cache is 'mine', expected 'yours'"):
+        share._verify(blobs, raw, digest, descs, "yours", "linux/amd64")
+    with pytest.raises(Refused, match="its platform is linux/amd64, the definition's is linux/arm64"):
+        share._verify(blobs, raw, digest, descs, "mine", "linux/arm64")
+    # a config that is JSON but no object, under its own right digest: refused, not a crash
+    bad = b"[1, 2]"
+    bad_digest = "sha256:" + hashlib.sha256(bad).hexdigest()
+    (blobs / bad_digest.split(":")[1]).write_bytes(bad)
+    with pytest.raises(Refused, match="not a JSON object"):
+        share._verify(blobs, raw, digest, [{"digest": bad_digest, "size": len(bad)}, *man["layers"]], "mine",
+                      "linux/amd64")
+    # a layer whose bytes changed
+    layer = blobs / man["layers"][0]["digest"].split(":")[1]
+    layer.write_bytes(layer.read_bytes()[:-1] + b"x")
+    with pytest.raises(Refused, match="its content was changed"):
+        share._verify(blobs, raw, digest, descs, "mine", "linux/amd64")
