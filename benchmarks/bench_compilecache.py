@@ -23,6 +23,10 @@ cold; after a change that touches no CUDA source (a Python file); after one .cu 
 mounts were dropped (``docker buildx prune --filter type=exec.cachemount`` of this bench's mount only:
 the engine is shared); from a second clone (another project folder, its own state). The results go to
 benchmarks/results/compilecache.json. ``make bench`` runs the row "after the cache mounts were dropped".
+
+``python benchmarks/bench_compilecache.py second-node:imagebuild second-node:plain`` measures a second
+node's first build of the compile stage (``second_node``): through the registry the first node pushed its
+compiler cache to, against the plain tool's second node, which starts from nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 UPSTREAM = ROOT.parent / "shared" / "upstream"
 if not UPSTREAM.is_dir():
     UPSTREAM = Path("/work/shared/upstream")
-IMAGE = "cctestbed"
+IMAGE = os.environ.get("BENCH_COMPILECACHE_IMAGE", "cctestbed")  # another name: two benches on one engine
 WORK = Path(os.environ.get("BENCH_COMPILECACHE_DIR", "/tmp/imagebuild-bench-compilecache"))
 REAL_CU = {
     "vllm/csrc/cuda_utils_kernels.cu": "cuda_utils/cuda_utils_kernels.cu",
@@ -243,6 +247,46 @@ def sequence(variant: str) -> list[dict]:
     return steps
 
 
+def second_node(variant: str) -> list[dict]:
+    """A second node's first build of the compile stage (issue 33): its own empty host compiler cache, the
+    cache mount dropped, a fresh clone, after a change that moves the stage key and touches no CUDA source
+    (a Python file). ``imagebuild``: with a registry (a real Debian docker-registry on loopback, as in the
+    tests), to which the first node pushed its compiler cache; ``plain``: the plain tool, which has
+    nothing to start from. Both nodes share this host's stage store (the toolchain stage is not rebuilt:
+    only the compile stage is measured) and engine."""
+    base = WORK / f"node2-{variant}"
+    if base.exists():
+        shutil.rmtree(base)
+    cache_id = f"imagebuild-bench-ccshare-{variant}-{uuid.uuid4().hex[:8]}"
+    env1 = {"IMAGEBUILD_COMPILER_CACHE": str(base / "host-cache-node1")}
+    env2 = {"IMAGEBUILD_COMPILER_CACHE": str(base / "host-cache-node2")}
+    p1, p2 = base / "node1", base / "node2"
+    _make_project(p1, variant, cache_id)
+    _prefetch(p1, env1)
+    args: list[str] = []
+    reg = None
+    if variant == "imagebuild":
+        sys.path.insert(0, str(ROOT))
+        from tests.fleetfixtures import start_registry
+
+        reg = start_registry(base / "registry")
+        args = ["--cache-registry", f"{reg.addr}/bench"]
+    steps = []
+    try:
+        steps.append(_step("first node, cold", p1, env1, *args))
+        shutil.copytree(p1, p2, symlinks=True, ignore=shutil.ignore_patterns(".imagebuild"))
+        (p2 / "docker-images" / IMAGE / "py" / "note.py").write_text("VERSION = 2\n")
+        _drop_mount(cache_id)
+        name = "second node via the registry" if reg else "second node, nothing (plain tool)"
+        steps.append(_step(name, p2, env2, *args))
+    finally:
+        _drop_mount(cache_id)
+        _remove_images()
+        if reg is not None:
+            reg.stop()
+    return steps
+
+
 def _remove_images() -> None:
     """Every tag the runs made (release, b-<id>, candidate): the bench's, on a shared engine."""
     from tests.buildfixtures import remove_images
@@ -256,7 +300,20 @@ def _fmt(s: dict) -> str:
     return (f"  {s['step']:<40} {s['wall_s']:7.1f} s  stage {s['stage_s'] or 0:7.1f} s  "
             f"compile step {s.get('compile_s') or 0:6.1f} s  hit {rate}  "
             f"(direct {c['direct_hits']}, preprocessed {c['preprocessed_hits']}, miss {c['misses']}, "
-            f"uncacheable {c['uncacheable']}; sub-steps run {c.get('substeps_run')})  load {s['load_before'][0]:.1f} -> {s['load_after'][0]:.1f}")
+            f"uncacheable {c['uncacheable']}; sub-steps run {c.get('substeps_run')})  load {s['load_before'][0]:.1f} -> {s['load_after'][0]:.1f}"
+            + _shared(s.get("record") or {}))
+
+
+def _shared(rec: dict) -> str:
+    """What the registry gave and took (compilecache_share.py), when it did."""
+    out = ""
+    if rec.get("pulled"):
+        p = rec["pulled"]
+        out += f"\n    seeded from the registry: {p['bytes'] / 2**20:.1f} MiB, {p['files']} files, pulled in {p['seconds']:.1f} s"
+    if rec.get("pushed", {}).get("digest"):
+        p = rec["pushed"]
+        out += f"\n    pushed: {p['bytes'] / 2**20:.1f} MiB, {p['files']} files, in {p['seconds']:.1f} s (in the background)"
+    return out
 
 
 def main() -> int:
@@ -265,7 +322,8 @@ def main() -> int:
     path = res / "compilecache.json"
     out = json.loads(path.read_text()) if path.is_file() else {}
     for variant in sys.argv[1:] or ["imagebuild", "plain", "apt"]:
-        out[variant] = sequence(variant)
+        out[variant] = (second_node(variant.split(":", 1)[1]) if variant.startswith("second-node:")
+                        else sequence(variant))
         print(variant)
         for s in out[variant]:
             print(_fmt(s))

@@ -7,6 +7,7 @@ the gate (``imagebuild.gate``) passed, ``:local`` moved with the old one kept as
 Entry points:
 - ``builder``: ``build``, ``dry_run``, ``patch`` and their ``Options``;
 - ``compilecache``: the compile stages' ccache, kept on the host (outlives BuildKit's cache mounts);
+  ``compilecache_share``: the same cache through the build's registry, for a node without a host copy;
 - ``guards``: the checks before anything runs (serving containers, architecture, the build lock);
 - ``promote``: tags that never break the working image, and ``rollback``;
 - ``buildlog``: what a failed stage's log says (its RUN's exit code, place and output);
@@ -21,5 +22,5 @@ Named ``buildstep``, not ``build``: tools take a folder named build for build ou
 """
 
 
-__all__ = ["builder", "buildlog", "compilecache", "guards", "owners", "progress", "promote", "registry_release",
-           "shell", "stagestore"]
+__all__ = ["builder", "buildlog", "compilecache", "compilecache_share", "guards", "owners", "progress", "promote",
+           "registry_release", "shell", "stagestore"]

@@ -44,6 +44,7 @@ from pathlib import Path, PurePosixPath
 
 from imagebuild.buildstep import (
     compilecache,
+    compilecache_share,
     guards,
     layerclamp,
     owners,
@@ -788,14 +789,25 @@ def _run(b: Build, named: dict) -> dict:
     except BaseException as exc:
         if b.cache is not None:  # what was built before the failure still reaches the registry
             b.cache.finish()
+            _join_ccache_pushes(b)
         _record_unfinished(b, started, exc)
         raise
     if b.cache is not None:
         b.cache.finish()
+        _join_ccache_pushes(b)
         b.warnings.extend(w for w in b.cache.warnings if w not in b.warnings)
         rec = _record(b, rec["status"], started, release=rec.get("release"), promotion=rec.get("promotion"),
                       **{k: rec[k] for k in ("publish",) if k in rec})
     return rec
+
+
+def _join_ccache_pushes(b: Build) -> None:
+    """What each compiler cache's push did (compilecache_share.py, on the push thread), into its stage's
+    figures, once the pushes are done."""
+    done = compilecache_share.pushed(b.cache)
+    for r in b.stages:
+        if r.compiler_cache is not None and r.name in done:
+            r.compiler_cache["pushed"] = done[r.name]
 
 
 def _record_unfinished(b: Build, started: str, exc: BaseException) -> None:
@@ -897,6 +909,7 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
     ctx, named = stage_inputs(b, st, inputs, tmp, empty)
     named.update(_cpuinfo_context(b, tmp))
     src_dir = Path(named[NAMED_SRC])
+    seeded = _seed_compiler_cache(b, st, progress, head)
     cache_id = compilecache.give(b.root / st.dockerfile, src_dir, named, empty)
     meta = tmp / "metadata.json"
     argv = _stage_argv(b, st, ctx=ctx, named=named, meta=meta, jobs=jobs, dockerfile=dockerfile_for_build(b, st))
@@ -940,10 +953,36 @@ def _build_stage(b: Build, r: StageRun, st: plan_mod.PlannedStage, inputs: dict,
         r.compiler_cache = compilecache.take_back(cache_id, stage_context=b.store.context(manifest),
                                                   platform=b.plan.platform, tmp=tmp, run_id=b.run_id,
                                                   log_path=log_path)
+        if r.compiler_cache is not None:
+            r.compiler_cache.update(seeded)
+            if b.cache is not None:  # in the background; its outcome joins the figures after cache.finish()
+                compilecache_share.push(b.cache, cache_id, st.name, r.compiler_cache)
         progress.info("%s: %s", head, compilecache.line(r.compiler_cache) or "ccache: no figures (see the log)")
     r.seconds = round(time.monotonic() - t0, 3)
     r.status = "built"
     progress.info("%s: built in %.1f s -> %s", head, r.seconds, st.image)
+
+
+def _seed_compiler_cache(b: Build, st: plan_mod.PlannedStage, progress: Progress, head: str) -> dict:
+    """Where the stage's compiler cache comes from (``seeded_from``: host | registry | none): with a
+    registry and no host copy, the registry's (compilecache_share.py), pulled and verified first."""
+    try:
+        cache_id = compilecache.cache_id_of((b.root / st.dockerfile).read_text(errors="replace"))
+    except OSError:
+        cache_id = None
+    if cache_id is None:
+        return {}
+    if not compilecache_share.host_empty(cache_id):
+        return {"seeded_from": "host"}
+    if b.cache is not None:
+        got = compilecache_share.pull(b.cache, cache_id, st.name)
+        if got is not None:
+            progress.info("%s: compiler cache from the registry (%s, %.1f MiB, %d files, in %.1f s)", head,
+                          got["digest"][:19], got["bytes"] / 2**20, got["files"], got["seconds"])
+            return {"seeded_from": "registry", "pulled": got}
+        if not compilecache_share.host_empty(cache_id):  # another clone's take-back filled it meanwhile
+            return {"seeded_from": "host"}
+    return {"seeded_from": "none"}
 
 
 NOT_REPRODUCIBLE = "not-reproducible"  # the record's status when --check-repro found a difference

@@ -169,8 +169,9 @@ def line(stats: dict | None) -> str:
     if not stats:
         return ""
     rate = "-" if stats.get("hit_rate") is None else f"{stats['hit_rate'] * 100:.1f}%"
+    came = "; from the registry" if stats.get("seeded_from") == "registry" else ""
     return (f"ccache {rate} hit ({stats['hits']} hits, {stats['misses']} misses, {stats['uncacheable']} uncacheable; "
-            f"{stats['cache_bytes'] / 2**20:.0f} MiB)")
+            f"{stats['cache_bytes'] / 2**20:.0f} MiB{came})")
 
 
 EXPORT_DOCKERFILE = f"""\

@@ -101,6 +101,7 @@ class StageCache:
         self.down: str | None = None
         self.events: list[dict] = []
         self.warnings: list[str] = []
+        self.ccache_pushed: dict[str, dict] = {}  # {stage: what its compiler cache's push did} (compilecache_share)
         self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue()
         self._pusher: threading.Thread | None = None
@@ -269,12 +270,17 @@ class StageCache:
 
     def push(self, stage: str, key: str, manifest: str) -> None:
         """Push the stage (from the store) under its key, in the background (``finish`` waits)."""
+        self.submit(stage, key, lambda: self._push(stage, key, manifest))
+
+    def submit(self, stage: str, key: str, job) -> None:
+        """Run ``job()`` on the push thread, after the pushes queued before it (``finish`` waits); the
+        compiler cache's push (compilecache_share.py) goes this way too."""
         if self.down:
             return
         if self._pusher is None:
             self._pusher = threading.Thread(target=self._push_loop, daemon=True, name="registry-push")
             self._pusher.start()
-        self._q.put((stage, key, manifest))
+        self._q.put((stage, key, job))
 
     def _push_loop(self) -> None:
         while True:
@@ -283,7 +289,7 @@ class StageCache:
                 if item is None:
                     return
                 if not self.down:
-                    self._push(*item)
+                    item[2]()
             except Exception as exc:  # noqa: BLE001 - a failed push never fails the build
                 log.debug("push", exc_info=True)
                 self._event(stage=item[0], key=item[1], action="error", detail=f"{type(exc).__name__}: {exc}")

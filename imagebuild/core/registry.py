@@ -5,6 +5,7 @@ protocol is written here.
     registry: HOST[:PORT][/PREFIX]       imagebuild.yaml, or --cache-registry / --registry
     <HOST:PORT>/<PREFIX>/<image>         one repository per image, holding
         :stage-<key hex>                 each stage under its content key (registry_cache.py)
+        :ccache-<cache id>               a compile stage's compiler cache (compilecache_share.py)
         :b-<build id>                    the gated release of a build (immutable), :local, :previous
 
 Credentials come only from the standard docker config (``$DOCKER_CONFIG/config.json``, else
