@@ -22,6 +22,18 @@ GREET_FILES = {"greet.py": 'def greet():\n    return "hello"\n', "README": "gree
 GREET_EPOCH = 1700000000
 
 
+def tar_bytes(files: dict[str, bytes]) -> bytes:
+    """A plain GNU tar of ``./name`` entries, in the given order (a source tarball's shape, for the
+    tests of what extracts it)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for n, data in files.items():
+            ti = tarfile.TarInfo("./" + n)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    return raw.getvalue()
+
+
 def pack(files: dict[str, str], dest: Path) -> None:
     """A deterministic .tar.gz: sorted ``./name`` entries, fixed owner and mtime, no gzip time."""
     raw = io.BytesIO()

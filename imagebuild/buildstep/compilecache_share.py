@@ -33,7 +33,7 @@ import time
 from pathlib import Path, PurePosixPath
 
 from imagebuild.buildstep import compilecache
-from imagebuild.buildstep.registry_cache import Refused, StageCache, _descriptors, _sha256_file
+from imagebuild.buildstep.registry_cache import Refused, StageCache, _descriptors, verify_pulled
 from imagebuild.core import fsutil
 from imagebuild.core import registry as reg_mod
 
@@ -277,33 +277,9 @@ def pull(cache: StageCache, cache_id: str, stage: str) -> dict | None:
 
 
 def _verify(blobs: Path, raw: bytes, digest: str, descs: list[dict], cache_id: str, platform: str) -> None:
-    mpath = blobs / digest.split(":", 1)[1]
-    if not mpath.is_file() or mpath.read_bytes() != raw:
-        raise Refused(f"the manifest pulled is not the {len(raw)} bytes the tag named ({digest})")
-    for d in descs:
-        p = blobs / d["digest"].split(":", 1)[1]
-        if not p.is_file():
-            raise Refused(f"blob {d['digest']} is missing after the pull")
-        if p.stat().st_size != d["size"]:
-            raise Refused(f"blob {d['digest']} has {p.stat().st_size} bytes, the manifest says {d['size']}")
-        got = _sha256_file(p)
-        if got != d["digest"]:
-            raise Refused(f"blob {d['digest']} hashes to {got}: its content was changed")
-    try:
-        cfg = json.loads(fsutil.read_bytes(blobs / descs[0]["digest"].split(":", 1)[1]))
-    except (ValueError, OSError):
-        raise Refused("its config is not JSON") from None
-    if not isinstance(cfg, dict):
-        raise Refused("its config is not a JSON object")
-    inner = cfg.get("config")
-    labels = inner.get("Labels") if isinstance(inner, dict) else None
-    have_id = labels.get(LABEL) if isinstance(labels, dict) else None
+    have_id = verify_pulled(blobs, raw, digest, descs, platform).get(LABEL)
     if have_id != cache_id:
         raise Refused(f"its config's label {LABEL} is {have_id!r}, expected {cache_id!r}")
-    want = platform.split("/")
-    have = [cfg.get("os"), cfg.get("architecture")] + ([cfg.get("variant")] if len(want) > 2 else [])
-    if have != want:
-        raise Refused(f"its platform is {'/'.join(str(x) for x in have)}, the definition's is {platform}")
 
 
 def _refuse(cache: StageCache, stage: str, cache_id: str, tag: str, digest: str, why: str) -> None:

@@ -70,6 +70,40 @@ class Refused(Exception):
     """What the registry holds for a key is not that key's stage."""
 
 
+def verify_pulled(blobs: Path, manifest: bytes, digest: str, descs: list[dict], platform: str, *,
+                  trusted: set[str] | frozenset[str] = frozenset()) -> dict:
+    """Check what a pull left in ``blobs`` (an OCI layout's ``blobs/sha256``) against the manifest the
+    tag named: its bytes, every blob's size and digest (but those in ``trusted``, already checked),
+    a config that is a JSON object of the definition's ``platform``; return the config's labels. A
+    stage and the compiler cache (compilecache_share.py) are both checked this way. Raises Refused."""
+    mpath = blobs / digest.split(":", 1)[1]
+    if not mpath.is_file() or mpath.read_bytes() != manifest:
+        raise Refused(f"the manifest pulled is not the {len(manifest)} bytes the tag named ({digest})")
+    for d in descs:
+        p = blobs / d["digest"].split(":", 1)[1]
+        if not p.is_file():
+            raise Refused(f"blob {d['digest']} is missing after the pull")
+        if p.stat().st_size != d["size"]:
+            raise Refused(f"blob {d['digest']} has {p.stat().st_size} bytes, the manifest says {d['size']}")
+        if d["digest"] not in trusted:
+            got = _sha256_file(p)
+            if got != d["digest"]:
+                raise Refused(f"blob {d['digest']} hashes to {got}: its content was changed")
+    try:
+        cfg = json.loads(fsutil.read_bytes(blobs / descs[0]["digest"].split(":", 1)[1]))
+    except (ValueError, OSError):
+        raise Refused("its config is not JSON") from None
+    if not isinstance(cfg, dict):
+        raise Refused("its config is not a JSON object")
+    want = platform.split("/")
+    have = [cfg.get("os"), cfg.get("architecture")] + ([cfg.get("variant")] if len(want) > 2 else [])
+    if have != want:
+        raise Refused(f"its platform is {'/'.join(str(x) for x in have)}, the definition's is {platform}")
+    inner = cfg.get("config")
+    labels = inner.get("Labels") if isinstance(inner, dict) else None
+    return labels if isinstance(labels, dict) else {}
+
+
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -237,34 +271,12 @@ class StageCache:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _verify(self, tmp: Path, found: Found, descs: list[dict], seeded: set[str]) -> None:
-        blobs = tmp / "blobs" / "sha256"
-        mpath = blobs / found.digest.split(":", 1)[1]
-        if not mpath.is_file() or mpath.read_bytes() != found.manifest:
-            raise Refused(f"the manifest pulled is not the {len(found.manifest)} bytes the tag named "
-                          f"({found.digest})")
-        for d in descs:
-            p = blobs / d["digest"].split(":", 1)[1]
-            if not p.is_file():
-                raise Refused(f"blob {d['digest']} is missing after the pull")
-            if p.stat().st_size != d["size"]:
-                raise Refused(f"blob {d['digest']} has {p.stat().st_size} bytes, the manifest says {d['size']}")
-            if d["digest"] not in seeded:  # the store's own blobs were checked when they entered it
-                got = _sha256_file(p)
-                if got != d["digest"]:
-                    raise Refused(f"blob {d['digest']} hashes to {got}: its content was changed")
-        try:
-            cfg = json.loads(fsutil.read_bytes(blobs / descs[0]["digest"].split(":", 1)[1]))
-        except ValueError:
-            raise Refused("the image config is not JSON") from None
-        labels = ((cfg.get("config") or {}).get("Labels") or {}) if isinstance(cfg, dict) else {}
+        labels = verify_pulled(tmp / "blobs" / "sha256", found.manifest, found.digest, descs, self.platform,
+                               trusted=seeded)
         have_key, have_stage = labels.get("io.imagebuild.stage-key"), labels.get("io.imagebuild.stage")
         if have_key != found.key or have_stage != found.stage:
             raise Refused(f"its config says stage {have_stage!r} with key {have_key!r}, expected stage "
                           f"{found.stage!r} with key {found.key}")
-        want = self.platform.split("/")
-        have = [cfg.get("os"), cfg.get("architecture")] + ([cfg.get("variant")] if len(want) > 2 else [])
-        if have != want:
-            raise Refused(f"its platform is {'/'.join(str(x) for x in have)}, the definition's is {self.platform}")
 
     # -- push
 

@@ -7,30 +7,19 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import subprocess
-import tarfile
 
 import pytest
 
 from imagebuild.plan import source_mounts
+from tests.buildfixtures import tar_bytes
 
 pytestmark = pytest.mark.engine
 
 
-def _tar(files: dict[str, bytes]) -> bytes:
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tf:
-        for n, data in files.items():
-            ti = tarfile.TarInfo("./" + n)
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
-    return raw.getvalue()
-
-
 @pytest.mark.parametrize("image", ["imagebuild-test/busybox:1", "imagebuild-test/debian:bookworm"])
 def test_the_stage_script_extracts_format_2_and_format_1_tarballs(engine_ready, tmp_path, image):
-    new, old = _tar({"new.txt": b"format 2\n"}), gzip.compress(_tar({"old.txt": b"format 1\n"}), mtime=0)
+    new, old = tar_bytes({"new.txt": b"format 2\n"}), gzip.compress(tar_bytes({"old.txt": b"format 1\n"}), mtime=0)
     lock = {"sources": {
         "NEW": {"tarball": "deps-src/i/src/new-0.tar", "sha256": hashlib.sha256(new).hexdigest(), "tarball_format": 2},
         "OLD": {"tarball": "deps-src/i/src/old-0.tar.gz", "sha256": hashlib.sha256(old).hexdigest(),

@@ -192,17 +192,8 @@ def test_generated_script_extracts_and_sets_overrides(tmp_path):
     plain tar (tarball format 2), DEP and CM gzip (a lock packed by format 1): each is extracted."""
     import gzip
     import hashlib
-    import io
-    import tarfile
 
-    def tar(files):
-        raw = io.BytesIO()
-        with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tf:
-            for n, data in files.items():
-                ti = tarfile.TarInfo("./" + n)
-                ti.size = len(data)
-                tf.addfile(ti, io.BytesIO(data))
-        return raw.getvalue()
+    from tests.buildfixtures import tar_bytes as tar
 
     top, dep = tar({"CMakeLists.txt": b"project(x)\n"}), gzip.compress(tar({"inc/dep.h": b"// dep\n"}), mtime=0)
     lock = {"sources": {
