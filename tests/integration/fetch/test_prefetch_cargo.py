@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from imagebuild.fetch import cargo as cargo_mod
+from imagebuild.fetch import tarball
 from imagebuild.plan import source_mounts
 from tests.conftest import run_cli
 from tests.gitfixtures import UpstreamFactory
@@ -225,7 +226,7 @@ def test_prefetch_vendors_the_crates_and_the_stage_builds_offline(repo, env, tmp
     assert [x["path"] for x in cg["lockfiles"]] == ["rust/Cargo.lock"]  # third_party/ skipped
     assert cg["crates"] == 2
     tb = root / cg["tarball"]
-    assert re.fullmatch(r"deps-src/rusty/src/app-cargo-vendor-[0-9a-f]{12}\.tar\.gz", cg["tarball"])
+    assert re.fullmatch(r"deps-src/rusty/src/app-cargo-vendor-[0-9a-f]{12}" + re.escape(tarball.SUFFIX), cg["tarball"])
     assert hashlib.sha256(tb.read_bytes()).hexdigest() == cg["sha256"]
     sums = (root / "deps-src/rusty/src/SHA256SUMS").read_text()
     assert f"{cg['sha256']}  {tb.name}\n" in sums
